@@ -1,0 +1,39 @@
+# Set-up and everyday commands. Everything runs inside .venv, created on first use.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: venv test test-fast lint format bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or: make PYTHON=python3 ...)"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	touch $(STAMP)
+
+# The full suite: SQLite and PostgreSQL (LIGHTNING_TEST_PG_URL, default the local server).
+test: venv
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m pytest -m "not gpu"
+
+# Without a PostgreSQL server at hand.
+test-fast: venv
+	$(PY) -m pytest -m "not gpu and not postgres and not slow"
+
+lint: venv
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: venv
+	$(PY) -m ruff check --fix .
+	$(PY) -m ruff format .
+
+bench: venv
+	$(PY) benchmarks/store_bench.py
+
+clean:
+	rm -rf $(VENV) .lightning .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""How flows are served and deployed: work pools, entry points, schedules (arrives with the pipeline issue)."""

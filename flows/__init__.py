@@ -1,0 +1,1 @@
+"""Prefect flows composed from `tasks` (arrives with the pipeline issue)."""

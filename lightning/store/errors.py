@@ -1,0 +1,20 @@
+"""Typed store errors; the HTTP server maps each to a status code (404, 409, 422)."""
+
+
+class StoreError(Exception):
+    """Base class of every error the store raises on purpose."""
+
+
+class NotFoundError(StoreError, ValueError):
+    """An id names no rollout, attempt, resources or worker.
+
+    A ValueError too, as agent-lightning 0.3 raised ValueError for unknown ids.
+    """
+
+
+class ConflictError(StoreError):
+    """The request is valid but the stored state does not allow it."""
+
+
+class InvalidArgumentError(StoreError, ValueError):
+    """An argument is malformed; the message names the argument and what it accepts."""

@@ -1,0 +1,1349 @@
+"""The store on SQLAlchemy: a SQLite file (WAL) by default, in-memory SQLite for tests, PostgreSQL by URL.
+
+How it runs: each store call is one short transaction written as a plain function over a
+SQLAlchemy connection (`_op_*` below); the async methods only choose where that function runs.
+- SQLite: inline on the caller's thread, on one connection guarded by a lock. SQLite serialises
+  writers anyway; a thread hop would cost more than the statement. Writes take the write lock
+  up front (BEGIN IMMEDIATE), so several processes on one file never interleave a transaction.
+- PostgreSQL: on a small thread pool with a connection pool; dequeue locks rows with
+  FOR UPDATE SKIP LOCKED, so concurrent workers never claim the same rollout.
+Running plain functions rather than an async driver keeps one code path for both databases
+and lets the same store object serve any thread or event loop (runner threads each have one).
+
+Status changes are decided by lightning.store.lifecycle; this module only applies them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pydantic
+from sqlalchemy import (
+    ColumnElement,
+    Connection,
+    and_,
+    bindparam,
+    case,
+    create_engine,
+    event,
+    func,
+    insert,
+    or_,
+    select,
+    update,
+)
+from sqlalchemy.dialects import postgresql as pg_dialect
+from sqlalchemy.dialects import sqlite as sqlite_dialect
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError, StatementError
+from sqlalchemy.pool import StaticPool
+
+from lightning.store import lifecycle
+from lightning.store.base import UNSET, FilterLogic, SortOrder
+from lightning.store.errors import InvalidArgumentError, NotFoundError, StoreError
+from lightning.store.tables import attempts, metadata, resources, rollouts, spans, workers
+from lightning.types import (
+    ATTEMPT_STATUSES,
+    ROLLOUT_STATUSES,
+    Attempt,
+    AttemptedRollout,
+    AttemptStatus,
+    EnqueueRolloutRequest,
+    NamedResources,
+    ResourcesUpdate,
+    Rollout,
+    RolloutConfig,
+    RolloutMode,
+    RolloutStatus,
+    Span,
+    TaskInput,
+    Worker,
+    WorkerStatus,
+    new_attempt_id,
+    new_resources_id,
+    new_rollout_id,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_URL = "sqlite:///.lightning/store.db"
+T = TypeVar("T")
+
+_SPAN_LIST = pydantic.TypeAdapter(list[Span])
+_NAMED_RESOURCES = pydantic.TypeAdapter(NamedResources)
+
+# Columns a caller may sort by, per query method.
+_ROLLOUT_SORT = {"rollout_id", "start_time", "end_time", "status", "mode", "resources_id"}
+_ATTEMPT_SORT = {
+    "sequence_id",
+    "attempt_id",
+    "start_time",
+    "end_time",
+    "status",
+    "worker_id",
+    "last_heartbeat_time",
+}
+_SPAN_SORT = {"sequence_id", "start_time", "end_time", "name", "trace_id", "span_id", "parent_id"}
+_RESOURCES_SORT = {"resources_id", "create_time", "update_time", "version"}
+_WORKER_SORT = {
+    "worker_id",
+    "status",
+    "last_heartbeat_time",
+    "last_dequeue_time",
+    "last_busy_time",
+    "last_idle_time",
+}
+
+_ROLLOUT_COLUMNS = [
+    rollouts.c.rollout_id,
+    rollouts.c.input,
+    rollouts.c.start_time,
+    rollouts.c.end_time,
+    rollouts.c.mode,
+    rollouts.c.resources_id,
+    rollouts.c.status,
+    rollouts.c.config,
+    rollouts.c.metadata,
+]
+_ATTEMPT_COLUMNS = [
+    attempts.c.rollout_id,
+    attempts.c.attempt_id,
+    attempts.c.sequence_id,
+    attempts.c.start_time,
+    attempts.c.end_time,
+    attempts.c.status,
+    attempts.c.worker_id,
+    attempts.c.last_heartbeat_time,
+    attempts.c.metadata,
+]
+
+
+class SqlLightningStore:
+    """The store. `url`: `sqlite:///path.db` (default `.lightning/store.db`), `sqlite://` (in memory),
+    or `postgresql://user:pass@host:port/db`. `watchdog_interval`: seconds between background
+    watchdog passes (None: only when `run_watchdog()` is called)."""
+
+    def __init__(
+        self,
+        url: str = DEFAULT_URL,
+        *,
+        watchdog_interval: float | None = 1.0,
+        pool_size: int = 8,
+    ) -> None:
+        self._url = _normalise_url(url)
+        self.backend = "sqlite" if self._url.get_backend_name() == "sqlite" else "postgresql"
+        self._lock = threading.RLock()
+        self._executor: ThreadPoolExecutor | None = None
+        self._sqlite_conn: Connection | None = None
+        self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
+        self._waiters_lock = threading.Lock()
+        self._closed = False
+
+        if self.backend == "sqlite":
+            self._engine = _sqlite_engine(self._url)
+            self._sqlite_conn = self._engine.connect()
+        else:
+            self._engine = create_engine(self._url, pool_size=pool_size, max_overflow=0, pool_pre_ping=True)
+            self._executor = ThreadPoolExecutor(max_workers=pool_size, thread_name_prefix="lightning-store")
+        self._create_tables()
+
+        self._watchdog_interval = watchdog_interval
+        self._watchdog_stop = threading.Event()
+        self._watchdog_thread: threading.Thread | None = None
+        if watchdog_interval is not None:
+            if watchdog_interval <= 0:
+                raise InvalidArgumentError(f"watchdog_interval must be > 0 seconds or None, got {watchdog_interval}")
+            self._watchdog_thread = threading.Thread(target=self._watchdog_loop, name="store-watchdog", daemon=True)
+            self._watchdog_thread.start()
+
+    def __repr__(self) -> str:
+        return f"SqlLightningStore({self._url.render_as_string(hide_password=True)!r})"
+
+    # --- running transactions ----------------------------------------------------------------
+
+    def _transaction(self, fn: Callable[..., T], args: tuple[Any, ...], write: bool) -> T:
+        """Run fn(conn, *args) in one transaction, on this thread."""
+        if self._closed:
+            raise StoreError("the store is closed")
+        try:
+            if self._sqlite_conn is not None:
+                with self._lock:
+                    conn = self._sqlite_conn
+                    conn.info["begin"] = "BEGIN IMMEDIATE" if write else "BEGIN"
+                    with conn.begin():
+                        return fn(conn, *args)
+            with self._engine.begin() as conn:
+                return fn(conn, *args)
+        except StatementError as exc:
+            raise _translate(exc) from exc
+
+    async def _run(self, fn: Callable[..., T], *args: Any, write: bool = True) -> T:
+        if self._executor is None:
+            return self._transaction(fn, args, write)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._transaction, fn, args, write)
+
+    def _create_tables(self) -> None:
+        for attempt in range(3):
+            try:
+                if self._sqlite_conn is not None:
+                    with self._lock:
+                        metadata.create_all(self._sqlite_conn)
+                        self._sqlite_conn.commit()
+                else:
+                    with self._engine.begin() as conn:
+                        metadata.create_all(conn)
+                return
+            except (OperationalError, IntegrityError):
+                # Another process created the same tables at the same moment; look again.
+                if attempt == 2:
+                    raise
+                time.sleep(0.05)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._watchdog_stop.set()
+        if self._watchdog_thread is not None:
+            self._watchdog_thread.join(timeout=5)
+        with self._lock:
+            self._closed = True
+            if self._sqlite_conn is not None:
+                self._sqlite_conn.close()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+        self._engine.dispose()
+
+    async def __aenter__(self) -> SqlLightningStore:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # --- rollouts ----------------------------------------------------------------------------
+
+    async def enqueue_rollout(
+        self,
+        input: TaskInput,
+        mode: RolloutMode | None = None,
+        resources_id: str | None = None,
+        config: RolloutConfig | None = None,
+        metadata: dict[str, Any] | None = None,
+        idempotency_key: str | None = None,
+    ) -> Rollout:
+        request = _validated(
+            EnqueueRolloutRequest,
+            input=input,
+            mode=mode,
+            resources_id=resources_id,
+            config=config,
+            metadata=metadata,
+            idempotency_key=idempotency_key,
+        )
+        (rollout,) = await self._run(_op_enqueue, [request], time.time())
+        return rollout
+
+    async def enqueue_many_rollouts(self, rollouts: Sequence[EnqueueRolloutRequest]) -> list[Rollout]:
+        requests = [
+            r if isinstance(r, EnqueueRolloutRequest) else _validated(EnqueueRolloutRequest, **r) for r in rollouts
+        ]
+        if not requests:
+            return []
+        return await self._run(_op_enqueue, requests, time.time())
+
+    async def start_rollout(
+        self,
+        input: TaskInput,
+        mode: RolloutMode | None = None,
+        resources_id: str | None = None,
+        config: RolloutConfig | None = None,
+        metadata: dict[str, Any] | None = None,
+        worker_id: str | None = None,
+    ) -> AttemptedRollout:
+        request = _validated(
+            EnqueueRolloutRequest,
+            input=input,
+            mode=mode,
+            resources_id=resources_id,
+            config=config,
+            metadata=metadata,
+        )
+        return await self._run(_op_start_rollout, request, worker_id, time.time())
+
+    async def dequeue_rollout(self, worker_id: str | None = None) -> AttemptedRollout | None:
+        claimed = await self.dequeue_many_rollouts(limit=1, worker_id=worker_id)
+        return claimed[0] if claimed else None
+
+    async def dequeue_many_rollouts(self, *, limit: int = 1, worker_id: str | None = None) -> list[AttemptedRollout]:
+        if limit <= 0:
+            return []
+        return await self._run(_op_dequeue, limit, worker_id, time.time())
+
+    async def start_attempt(self, rollout_id: str, worker_id: str | None = None) -> AttemptedRollout:
+        return await self._run(_op_start_attempt, rollout_id, worker_id, time.time())
+
+    async def get_rollout_by_id(self, rollout_id: str) -> Rollout | None:
+        found = await self._run(_op_rollouts_by_ids, [rollout_id], write=False)
+        return found.get(rollout_id)
+
+    async def query_rollouts(
+        self,
+        *,
+        status_in: Sequence[RolloutStatus] | None = None,
+        rollout_id_in: Sequence[str] | None = None,
+        rollout_id_contains: str | None = None,
+        mode: RolloutMode | None = None,
+        filter_logic: FilterLogic = "and",
+        sort_by: str | None = None,
+        sort_order: SortOrder = "asc",
+        limit: int = -1,
+        offset: int = 0,
+    ) -> list[Rollout]:
+        conditions: list[ColumnElement[bool]] = []
+        if status_in is not None:
+            conditions.append(rollouts.c.status.in_(_check_statuses("status_in", status_in, ROLLOUT_STATUSES)))
+        if rollout_id_in is not None:
+            conditions.append(rollouts.c.rollout_id.in_(list(rollout_id_in)))
+        if rollout_id_contains is not None:
+            conditions.append(rollouts.c.rollout_id.contains(rollout_id_contains, autoescape=True))
+        if mode is not None:
+            conditions.append(rollouts.c.mode == mode)
+        stmt = (
+            select(*_ROLLOUT_COLUMNS, *[c.label(f"a_{c.name}") for c in _ATTEMPT_COLUMNS])
+            .select_from(rollouts.outerjoin(attempts, attempts.c.attempt_id == rollouts.c.latest_attempt_id))
+            .where(*_combine(conditions, filter_logic))
+        )
+        stmt = _order_and_page(stmt, rollouts, sort_by, _ROLLOUT_SORT, sort_order, limit, offset, rollouts.c.seq)
+        return await self._run(_op_select_rollouts, stmt, write=False)
+
+    async def update_rollout(
+        self,
+        rollout_id: str,
+        input: TaskInput = UNSET,
+        mode: RolloutMode | None = UNSET,
+        resources_id: str | None = UNSET,
+        status: RolloutStatus = UNSET,
+        config: RolloutConfig = UNSET,
+        metadata: dict[str, Any] | None = UNSET,
+    ) -> Rollout:
+        changes: dict[str, Any] = {}
+        if input is not UNSET:
+            changes["input"] = input
+        if mode is not UNSET:
+            if mode is not None and mode not in ("train", "val", "test"):
+                raise InvalidArgumentError(f"mode must be 'train', 'val', 'test' or None, got {mode!r}")
+            changes["mode"] = mode
+        if resources_id is not UNSET:
+            changes["resources_id"] = resources_id
+        if config is not UNSET:
+            changes["config"] = _validated(RolloutConfig, **_as_dict(config, "config")).model_dump()
+        if metadata is not UNSET:
+            changes["metadata"] = metadata
+        if status is not UNSET:
+            _check_statuses("status", [status], ROLLOUT_STATUSES)
+        rollout = await self._run(_op_update_rollout, rollout_id, changes, status, time.time())
+        self._wake_waiters()
+        return rollout
+
+    async def wait_for_rollouts(self, *, rollout_ids: list[str], timeout: float | None = None) -> list[Rollout]:
+        """Return the rollouts among `rollout_ids` that finished, waiting up to `timeout` seconds
+        (None: until all finish). Polls with a growing interval; a rollout finished through this
+        store object wakes the wait at once."""
+        if timeout is not None and timeout < 0:
+            raise InvalidArgumentError(f"timeout must be >= 0 seconds or None, got {timeout}")
+        wanted = list(dict.fromkeys(rollout_ids))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        finished: dict[str, Rollout] = {}
+        pending = wanted
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+        waiter = (loop, wake)
+        with self._waiters_lock:
+            self._waiters.add(waiter)
+        try:
+            delay = 0.01
+            first = True
+            while True:
+                wake.clear()
+                found = await self._run(_op_rollouts_by_ids, pending, write=False)
+                if first:
+                    missing = [rid for rid in pending if rid not in found]
+                    if missing:
+                        raise NotFoundError(f"wait_for_rollouts: unknown rollout ids {missing}")
+                    first = False
+                finished.update({rid: r for rid, r in found.items() if lifecycle.ends_rollout(r.status)})
+                pending = [rid for rid in pending if rid not in finished]
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if not pending or (remaining is not None and remaining <= 0):
+                    return [finished[rid] for rid in wanted if rid in finished]
+                sleep_for = delay if remaining is None else min(delay, remaining)
+                try:
+                    await asyncio.wait_for(wake.wait(), timeout=sleep_for)
+                except TimeoutError:
+                    delay = min(delay * 2, 0.5)
+        finally:
+            with self._waiters_lock:
+                self._waiters.discard(waiter)
+
+    def _wake_waiters(self) -> None:
+        with self._waiters_lock:
+            waiters = list(self._waiters)
+        for loop, wake in waiters:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(wake.set)
+
+    # --- attempts ----------------------------------------------------------------------------
+
+    async def query_attempts(
+        self,
+        rollout_id: str,
+        *,
+        sort_by: str | None = "sequence_id",
+        sort_order: SortOrder = "asc",
+        limit: int = -1,
+        offset: int = 0,
+    ) -> list[Attempt]:
+        stmt = select(*_ATTEMPT_COLUMNS).where(attempts.c.rollout_id == rollout_id)
+        stmt = _order_and_page(stmt, attempts, sort_by, _ATTEMPT_SORT, sort_order, limit, offset, None)
+        return await self._run(_op_query_attempts, rollout_id, stmt, write=False)
+
+    async def get_latest_attempt(self, rollout_id: str) -> Attempt | None:
+        return await self._run(_op_latest_attempt, rollout_id, write=False)
+
+    async def update_attempt(
+        self,
+        rollout_id: str,
+        attempt_id: str,
+        status: AttemptStatus = UNSET,
+        worker_id: str | None = UNSET,
+        last_heartbeat_time: float = UNSET,
+        metadata: dict[str, Any] | None = UNSET,
+    ) -> Attempt:
+        if status is not UNSET:
+            _check_statuses("status", [status], ATTEMPT_STATUSES)
+        attempt = await self._run(
+            _op_update_attempt,
+            rollout_id,
+            attempt_id,
+            status,
+            worker_id,
+            last_heartbeat_time,
+            metadata,
+            time.time(),
+        )
+        self._wake_waiters()
+        return attempt
+
+    # --- spans -------------------------------------------------------------------------------
+
+    async def add_span(self, span: Span) -> Span | None:
+        added = await self._run(_op_add_spans, [span], time.time())
+        return added[0] if added else None
+
+    async def add_many_spans(self, spans: Sequence[Span]) -> list[Span]:
+        if not spans:
+            return []
+        return await self._run(_op_add_spans, list(spans), time.time())
+
+    async def add_otel_span(
+        self, rollout_id: str, attempt_id: str, readable_span: Any, sequence_id: int | None = None
+    ) -> Span | None:
+        if sequence_id is None:
+            sequence_id = await self.get_next_span_sequence_id(rollout_id, attempt_id)
+        span = Span.from_opentelemetry(readable_span, rollout_id, attempt_id, sequence_id)
+        return await self.add_span(span)
+
+    async def get_next_span_sequence_id(self, rollout_id: str, attempt_id: str) -> int:
+        (sequence_id,) = await self._run(_op_allocate_sequence_ids, [(rollout_id, attempt_id)])
+        return sequence_id
+
+    async def get_many_span_sequence_ids(self, rollout_attempt_ids: Sequence[tuple[str, str]]) -> list[int]:
+        if not rollout_attempt_ids:
+            return []
+        return await self._run(_op_allocate_sequence_ids, list(rollout_attempt_ids))
+
+    async def query_spans(
+        self,
+        rollout_id: str,
+        attempt_id: str | None = None,
+        *,
+        trace_id: str | None = None,
+        span_id: str | None = None,
+        parent_id: str | None = None,
+        name: str | None = None,
+        name_contains: str | None = None,
+        filter_logic: FilterLogic = "and",
+        sort_by: str | None = "sequence_id",
+        sort_order: SortOrder = "asc",
+        limit: int = -1,
+        offset: int = 0,
+    ) -> list[Span]:
+        conditions: list[ColumnElement[bool]] = []
+        for column, value in (
+            (spans.c.trace_id, trace_id),
+            (spans.c.span_id, span_id),
+            (spans.c.parent_id, parent_id),
+            (spans.c.name, name),
+        ):
+            if value is not None:
+                conditions.append(column == value)
+        if name_contains is not None:
+            conditions.append(spans.c.name.contains(name_contains, autoescape=True))
+        stmt = select(spans.c.payload).where(spans.c.rollout_id == bindparam("rollout_id"))
+        if attempt_id is not None:
+            stmt = stmt.where(spans.c.attempt_id == bindparam("attempt_id"))
+        stmt = stmt.where(*_combine(conditions, filter_logic))
+        stmt = _order_and_page(stmt, spans, sort_by, _SPAN_SORT, sort_order, limit, offset, spans.c.pk)
+        return await self._run(_op_query_spans, rollout_id, attempt_id, stmt, write=False)
+
+    # --- resources ---------------------------------------------------------------------------
+
+    async def add_resources(self, resources: NamedResources) -> ResourcesUpdate:
+        named = _validated_resources(resources)
+        return await self._run(_op_put_resources, new_resources_id(), named, time.time())
+
+    async def update_resources(self, resources_id: str, resources: NamedResources) -> ResourcesUpdate:
+        """Replace the resources under `resources_id` (creating it if new), bump its version and
+        make it the latest."""
+        named = _validated_resources(resources)
+        return await self._run(_op_put_resources, resources_id, named, time.time())
+
+    async def get_resources_by_id(self, resources_id: str) -> ResourcesUpdate | None:
+        found = await self._run(
+            _op_select_resources,
+            select(resources).where(resources.c.resources_id == resources_id),
+            write=False,
+        )
+        return found[0] if found else None
+
+    async def get_latest_resources(self) -> ResourcesUpdate | None:
+        stmt = select(resources).order_by(resources.c.latest_order.desc()).limit(1)
+        found = await self._run(_op_select_resources, stmt, write=False)
+        return found[0] if found else None
+
+    async def query_resources(
+        self,
+        *,
+        resources_id: str | None = None,
+        resources_id_contains: str | None = None,
+        sort_by: str | None = None,
+        sort_order: SortOrder = "asc",
+        limit: int = -1,
+        offset: int = 0,
+    ) -> list[ResourcesUpdate]:
+        stmt = select(resources)
+        if resources_id is not None:
+            stmt = stmt.where(resources.c.resources_id == resources_id)
+        if resources_id_contains is not None:
+            stmt = stmt.where(resources.c.resources_id.contains(resources_id_contains, autoescape=True))
+        stmt = _order_and_page(
+            stmt, resources, sort_by, _RESOURCES_SORT, sort_order, limit, offset, resources.c.create_time
+        )
+        return await self._run(_op_select_resources, stmt, write=False)
+
+    # --- workers -----------------------------------------------------------------------------
+
+    async def update_worker(self, worker_id: str, heartbeat_stats: dict[str, Any] = UNSET) -> Worker:
+        """Record a heartbeat of `worker_id` (creating the worker if new), with its stats if given."""
+        if not worker_id:
+            raise InvalidArgumentError("worker_id must be a non-empty string")
+        values: dict[str, Any] = {"last_heartbeat_time": time.time()}
+        if heartbeat_stats is not UNSET:
+            values["heartbeat_stats"] = heartbeat_stats
+        return await self._run(_op_upsert_worker, worker_id, values)
+
+    async def get_worker_by_id(self, worker_id: str) -> Worker | None:
+        found = await self._run(
+            _op_select_workers, select(workers).where(workers.c.worker_id == worker_id), write=False
+        )
+        return found[0] if found else None
+
+    async def query_workers(
+        self,
+        *,
+        status_in: Sequence[WorkerStatus] | None = None,
+        worker_id_contains: str | None = None,
+        filter_logic: FilterLogic = "and",
+        sort_by: str | None = None,
+        sort_order: SortOrder = "asc",
+        limit: int = -1,
+        offset: int = 0,
+    ) -> list[Worker]:
+        conditions: list[ColumnElement[bool]] = []
+        if status_in is not None:
+            statuses = _check_statuses("status_in", status_in, ("idle", "busy", "unknown"))
+            conditions.append(workers.c.status.in_(statuses))
+        if worker_id_contains is not None:
+            conditions.append(workers.c.worker_id.contains(worker_id_contains, autoescape=True))
+        stmt = select(workers).where(*_combine(conditions, filter_logic))
+        stmt = _order_and_page(stmt, workers, sort_by, _WORKER_SORT, sort_order, limit, offset, workers.c.worker_id)
+        return await self._run(_op_select_workers, stmt, write=False)
+
+    # --- watchdog and housekeeping ------------------------------------------------------------
+
+    async def run_watchdog(self) -> int:
+        """One watchdog pass now: mark timed-out and unresponsive attempts and move their
+        rollouts. Returns how many attempts it marked."""
+        marked = await self._run(_op_watchdog, time.time())
+        if marked:
+            self._wake_waiters()
+        return marked
+
+    def _watchdog_loop(self) -> None:
+        assert self._watchdog_interval is not None
+        while not self._watchdog_stop.wait(self._watchdog_interval):
+            try:
+                if self._transaction(_op_watchdog, (time.time()), True):
+                    self._wake_waiters()
+            except Exception:
+                if self._closed:
+                    return
+                logger.exception("store watchdog pass failed; retrying in %.1fs", self._watchdog_interval)
+
+    async def statistics(self) -> dict[str, Any]:
+        counts = await self._run(_op_statistics, write=False)
+        return {"backend": self.backend, "url": self._url.render_as_string(hide_password=True), **counts}
+
+
+# --- the transactions -------------------------------------------------------------------------
+# Each function below runs inside one transaction on `conn` and is the whole of one store call.
+
+
+def _op_enqueue(conn: Connection, requests: list[EnqueueRolloutRequest], now: float) -> list[Rollout]:
+    _check_resources_exist(conn, {r.resources_id for r in requests if r.resources_id})
+    latest_resources_id = None
+    if any(r.resources_id is None for r in requests):
+        latest_resources_id = conn.execute(_SELECT_LATEST_RESOURCES_ID).scalar()
+
+    results: list[Rollout | None] = [None] * len(requests)
+    keyed: dict[str, list[int]] = {}
+    rows: list[dict[str, Any]] = []
+    for index, request in enumerate(requests):
+        if request.idempotency_key is not None:
+            keyed.setdefault(request.idempotency_key, []).append(index)
+            if len(keyed[request.idempotency_key]) > 1:
+                continue  # the same key twice in one batch: both get the first one's rollout
+        rollout = Rollout(
+            rollout_id=new_rollout_id(),
+            input=request.input,
+            start_time=now,
+            mode=request.mode,
+            resources_id=request.resources_id or latest_resources_id,
+            status="queuing",
+            config=request.config or RolloutConfig(),
+            metadata=request.metadata,
+        )
+        results[index] = rollout
+        rows.append(_rollout_row(rollout, request.idempotency_key, queued_at=now))
+
+    plain = [row for row in rows if row["idempotency_key"] is None]
+    if plain:
+        conn.execute(insert(rollouts), plain)
+    for row in (row for row in rows if row["idempotency_key"] is not None):
+        inserted = conn.execute(
+            _dialect_insert(conn)(rollouts).on_conflict_do_nothing().returning(rollouts.c.rollout_id), row
+        ).first()
+        if inserted is None:  # the key was used before: hand back the first rollout
+            indices = keyed[row["idempotency_key"]]
+            existing = conn.execute(
+                select(*_ROLLOUT_COLUMNS).where(rollouts.c.idempotency_key == row["idempotency_key"])
+            ).one()
+            results[indices[0]] = _rollout(existing._mapping)
+    for indices in keyed.values():
+        for index in indices[1:]:
+            results[index] = results[indices[0]]
+    return [r for r in results if r is not None]
+
+
+def _op_start_rollout(
+    conn: Connection, request: EnqueueRolloutRequest, worker_id: str | None, now: float
+) -> AttemptedRollout:
+    _check_resources_exist(conn, {request.resources_id} if request.resources_id else set())
+    resources_id = request.resources_id or conn.execute(_SELECT_LATEST_RESOURCES_ID).scalar()
+    rollout = Rollout(
+        rollout_id=new_rollout_id(),
+        input=request.input,
+        start_time=now,
+        mode=request.mode,
+        resources_id=resources_id,
+        status="preparing",
+        config=request.config or RolloutConfig(),
+        metadata=request.metadata,
+    )
+    conn.execute(insert(rollouts), _rollout_row(rollout, None, queued_at=None))
+    attempt = _create_attempt(conn, rollout, 1, worker_id, now)
+    return AttemptedRollout(**rollout.__dict__, attempt=attempt)
+
+
+_SELECT_QUEUE_HEAD = (
+    select(*_ROLLOUT_COLUMNS, rollouts.c.attempt_count)
+    .where(rollouts.c.queued_at.is_not(None), rollouts.c.status.in_(sorted(lifecycle.QUEUED_ROLLOUT)))
+    .order_by(rollouts.c.queued_at, rollouts.c.seq)
+    .limit(bindparam("limit"))
+    .with_for_update(skip_locked=True)
+)
+
+
+def _op_dequeue(conn: Connection, limit: int, worker_id: str | None, now: float) -> list[AttemptedRollout]:
+    claimed = []
+    for row in conn.execute(_SELECT_QUEUE_HEAD, {"limit": limit}).all():
+        rollout = _rollout(row._mapping)
+        rollout.status = "preparing"
+        attempt = _create_attempt(conn, rollout, row.attempt_count + 1, worker_id, now)
+        claimed.append(AttemptedRollout(**rollout.__dict__, attempt=attempt))
+    return claimed
+
+
+def _op_start_attempt(conn: Connection, rollout_id: str, worker_id: str | None, now: float) -> AttemptedRollout:
+    row = conn.execute(
+        select(*_ROLLOUT_COLUMNS, rollouts.c.attempt_count).where(rollouts.c.rollout_id == rollout_id).with_for_update()
+    ).first()
+    if row is None:
+        raise NotFoundError(f"start_attempt: no rollout {rollout_id!r}")
+    rollout = _rollout(row._mapping)
+    rollout.status = "preparing"
+    rollout.end_time = None
+    attempt = _create_attempt(conn, rollout, row.attempt_count + 1, worker_id, now)
+    return AttemptedRollout(**rollout.__dict__, attempt=attempt)
+
+
+_UPDATE_ROLLOUT_FOR_NEW_ATTEMPT = (
+    update(rollouts)
+    .where(rollouts.c.rollout_id == bindparam("r_id"))
+    .values(
+        status="preparing",
+        end_time=None,
+        queued_at=None,
+        attempt_count=bindparam("attempt_count"),
+        latest_attempt_id=bindparam("attempt_id"),
+    )
+)
+
+
+def _create_attempt(conn: Connection, rollout: Rollout, sequence_id: int, worker_id: str | None, now: float) -> Attempt:
+    """A new attempt becomes the rollout's latest; the rollout is preparing."""
+    attempt = Attempt(
+        rollout_id=rollout.rollout_id,
+        attempt_id=new_attempt_id(),
+        sequence_id=sequence_id,
+        start_time=now,
+        status="preparing",
+        worker_id=worker_id,
+    )
+    config = rollout.config
+    conn.execute(
+        insert(attempts),
+        {
+            **attempt.__dict__,
+            "metadata": None,
+            "timeout_at": None if config.timeout_seconds is None else now + config.timeout_seconds,
+            "unresponsive_seconds": config.unresponsive_seconds,
+        },
+    )
+    conn.execute(
+        _UPDATE_ROLLOUT_FOR_NEW_ATTEMPT,
+        {"r_id": rollout.rollout_id, "attempt_count": sequence_id, "attempt_id": attempt.attempt_id},
+    )
+    if worker_id:
+        _record_worker_status(conn, worker_id, attempt, now, dequeued=True)
+    return attempt
+
+
+def _op_update_rollout(
+    conn: Connection, rollout_id: str, changes: dict[str, Any], status: RolloutStatus, now: float
+) -> Rollout:
+    row = conn.execute(select(*_ROLLOUT_COLUMNS).where(rollouts.c.rollout_id == rollout_id).with_for_update()).first()
+    if row is None:
+        raise NotFoundError(f"update_rollout: no rollout {rollout_id!r}")
+    if changes.get("resources_id"):
+        _check_resources_exist(conn, {changes["resources_id"]})
+    if changes:
+        conn.execute(update(rollouts).where(rollouts.c.rollout_id == rollout_id).values(**changes))
+    if "config" in changes:
+        # Active attempts follow the new deadlines.
+        config = RolloutConfig.model_validate(changes["config"])
+        conn.execute(
+            update(attempts)
+            .where(attempts.c.rollout_id == rollout_id, attempts.c.status.in_(sorted(lifecycle.ACTIVE_ATTEMPT)))
+            .values(
+                timeout_at=None if config.timeout_seconds is None else attempts.c.start_time + config.timeout_seconds,
+                unresponsive_seconds=config.unresponsive_seconds,
+            )
+        )
+    if status is not UNSET:
+        _set_rollout_status(conn, rollout_id, status, now)
+    return _rollout(conn.execute(select(*_ROLLOUT_COLUMNS).where(rollouts.c.rollout_id == rollout_id)).one()._mapping)
+
+
+_SET_ROLLOUT_STATUS = (
+    update(rollouts)
+    .where(rollouts.c.rollout_id == bindparam("r_id"))
+    .values(status=bindparam("status"), end_time=bindparam("end_time"), queued_at=bindparam("queued_at"))
+)
+
+
+def _set_rollout_status(conn: Connection, rollout_id: str, status: RolloutStatus, now: float) -> None:
+    """The one place a rollout's status changes after creation: finished statuses stamp end_time;
+    queued statuses put the rollout at the back of the queue (queued_at is set only while queued)."""
+    queued = status in lifecycle.QUEUED_ROLLOUT
+    conn.execute(
+        _SET_ROLLOUT_STATUS,
+        {
+            "r_id": rollout_id,
+            "status": status,
+            "end_time": now if lifecycle.ends_rollout(status) else None,
+            "queued_at": now if queued else None,
+        },
+    )
+
+
+_SELECT_ATTEMPT_AND_ROLLOUT = select(
+    *_ATTEMPT_COLUMNS,
+    rollouts.c.status.label("rollout_status"),
+    rollouts.c.config,
+    rollouts.c.latest_attempt_id,
+    rollouts.c.next_span_sequence_id,
+).select_from(attempts.join(rollouts, rollouts.c.rollout_id == attempts.c.rollout_id))
+
+
+def _op_update_attempt(
+    conn: Connection,
+    rollout_id: str,
+    attempt_id: str,
+    status: AttemptStatus,
+    worker_id: str | None,
+    last_heartbeat_time: float,
+    metadata: dict[str, Any] | None,
+    now: float,
+) -> Attempt:
+    if attempt_id == "latest":
+        latest = conn.execute(select(rollouts.c.latest_attempt_id).where(rollouts.c.rollout_id == rollout_id)).first()
+        if latest is None:
+            raise NotFoundError(f"update_attempt: no rollout {rollout_id!r}")
+        if latest.latest_attempt_id is None:
+            raise NotFoundError(f"update_attempt: rollout {rollout_id!r} has no attempt yet")
+        attempt_id = latest.latest_attempt_id
+    row = conn.execute(_SELECT_ATTEMPT_AND_ROLLOUT.where(attempts.c.attempt_id == attempt_id).with_for_update()).first()
+    if row is None or row.rollout_id != rollout_id:
+        raise NotFoundError(f"update_attempt: no attempt {attempt_id!r} in rollout {rollout_id!r}")
+    attempt = _attempt(row._mapping)
+    changes: dict[str, Any] = {}
+    if worker_id is not UNSET:
+        changes["worker_id"] = attempt.worker_id = worker_id
+    if last_heartbeat_time is not UNSET:
+        changes["last_heartbeat_time"] = attempt.last_heartbeat_time = last_heartbeat_time
+    if metadata is not UNSET:
+        changes["metadata"] = attempt.metadata = metadata
+    if changes:
+        conn.execute(update(attempts).where(attempts.c.attempt_id == attempt_id).values(**changes))
+    if status is not UNSET and status != attempt.status:
+        _move_attempt(conn, attempt, row, status, now)
+    return attempt
+
+
+def _move_attempt(conn: Connection, attempt: Attempt, row: Any, status: AttemptStatus, now: float) -> None:
+    """Change an attempt's status and apply the lifecycle to its rollout and worker.
+    `row` carries the rollout's status, config and latest attempt id."""
+    attempt.status = status
+    attempt.end_time = now if lifecycle.ends_attempt(status) else None
+    conn.execute(
+        update(attempts)
+        .where(attempts.c.attempt_id == attempt.attempt_id)
+        .values(status=status, end_time=attempt.end_time)
+    )
+    new_rollout_status = lifecycle.rollout_status_after_attempt(
+        status,
+        attempt.sequence_id,
+        row.latest_attempt_id == attempt.attempt_id,
+        row.rollout_status,
+        RolloutConfig.model_validate(row.config),
+    )
+    if new_rollout_status is not None and new_rollout_status != row.rollout_status:
+        _set_rollout_status(conn, attempt.rollout_id, new_rollout_status, now)
+    if attempt.worker_id:
+        _record_worker_status(conn, attempt.worker_id, attempt, now, dequeued=False)
+
+
+def _record_worker_status(conn: Connection, worker_id: str, attempt: Attempt, now: float, dequeued: bool) -> None:
+    status = lifecycle.worker_status_after_attempt(attempt.status)
+    values: dict[str, Any] = {"status": status}
+    if status == "busy":
+        values.update(last_busy_time=now, current_rollout_id=attempt.rollout_id, current_attempt_id=attempt.attempt_id)
+    else:
+        values.update(last_idle_time=now, current_rollout_id=None, current_attempt_id=None)
+    if dequeued:
+        values["last_dequeue_time"] = now
+    stmt = _dialect_insert(conn)(workers).values(worker_id=worker_id, **values)
+    conn.execute(stmt.on_conflict_do_update(index_elements=[workers.c.worker_id], set_=values))
+
+
+_INSERT_SPANS_IGNORE_DUPLICATES = {
+    dialect: insert_(spans).on_conflict_do_nothing().returning(spans.c.attempt_id, spans.c.span_id)
+    for dialect, insert_ in (("sqlite", sqlite_dialect.insert), ("postgresql", pg_dialect.insert))
+}
+_HEARTBEAT = (
+    update(attempts).where(attempts.c.attempt_id == bindparam("a_id")).values(last_heartbeat_time=bindparam("now"))
+)
+_RAISE_SPAN_COUNTER = (
+    update(rollouts)
+    .where(rollouts.c.rollout_id == bindparam("r_id"))
+    .values(
+        next_span_sequence_id=case(
+            (rollouts.c.next_span_sequence_id <= bindparam("seen"), bindparam("seen") + 1),
+            else_=rollouts.c.next_span_sequence_id,
+        )
+    )
+)
+
+
+def _op_add_spans(conn: Connection, new_spans: list[Span], now: float) -> list[Span]:
+    """Store spans (a duplicate rollout/attempt/span id is skipped), beat the attempts' hearts,
+    revive preparing or unresponsive attempts, and keep each rollout's span counter ahead."""
+    attempt_ids = list(dict.fromkeys(span.attempt_id for span in new_spans))
+    found = {
+        row.attempt_id: row
+        for row in conn.execute(
+            _SELECT_ATTEMPT_AND_ROLLOUT.where(attempts.c.attempt_id.in_(attempt_ids))
+            .order_by(attempts.c.attempt_id)
+            .with_for_update()
+        ).all()
+    }
+    for span in new_spans:
+        row = found.get(span.attempt_id)
+        if row is None or row.rollout_id != span.rollout_id:
+            raise NotFoundError(f"add_span: no attempt {span.attempt_id!r} in rollout {span.rollout_id!r}")
+
+    stmt = _INSERT_SPANS_IGNORE_DUPLICATES[conn.dialect.name]
+    rows = [
+        {
+            "rollout_id": span.rollout_id,
+            "attempt_id": span.attempt_id,
+            "sequence_id": span.sequence_id,
+            "trace_id": span.trace_id,
+            "span_id": span.span_id,
+            "parent_id": span.parent_id,
+            "name": span.name,
+            "start_time": span.start_time,
+            "end_time": span.end_time,
+            "payload": span.model_dump_json(),
+        }
+        for span in new_spans
+    ]
+    stored = {(r.attempt_id, r.span_id) for r in conn.execute(stmt, rows).all()}
+    added = []
+    for span in new_spans:
+        if (span.attempt_id, span.span_id) in stored:
+            stored.discard((span.attempt_id, span.span_id))  # a duplicate inside the batch counts once
+            added.append(span)
+
+    for attempt_id in sorted(attempt_ids):
+        row = found[attempt_id]
+        revived = lifecycle.attempt_status_on_heartbeat(row.status)
+        conn.execute(_HEARTBEAT, {"a_id": attempt_id, "now": now})
+        if revived != row.status:
+            attempt = _attempt(row._mapping)
+            _move_attempt(conn, attempt, row, revived, now)
+
+    highest: dict[str, int] = {}
+    for span in added:
+        highest[span.rollout_id] = max(highest.get(span.rollout_id, 0), span.sequence_id)
+    next_ids = {row.rollout_id: row.next_span_sequence_id for row in found.values()}
+    for rollout_id in sorted(highest):
+        if highest[rollout_id] >= next_ids[rollout_id]:
+            conn.execute(_RAISE_SPAN_COUNTER, {"r_id": rollout_id, "seen": highest[rollout_id]})
+    return added
+
+
+_ALLOCATE_SPAN_IDS = (
+    update(rollouts)
+    .where(rollouts.c.rollout_id == bindparam("r_id"))
+    .values(next_span_sequence_id=rollouts.c.next_span_sequence_id + bindparam("count"))
+    .returning(rollouts.c.next_span_sequence_id)
+)
+
+
+def _op_allocate_sequence_ids(conn: Connection, pairs: list[tuple[str, str]]) -> list[int]:
+    """Reserve span sequence ids, per rollout, in the order asked."""
+    attempt_ids = list({attempt_id for _, attempt_id in pairs})
+    owners = dict(
+        conn.execute(
+            select(attempts.c.attempt_id, attempts.c.rollout_id).where(attempts.c.attempt_id.in_(attempt_ids))
+        ).all()
+    )
+    counts: dict[str, int] = {}
+    for rollout_id, attempt_id in pairs:
+        if owners.get(attempt_id) != rollout_id:
+            raise NotFoundError(f"span sequence id: no attempt {attempt_id!r} in rollout {rollout_id!r}")
+        counts[rollout_id] = counts.get(rollout_id, 0) + 1
+    next_free: dict[str, int] = {}
+    for rollout_id in sorted(counts):
+        after = conn.execute(_ALLOCATE_SPAN_IDS, {"r_id": rollout_id, "count": counts[rollout_id]}).scalar_one()
+        next_free[rollout_id] = after - counts[rollout_id]
+    allocated = []
+    for rollout_id, _ in pairs:
+        allocated.append(next_free[rollout_id])
+        next_free[rollout_id] += 1
+    return allocated
+
+
+def _op_query_spans(conn: Connection, rollout_id: str, attempt_id: str | None, stmt: Any) -> list[Span]:
+    if attempt_id == "latest":
+        latest = conn.execute(select(rollouts.c.latest_attempt_id).where(rollouts.c.rollout_id == rollout_id)).first()
+        if latest is None:
+            raise NotFoundError(f"query_spans: no rollout {rollout_id!r}")
+        if latest.latest_attempt_id is None:
+            return []
+        attempt_id = latest.latest_attempt_id
+    params = {"rollout_id": rollout_id}
+    if attempt_id is not None:
+        params["attempt_id"] = attempt_id
+    payloads = conn.execute(stmt, params).scalars().all()
+    if not payloads:
+        _check_rollout_exists(conn, rollout_id, "query_spans")
+        return []
+    return _SPAN_LIST.validate_json("[" + ",".join(payloads) + "]")
+
+
+def _op_watchdog(conn: Connection, now: float) -> int:
+    """Mark attempts that ran past their timeout or fell silent, and move their rollouts.
+    Safe with several stores on one database: rows are locked (PostgreSQL) or the whole pass
+    holds the write lock (SQLite), and each verdict is re-checked against the locked row."""
+    silent_since = func.coalesce(attempts.c.last_heartbeat_time, attempts.c.start_time)
+    overdue = (
+        _SELECT_ATTEMPT_AND_ROLLOUT.where(
+            attempts.c.status.in_(sorted(lifecycle.ACTIVE_ATTEMPT)),
+            or_(
+                attempts.c.timeout_at < now,
+                and_(
+                    attempts.c.unresponsive_seconds.is_not(None),
+                    silent_since + attempts.c.unresponsive_seconds < now,
+                ),
+            ),
+        )
+        .order_by(attempts.c.attempt_id)
+        .with_for_update(of=attempts, skip_locked=True)
+    )
+    marked = 0
+    for row in conn.execute(overdue).all():
+        config = RolloutConfig.model_validate(row.config)
+        verdict = lifecycle.watchdog_verdict(row.status, row.start_time, row.last_heartbeat_time, config, now)
+        if verdict is None:
+            continue
+        _move_attempt(conn, _attempt(row._mapping), row, verdict, now)
+        marked += 1
+    return marked
+
+
+def _op_rollouts_by_ids(conn: Connection, rollout_ids: list[str]) -> dict[str, Rollout]:
+    rows = conn.execute(select(*_ROLLOUT_COLUMNS).where(rollouts.c.rollout_id.in_(rollout_ids))).all()
+    return {row.rollout_id: _rollout(row._mapping) for row in rows}
+
+
+def _op_select_rollouts(conn: Connection, stmt: Any) -> list[Rollout]:
+    result: list[Rollout] = []
+    for row in conn.execute(stmt).all():
+        mapping = row._mapping
+        rollout = _rollout(mapping)
+        if mapping["a_attempt_id"] is not None:
+            attempt = _attempt({c.name: mapping[f"a_{c.name}"] for c in _ATTEMPT_COLUMNS})
+            rollout = AttemptedRollout(**rollout.__dict__, attempt=attempt)
+        result.append(rollout)
+    return result
+
+
+def _op_query_attempts(conn: Connection, rollout_id: str, stmt: Any) -> list[Attempt]:
+    found = [_attempt(row._mapping) for row in conn.execute(stmt).all()]
+    if not found:
+        _check_rollout_exists(conn, rollout_id, "query_attempts")
+    return found
+
+
+def _op_latest_attempt(conn: Connection, rollout_id: str) -> Attempt | None:
+    row = conn.execute(
+        select(*_ATTEMPT_COLUMNS)
+        .select_from(rollouts.outerjoin(attempts, attempts.c.attempt_id == rollouts.c.latest_attempt_id))
+        .where(rollouts.c.rollout_id == rollout_id)
+    ).first()
+    if row is None:
+        raise NotFoundError(f"get_latest_attempt: no rollout {rollout_id!r}")
+    return None if row.attempt_id is None else _attempt(row._mapping)
+
+
+_SELECT_LATEST_RESOURCES_ID = select(resources.c.resources_id).order_by(resources.c.latest_order.desc()).limit(1)
+
+
+def _op_put_resources(conn: Connection, resources_id: str, named: dict[str, Any], now: float) -> ResourcesUpdate:
+    latest_order = (conn.execute(select(func.max(resources.c.latest_order))).scalar() or 0) + 1
+    existing = conn.execute(
+        select(resources.c.version, resources.c.create_time)
+        .where(resources.c.resources_id == resources_id)
+        .with_for_update()
+    ).first()
+    if existing is None:
+        update_ = ResourcesUpdate(resources_id=resources_id, create_time=now, update_time=now, version=1, resources={})
+        conn.execute(
+            insert(resources).values(
+                resources_id=resources_id,
+                create_time=now,
+                update_time=now,
+                version=1,
+                resources=named,
+                latest_order=latest_order,
+            )
+        )
+    else:
+        update_ = ResourcesUpdate(
+            resources_id=resources_id,
+            create_time=existing.create_time,
+            update_time=now,
+            version=existing.version + 1,
+            resources={},
+        )
+        conn.execute(
+            update(resources)
+            .where(resources.c.resources_id == resources_id)
+            .values(update_time=now, version=update_.version, resources=named, latest_order=latest_order)
+        )
+    return update_.model_copy(update={"resources": _NAMED_RESOURCES.validate_python(named)})
+
+
+def _op_select_resources(conn: Connection, stmt: Any) -> list[ResourcesUpdate]:
+    return [
+        ResourcesUpdate(
+            resources_id=row.resources_id,
+            create_time=row.create_time,
+            update_time=row.update_time,
+            version=row.version,
+            resources=_NAMED_RESOURCES.validate_python(row.resources),
+        )
+        for row in conn.execute(stmt).all()
+    ]
+
+
+def _op_upsert_worker(conn: Connection, worker_id: str, values: dict[str, Any]) -> Worker:
+    stmt = _dialect_insert(conn)(workers).values(worker_id=worker_id, **values)
+    conn.execute(stmt.on_conflict_do_update(index_elements=[workers.c.worker_id], set_=values))
+    return Worker.model_validate(conn.execute(select(workers).where(workers.c.worker_id == worker_id)).one()._mapping)
+
+
+def _op_select_workers(conn: Connection, stmt: Any) -> list[Worker]:
+    return [Worker.model_validate(row._mapping) for row in conn.execute(stmt).all()]
+
+
+def _op_statistics(conn: Connection) -> dict[str, Any]:
+    def by_status(table: Any) -> dict[str, int]:
+        return dict(conn.execute(select(table.c.status, func.count()).group_by(table.c.status)).all())
+
+    return {
+        "rollouts": by_status(rollouts),
+        "attempts": by_status(attempts),
+        "workers": by_status(workers),
+        "spans": conn.execute(select(func.count()).select_from(spans)).scalar_one(),
+        "resources": conn.execute(select(func.count()).select_from(resources)).scalar_one(),
+    }
+
+
+# --- helpers ----------------------------------------------------------------------------------
+
+
+def _rollout_row(rollout: Rollout, idempotency_key: str | None, queued_at: float | None) -> dict[str, Any]:
+    return {
+        "rollout_id": rollout.rollout_id,
+        "input": rollout.input,
+        "start_time": rollout.start_time,
+        "end_time": None,
+        "mode": rollout.mode,
+        "resources_id": rollout.resources_id,
+        "status": rollout.status,
+        "config": rollout.config.model_dump(),
+        "metadata": rollout.metadata,
+        "idempotency_key": idempotency_key,
+        "queued_at": queued_at,
+        "attempt_count": 0,
+        "latest_attempt_id": None,
+        "next_span_sequence_id": 1,
+    }
+
+
+def _rollout(mapping: Any) -> Rollout:
+    return Rollout(
+        rollout_id=mapping["rollout_id"],
+        input=mapping["input"],
+        start_time=mapping["start_time"],
+        end_time=mapping["end_time"],
+        mode=mapping["mode"],
+        resources_id=mapping["resources_id"],
+        status=mapping["status"],
+        config=mapping["config"],
+        metadata=mapping["metadata"],
+    )
+
+
+def _attempt(mapping: Any) -> Attempt:
+    return Attempt(
+        rollout_id=mapping["rollout_id"],
+        attempt_id=mapping["attempt_id"],
+        sequence_id=mapping["sequence_id"],
+        start_time=mapping["start_time"],
+        end_time=mapping["end_time"],
+        status=mapping["status"],
+        worker_id=mapping["worker_id"],
+        last_heartbeat_time=mapping["last_heartbeat_time"],
+        metadata=mapping["metadata"],
+    )
+
+
+def _dialect_insert(conn: Connection) -> Any:
+    """INSERT with ON CONFLICT clauses, which SQLite and PostgreSQL spell the same way."""
+    return sqlite_dialect.insert if conn.dialect.name == "sqlite" else pg_dialect.insert
+
+
+def _check_resources_exist(conn: Connection, resources_ids: set[str]) -> None:
+    if not resources_ids:
+        return
+    known = set(
+        conn.execute(select(resources.c.resources_id).where(resources.c.resources_id.in_(resources_ids))).scalars()
+    )
+    missing = sorted(resources_ids - known)
+    if missing:
+        raise NotFoundError(f"resources_id {missing[0]!r} names no resources; add them first with add_resources")
+
+
+def _check_rollout_exists(conn: Connection, rollout_id: str, where: str) -> None:
+    if conn.execute(select(rollouts.c.seq).where(rollouts.c.rollout_id == rollout_id)).first() is None:
+        raise NotFoundError(f"{where}: no rollout {rollout_id!r}")
+
+
+def _check_statuses(argument: str, values: Sequence[str], allowed: Sequence[str]) -> list[str]:
+    if isinstance(values, str):
+        raise InvalidArgumentError(f"{argument} must be a list of statuses, got the string {values!r}")
+    bad = [v for v in values if v not in allowed]
+    if bad:
+        raise InvalidArgumentError(f"{argument}: unknown status {bad[0]!r}; expected one of {', '.join(allowed)}")
+    return list(values)
+
+
+def _combine(conditions: list[ColumnElement[bool]], filter_logic: str) -> list[ColumnElement[bool]]:
+    if filter_logic not in ("and", "or"):
+        raise InvalidArgumentError(f"filter_logic must be 'and' or 'or', got {filter_logic!r}")
+    if not conditions:
+        return []
+    return [and_(*conditions)] if filter_logic == "and" else [or_(*conditions)]
+
+
+def _order_and_page(
+    stmt: Any,
+    table: Any,
+    sort_by: str | None,
+    allowed: set[str],
+    sort_order: str,
+    limit: int,
+    offset: int,
+    default_order: Any,
+) -> Any:
+    if sort_order not in ("asc", "desc"):
+        raise InvalidArgumentError(f"sort_order must be 'asc' or 'desc', got {sort_order!r}")
+    if not isinstance(limit, int) or limit < -1:
+        raise InvalidArgumentError(f"limit must be -1 (no limit) or a count >= 0, got {limit!r}")
+    if not isinstance(offset, int) or offset < 0:
+        raise InvalidArgumentError(f"offset must be >= 0, got {offset!r}")
+    if sort_by is not None:
+        if sort_by not in allowed:
+            raise InvalidArgumentError(
+                f"sort_by {sort_by!r} is not sortable; choose one of {', '.join(sorted(allowed))}"
+            )
+        column = table.c[sort_by]
+        stmt = stmt.order_by(column.desc() if sort_order == "desc" else column.asc())
+    if default_order is not None:
+        stmt = stmt.order_by(default_order.desc() if sort_order == "desc" and sort_by is None else default_order)
+    if limit >= 0:
+        stmt = stmt.limit(limit)
+    if offset:
+        stmt = stmt.offset(offset)
+    return stmt
+
+
+def _validated(model: type[T], **fields: Any) -> T:
+    """Build a pydantic model, turning a validation error into InvalidArgumentError naming the field."""
+    try:
+        return model.model_validate(fields)  # type: ignore[attr-defined]
+    except pydantic.ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or model.__name__
+        raise InvalidArgumentError(f"{where}: {first['msg']}") from None
+
+
+def _validated_resources(named: Any) -> dict[str, Any]:
+    if not isinstance(named, dict):
+        raise InvalidArgumentError("resources must be a dict of name -> resource (LLM, ProxyLLM, PromptTemplate)")
+    try:
+        return _NAMED_RESOURCES.dump_python(_NAMED_RESOURCES.validate_python(named), mode="json")
+    except pydantic.ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise InvalidArgumentError(f"resources.{where}: {first['msg']}") from None
+
+
+def _as_dict(value: Any, argument: str) -> dict[str, Any]:
+    if isinstance(value, pydantic.BaseModel):
+        return value.model_dump()
+    if isinstance(value, dict):
+        return value
+    raise InvalidArgumentError(f"{argument} must be a {argument.capitalize()} object or a dict, got {type(value)}")
+
+
+def _translate(exc: StatementError) -> Exception:
+    """Errors that come from the caller's data, said plainly; the rest pass through."""
+    if isinstance(exc.orig, TypeError):
+        return InvalidArgumentError(f"a value is not JSON-serialisable: {exc.orig}")
+    if isinstance(exc, DBAPIError) and "locked" in str(exc.orig):
+        return StoreError(f"the SQLite database stayed locked by another process: {exc.orig}")
+    return exc
+
+
+def _normalise_url(url: str | URL) -> URL:
+    parsed = make_url(url)
+    if parsed.drivername in ("postgresql", "postgres", "postgresql+psycopg2"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    if parsed.get_backend_name() not in ("sqlite", "postgresql"):
+        raise InvalidArgumentError(
+            f"store url must start with sqlite:// or postgresql://, got {parsed.render_as_string(hide_password=True)!r}"
+        )
+    return parsed
+
+
+def _sqlite_engine(url: URL) -> Any:
+    in_memory = url.database in (None, "", ":memory:")
+    if not in_memory:
+        Path(url.database).parent.mkdir(parents=True, exist_ok=True)
+    engine = create_engine(
+        url,
+        poolclass=StaticPool,
+        connect_args={"check_same_thread": False, "timeout": 30},
+    )
+
+    @event.listens_for(engine, "connect")
+    def _configure(dbapi_connection: Any, _record: Any) -> None:
+        # Transactions are begun by us (see _begin), not by the sqlite3 module.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        if not in_memory:
+            cursor.execute("PRAGMA journal_mode=WAL")
+        # NORMAL in WAL mode: a committed transaction survives a crash of the process; only a
+        # power cut can lose the last few.
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.execute("PRAGMA busy_timeout=30000")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _begin(conn: Connection) -> None:
+        conn.exec_driver_sql(conn.info.get("begin", "BEGIN"))
+
+    return engine

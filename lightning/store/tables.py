@@ -1,0 +1,121 @@
+"""The store's tables, declared with SQLModel; column names are the field names of lightning.types.
+
+Besides the public fields, a few bookkeeping columns make the store's rules cheap in SQL:
+queue order, the latest attempt, the per-rollout span counter and the watchdog's deadlines.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import JSON, Column, Index, Text, UniqueConstraint, text
+from sqlmodel import Field, SQLModel
+
+
+class RolloutRow(SQLModel, table=True):
+    __tablename__ = "rollouts"
+    __table_args__ = (
+        # Only queued rollouts are in this index, so the queue head is the index's first entry.
+        Index(
+            "ix_rollouts_queue",
+            "queued_at",
+            "seq",
+            sqlite_where=text("queued_at IS NOT NULL"),
+            postgresql_where=text("queued_at IS NOT NULL"),
+        ),
+    )
+
+    seq: int | None = Field(default=None, primary_key=True)
+    """Insertion order; breaks ties in queue order."""
+    rollout_id: str = Field(unique=True, max_length=64)
+    input: Any = Field(default=None, sa_column=Column(JSON))
+    start_time: float
+    end_time: float | None = None
+    mode: str | None = Field(default=None, max_length=16)
+    resources_id: str | None = Field(default=None, max_length=64)
+    status: str = Field(max_length=16)
+    config: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False))
+    metadata_: dict[str, Any] | None = Field(default=None, sa_column=Column("metadata", JSON))
+    idempotency_key: str | None = Field(default=None, unique=True, max_length=255)
+    queued_at: float | None = None
+    """When the rollout last entered the queue (FIFO order); NULL whenever it is not queued."""
+    attempt_count: int = 0
+    latest_attempt_id: str | None = Field(default=None, max_length=64)
+    next_span_sequence_id: int = 1
+
+
+class AttemptRow(SQLModel, table=True):
+    __tablename__ = "attempts"
+    __table_args__ = (
+        UniqueConstraint("rollout_id", "sequence_id", name="uq_attempts_rollout_sequence"),
+        Index("ix_attempts_status", "status"),
+    )
+
+    attempt_id: str = Field(primary_key=True, max_length=64)
+    rollout_id: str = Field(max_length=64)
+    sequence_id: int
+    start_time: float
+    end_time: float | None = None
+    status: str = Field(max_length=16)
+    worker_id: str | None = Field(default=None, max_length=255)
+    last_heartbeat_time: float | None = None
+    metadata_: dict[str, Any] | None = Field(default=None, sa_column=Column("metadata", JSON))
+    timeout_at: float | None = None
+    """start_time + the rollout's timeout_seconds, for the watchdog."""
+    unresponsive_seconds: float | None = None
+    """The rollout's unresponsive_seconds, copied so the watchdog needs no join."""
+
+
+class SpanRow(SQLModel, table=True):
+    __tablename__ = "spans"
+    __table_args__ = (
+        UniqueConstraint("rollout_id", "attempt_id", "span_id", name="uq_spans_identity"),
+        Index("ix_spans_rollout_sequence", "rollout_id", "sequence_id"),
+    )
+
+    pk: int | None = Field(default=None, primary_key=True)
+    rollout_id: str = Field(max_length=64)
+    attempt_id: str = Field(max_length=64)
+    sequence_id: int
+    trace_id: str = Field(max_length=64)
+    span_id: str = Field(max_length=64)
+    parent_id: str | None = Field(default=None, max_length=64)
+    name: str = Field(sa_column=Column(Text, nullable=False))
+    start_time: float | None = None
+    end_time: float | None = None
+    payload: str = Field(sa_column=Column(Text, nullable=False))
+    """The whole Span as JSON; the columns above are copies for filtering and sorting."""
+
+
+class ResourcesRow(SQLModel, table=True):
+    __tablename__ = "resources"
+
+    resources_id: str = Field(primary_key=True, max_length=64)
+    create_time: float
+    update_time: float
+    version: int
+    resources: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False))
+    latest_order: int = Field(index=True)
+    """Grows on every add or update; the highest is the latest resources."""
+
+
+class WorkerRow(SQLModel, table=True):
+    __tablename__ = "workers"
+
+    worker_id: str = Field(primary_key=True, max_length=255)
+    status: str = Field(default="unknown", max_length=16)
+    heartbeat_stats: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+    last_heartbeat_time: float | None = None
+    last_dequeue_time: float | None = None
+    last_busy_time: float | None = None
+    last_idle_time: float | None = None
+    current_rollout_id: str | None = Field(default=None, max_length=64)
+    current_attempt_id: str | None = Field(default=None, max_length=64)
+
+
+rollouts = RolloutRow.__table__
+attempts = AttemptRow.__table__
+spans = SpanRow.__table__
+resources = ResourcesRow.__table__
+workers = WorkerRow.__table__
+metadata = SQLModel.metadata

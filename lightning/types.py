@@ -1,0 +1,361 @@
+"""The data model shared by every layer: rollouts, attempts, spans, resources, workers, triplets.
+
+Field names follow agent-lightning 0.3 so that agent code and stored data carry over.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+RolloutStatus = Literal["queuing", "preparing", "running", "succeeded", "failed", "cancelled", "requeuing"]
+AttemptStatus = Literal["preparing", "running", "succeeded", "failed", "timeout", "unresponsive"]
+RolloutMode = Literal["train", "val", "test"]
+WorkerStatus = Literal["idle", "busy", "unknown"]
+TaskInput = Any
+
+ROLLOUT_STATUSES: tuple[RolloutStatus, ...] = (
+    "queuing",
+    "preparing",
+    "running",
+    "succeeded",
+    "failed",
+    "cancelled",
+    "requeuing",
+)
+ATTEMPT_STATUSES: tuple[AttemptStatus, ...] = (
+    "preparing",
+    "running",
+    "succeeded",
+    "failed",
+    "timeout",
+    "unresponsive",
+)
+
+
+def new_rollout_id() -> str:
+    return f"ro-{uuid.uuid4().hex[:16]}"
+
+
+def new_attempt_id() -> str:
+    return f"at-{uuid.uuid4().hex[:16]}"
+
+
+def new_resources_id() -> str:
+    return f"rs-{uuid.uuid4().hex[:16]}"
+
+
+# --- Rollouts and attempts -------------------------------------------------------------------
+
+
+class RolloutConfig(BaseModel):
+    """Retry and timeout policy of one rollout, enforced by the store's watchdog."""
+
+    timeout_seconds: float | None = Field(default=None, gt=0)
+    """An attempt running longer than this is marked `timeout`. None: no limit."""
+    unresponsive_seconds: float | None = Field(default=None, gt=0)
+    """An attempt with no heartbeat or span for this long is marked `unresponsive`. None: never."""
+    max_attempts: int = Field(default=1, ge=1)
+    """Attempts allowed in all, the first one included."""
+    retry_condition: list[AttemptStatus] = Field(default_factory=list)
+    """Attempt statuses that requeue the rollout while attempts remain."""
+
+
+class Rollout(BaseModel):
+    """One task to run: its input, its resources, its status."""
+
+    rollout_id: str
+    input: TaskInput
+    start_time: float
+    end_time: float | None = None
+    mode: RolloutMode | None = None
+    resources_id: str | None = None
+    status: RolloutStatus = "queuing"
+    config: RolloutConfig = Field(default_factory=RolloutConfig)
+    metadata: dict[str, Any] | None = None
+
+
+class Attempt(BaseModel):
+    """One execution of a rollout by a worker; a retry is a new attempt."""
+
+    rollout_id: str
+    attempt_id: str
+    sequence_id: int
+    """1 for the first attempt of its rollout, 2 for the first retry, and so on."""
+    start_time: float
+    end_time: float | None = None
+    status: AttemptStatus = "preparing"
+    worker_id: str | None = None
+    last_heartbeat_time: float | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class AttemptedRollout(Rollout):
+    """A rollout together with its current (latest) attempt."""
+
+    attempt: Attempt
+
+    @model_validator(mode="after")
+    def _same_rollout(self) -> AttemptedRollout:
+        if self.attempt.rollout_id != self.rollout_id:
+            raise ValueError(
+                f"attempt.rollout_id {self.attempt.rollout_id!r} differs from rollout_id {self.rollout_id!r}"
+            )
+        return self
+
+
+class EnqueueRolloutRequest(BaseModel):
+    """The arguments of one `enqueue_rollout` call, for the batch form."""
+
+    input: TaskInput
+    mode: RolloutMode | None = None
+    resources_id: str | None = None
+    config: RolloutConfig | None = None
+    metadata: dict[str, Any] | None = None
+    idempotency_key: str | None = Field(default=None, min_length=1, max_length=255)
+    """Enqueuing the same key twice returns the first rollout instead of a new one."""
+
+
+class Worker(BaseModel):
+    """A runner as the store sees it: status and heartbeat times."""
+
+    worker_id: str
+    status: WorkerStatus = "unknown"
+    heartbeat_stats: dict[str, Any] | None = None
+    last_heartbeat_time: float | None = None
+    last_dequeue_time: float | None = None
+    last_busy_time: float | None = None
+    last_idle_time: float | None = None
+    current_rollout_id: str | None = None
+    current_attempt_id: str | None = None
+
+
+# --- Resources -------------------------------------------------------------------------------
+
+
+class LLM(BaseModel):
+    """An OpenAI-compatible endpoint and the sampling parameters to call it with."""
+
+    resource_type: Literal["llm"] = "llm"
+    endpoint: str
+    model: str
+    api_key: str | None = Field(default=None, repr=False)
+    sampling_parameters: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def base_url(self) -> str:
+        """What the OpenAI SDK takes as `base_url`."""
+        return self.endpoint
+
+    def get_base_url(self, *args: Any, **kwargs: Any) -> str:
+        return self.endpoint
+
+
+class ProxyLLM(LLM):
+    """An LLM reached through the LLM proxy, which routes calls per rollout and attempt."""
+
+    resource_type: Literal["proxy_llm"] = "proxy_llm"  # type: ignore[assignment]
+
+    def get_base_url(self, rollout_id: str | None = None, attempt_id: str | None = None) -> str:
+        """The endpoint with `/rollout/{rollout_id}/attempt/{attempt_id}` spliced in before `/v1`."""
+        if rollout_id is None and attempt_id is None:
+            return self.endpoint
+        if not rollout_id or not attempt_id:
+            raise ValueError("ProxyLLM.get_base_url needs both rollout_id and attempt_id, or neither")
+        prefix = self.endpoint.rstrip("/")
+        has_v1 = prefix.endswith("/v1")
+        if has_v1:
+            prefix = prefix[: -len("/v1")]
+        routed = f"{prefix}/rollout/{rollout_id}/attempt/{attempt_id}"
+        return f"{routed}/v1" if has_v1 else routed
+
+    def with_attempted_rollout(self, rollout: AttemptedRollout) -> LLM:
+        """A plain `LLM` whose endpoint already carries this rollout's route."""
+        return LLM(
+            endpoint=self.get_base_url(rollout.rollout_id, rollout.attempt.attempt_id),
+            model=self.model,
+            api_key=self.api_key,
+            sampling_parameters=dict(self.sampling_parameters),
+        )
+
+
+class PromptTemplate(BaseModel):
+    """A prompt with placeholders, rendered with Python's str.format or with Jinja2."""
+
+    resource_type: Literal["prompt_template"] = "prompt_template"
+    template: str
+    engine: Literal["f-string", "jinja"] = "f-string"
+
+    def format(self, **kwargs: Any) -> str:
+        if self.engine == "f-string":
+            try:
+                return self.template.format(**kwargs)
+            except KeyError as exc:
+                raise ValueError(f"PromptTemplate needs a value for placeholder {exc.args[0]!r}") from None
+        import jinja2
+
+        env = jinja2.Environment(undefined=jinja2.StrictUndefined, autoescape=False)
+        try:
+            return env.from_string(self.template).render(**kwargs)
+        except jinja2.UndefinedError as exc:
+            raise ValueError(f"PromptTemplate (jinja): {exc.message}") from None
+
+
+Resource = Annotated[LLM | ProxyLLM | PromptTemplate, Field(discriminator="resource_type")]
+NamedResources = dict[str, Resource]
+
+
+class ResourcesUpdate(BaseModel):
+    """A versioned snapshot of named resources (models, prompts, endpoints) that rollouts run with."""
+
+    resources_id: str
+    create_time: float
+    update_time: float
+    version: int
+    resources: NamedResources
+
+
+# --- Spans -----------------------------------------------------------------------------------
+
+AttributeValue = str | bool | int | float | Sequence[str] | Sequence[bool] | Sequence[int] | Sequence[float]
+Attributes = dict[str, Any]
+StatusCode = Literal["UNSET", "OK", "ERROR"]
+
+
+class SpanContext(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    trace_id: str
+    span_id: str
+    is_remote: bool = False
+    trace_state: dict[str, str] = Field(default_factory=dict)
+
+
+class TraceStatus(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    status_code: StatusCode = "UNSET"
+    description: str | None = None
+
+
+class Event(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    attributes: Attributes = Field(default_factory=dict)
+    timestamp: float | None = None
+
+
+class Link(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    context: SpanContext
+    attributes: Attributes | None = None
+
+
+class OtelResource(BaseModel):
+    attributes: Attributes = Field(default_factory=dict)
+    schema_url: str = ""
+
+
+class Span(BaseModel):
+    """An OpenTelemetry span plus the rollout, attempt and per-rollout sequence id it belongs to."""
+
+    model_config = ConfigDict(extra="allow")
+
+    rollout_id: str
+    attempt_id: str
+    sequence_id: int
+    trace_id: str
+    span_id: str
+    parent_id: str | None = None
+    name: str
+    status: TraceStatus = Field(default_factory=TraceStatus)
+    attributes: Attributes = Field(default_factory=dict)
+    events: list[Event] = Field(default_factory=list)
+    links: list[Link] = Field(default_factory=list)
+    start_time: float | None = None
+    end_time: float | None = None
+    context: SpanContext | None = None
+    parent: SpanContext | None = None
+    resource: OtelResource = Field(default_factory=OtelResource)
+
+    @classmethod
+    def from_opentelemetry(cls, src: Any, rollout_id: str, attempt_id: str, sequence_id: int) -> Span:
+        """Convert an `opentelemetry.sdk.trace.ReadableSpan`."""
+        from opentelemetry import trace as trace_api
+
+        ctx = src.get_span_context()
+        trace_id = trace_api.format_trace_id(ctx.trace_id) if ctx else "0" * 32
+        span_id = trace_api.format_span_id(ctx.span_id) if ctx else "0" * 16
+        parent = src.parent
+        return cls(
+            rollout_id=rollout_id,
+            attempt_id=attempt_id,
+            sequence_id=sequence_id,
+            trace_id=trace_id,
+            span_id=span_id,
+            parent_id=trace_api.format_span_id(parent.span_id) if parent else None,
+            name=src.name,
+            status=TraceStatus(status_code=src.status.status_code.name, description=src.status.description),
+            attributes=_jsonable(dict(src.attributes or {})),
+            events=[
+                Event(
+                    name=e.name,
+                    attributes=_jsonable(dict(e.attributes or {})),
+                    timestamp=_seconds(e.timestamp),
+                )
+                for e in src.events
+            ],
+            links=[
+                Link(context=_otel_context(link.context), attributes=_jsonable(dict(link.attributes or {})))
+                for link in src.links
+            ],
+            start_time=_seconds(src.start_time),
+            end_time=_seconds(src.end_time),
+            context=_otel_context(ctx) if ctx else None,
+            parent=_otel_context(parent) if parent else None,
+            resource=OtelResource(
+                attributes=_jsonable(dict(src.resource.attributes)),
+                schema_url=src.resource.schema_url or "",
+            ),
+        )
+
+
+def _seconds(nanoseconds: int | None) -> float | None:
+    return None if nanoseconds is None else nanoseconds / 1e9
+
+
+def _otel_context(ctx: Any) -> SpanContext:
+    from opentelemetry import trace as trace_api
+
+    return SpanContext(
+        trace_id=trace_api.format_trace_id(ctx.trace_id),
+        span_id=trace_api.format_span_id(ctx.span_id),
+        is_remote=bool(ctx.is_remote),
+        trace_state=dict(ctx.trace_state.items()) if ctx.trace_state else {},
+    )
+
+
+def _jsonable(attributes: dict[str, Any]) -> dict[str, Any]:
+    # OpenTelemetry attribute values may be tuples; JSON has lists.
+    return json.loads(json.dumps(attributes, default=str))
+
+
+# --- Training data ---------------------------------------------------------------------------
+
+
+class Triplet(BaseModel):
+    """One LLM call made trainable: the exact prompt and response tokens and the reward it earned."""
+
+    prompt: Any
+    """Prompt token ids (or a prompt payload for non-token algorithms such as APO)."""
+    response: Any
+    """Response token ids (or a response payload)."""
+    reward: float | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    """rollout_id, turn index, group id for group-relative advantages, and anything else."""

@@ -1,0 +1,1 @@
+"""Prefect tasks: each a thin wrapper over one `lightning` call (arrives with the pipeline issue)."""
