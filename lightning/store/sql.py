@@ -16,6 +16,7 @@ Status changes are decided by lightning.store.lifecycle; this module only applie
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 import time
@@ -178,9 +179,9 @@ class SqlLightningStore:
                     conn = self._sqlite_conn
                     conn.info["begin"] = "BEGIN IMMEDIATE" if write else "BEGIN"
                     with conn.begin():
-                        return fn(conn, *args)
+                        return fn(_Tx(conn), *args)
             with self._engine.begin() as conn:
-                return fn(conn, *args)
+                return fn(_Tx(conn), *args)
         except StatementError as exc:
             raise _translate(exc) from exc
 
@@ -247,7 +248,7 @@ class SqlLightningStore:
             metadata=metadata,
             idempotency_key=idempotency_key,
         )
-        (rollout,) = await self._run(_op_enqueue, [request], time.time())
+        (rollout,) = await self._run(_op_enqueue, [request], [_json(input, "input")], time.time())
         return rollout
 
     async def enqueue_many_rollouts(self, rollouts: Sequence[EnqueueRolloutRequest]) -> list[Rollout]:
@@ -256,7 +257,8 @@ class SqlLightningStore:
         ]
         if not requests:
             return []
-        return await self._run(_op_enqueue, requests, time.time())
+        encoded = [_json(r.input, f"rollouts[{i}].input") for i, r in enumerate(requests)]
+        return await self._run(_op_enqueue, requests, encoded, time.time())
 
     async def start_rollout(
         self,
@@ -275,7 +277,7 @@ class SqlLightningStore:
             config=config,
             metadata=metadata,
         )
-        return await self._run(_op_start_rollout, request, worker_id, time.time())
+        return await self._run(_op_start_rollout, request, _json(input, "input"), worker_id, time.time())
 
     async def dequeue_rollout(self, worker_id: str | None = None) -> AttemptedRollout | None:
         claimed = await self.dequeue_many_rollouts(limit=1, worker_id=worker_id)
@@ -335,7 +337,7 @@ class SqlLightningStore:
     ) -> Rollout:
         changes: dict[str, Any] = {}
         if input is not UNSET:
-            changes["input"] = input
+            changes["input"] = _json(input, "input")
         if mode is not UNSET:
             if mode is not None and mode not in ("train", "val", "test"):
                 raise InvalidArgumentError(f"mode must be 'train', 'val', 'test' or None, got {mode!r}")
@@ -343,9 +345,9 @@ class SqlLightningStore:
         if resources_id is not UNSET:
             changes["resources_id"] = resources_id
         if config is not UNSET:
-            changes["config"] = _validated(RolloutConfig, **_as_dict(config, "config")).model_dump()
+            changes["config"] = _validated(RolloutConfig, **_as_dict(config, "config")).model_dump_json()
         if metadata is not UNSET:
-            changes["metadata"] = metadata
+            changes["metadata"] = _json_or_none(metadata, "metadata")
         if status is not UNSET:
             _check_statuses("status", [status], ROLLOUT_STATUSES)
         rollout = await self._run(_op_update_rollout, rollout_id, changes, status, time.time())
@@ -428,29 +430,28 @@ class SqlLightningStore:
     ) -> Attempt:
         if status is not UNSET:
             _check_statuses("status", [status], ATTEMPT_STATUSES)
-        attempt = await self._run(
-            _op_update_attempt,
-            rollout_id,
-            attempt_id,
-            status,
-            worker_id,
-            last_heartbeat_time,
-            metadata,
-            time.time(),
-        )
+        changes: dict[str, Any] = {}
+        if worker_id is not UNSET:
+            changes["worker_id"] = worker_id
+        if last_heartbeat_time is not UNSET:
+            changes["last_heartbeat_time"] = last_heartbeat_time
+        if metadata is not UNSET:
+            changes["metadata"] = _json_or_none(metadata, "metadata")
+        attempt = await self._run(_op_update_attempt, rollout_id, attempt_id, status, changes, time.time())
         self._wake_waiters()
         return attempt
 
     # --- spans -------------------------------------------------------------------------------
 
     async def add_span(self, span: Span) -> Span | None:
-        added = await self._run(_op_add_spans, [span], time.time())
+        added = await self._run(_op_add_spans, [span], [span.model_dump_json()], time.time())
         return added[0] if added else None
 
     async def add_many_spans(self, spans: Sequence[Span]) -> list[Span]:
         if not spans:
             return []
-        return await self._run(_op_add_spans, list(spans), time.time())
+        payloads = [span.model_dump_json() for span in spans]
+        return await self._run(_op_add_spans, list(spans), payloads, time.time())
 
     async def add_otel_span(
         self, rollout_id: str, attempt_id: str, readable_span: Any, sequence_id: int | None = None
@@ -496,24 +497,29 @@ class SqlLightningStore:
                 conditions.append(column == value)
         if name_contains is not None:
             conditions.append(spans.c.name.contains(name_contains, autoescape=True))
-        stmt = select(spans.c.payload).where(spans.c.rollout_id == bindparam("rollout_id"))
-        if attempt_id is not None:
-            stmt = stmt.where(spans.c.attempt_id == bindparam("attempt_id"))
-        stmt = stmt.where(*_combine(conditions, filter_logic))
-        stmt = _order_and_page(stmt, spans, sort_by, _SPAN_SORT, sort_order, limit, offset, spans.c.pk)
+        stmt = None
+        default_shape = sort_by == "sequence_id" and sort_order == "asc" and limit == -1 and offset == 0
+        if conditions or not default_shape:
+            stmt = select(spans.c.payload).where(spans.c.rollout_id == bindparam("r_id"))
+            if attempt_id is not None:
+                stmt = stmt.where(spans.c.attempt_id == bindparam("a_id"))
+            stmt = stmt.where(*_combine(conditions, filter_logic))
+            stmt = _order_and_page(stmt, spans, sort_by, _SPAN_SORT, sort_order, limit, offset, spans.c.pk)
+        elif filter_logic not in ("and", "or"):
+            raise InvalidArgumentError(f"filter_logic must be 'and' or 'or', got {filter_logic!r}")
         return await self._run(_op_query_spans, rollout_id, attempt_id, stmt, write=False)
 
     # --- resources ---------------------------------------------------------------------------
 
     async def add_resources(self, resources: NamedResources) -> ResourcesUpdate:
-        named = _validated_resources(resources)
-        return await self._run(_op_put_resources, new_resources_id(), named, time.time())
+        encoded = _validated_resources(resources)
+        return await self._run(_op_put_resources, new_resources_id(), encoded, time.time())
 
     async def update_resources(self, resources_id: str, resources: NamedResources) -> ResourcesUpdate:
         """Replace the resources under `resources_id` (creating it if new), bump its version and
         make it the latest."""
-        named = _validated_resources(resources)
-        return await self._run(_op_put_resources, resources_id, named, time.time())
+        encoded = _validated_resources(resources)
+        return await self._run(_op_put_resources, resources_id, encoded, time.time())
 
     async def get_resources_by_id(self, resources_id: str) -> ResourcesUpdate | None:
         found = await self._run(
@@ -556,8 +562,8 @@ class SqlLightningStore:
             raise InvalidArgumentError("worker_id must be a non-empty string")
         values: dict[str, Any] = {"last_heartbeat_time": time.time()}
         if heartbeat_stats is not UNSET:
-            values["heartbeat_stats"] = heartbeat_stats
-        return await self._run(_op_upsert_worker, worker_id, values)
+            values["heartbeat_stats"] = _json_or_none(heartbeat_stats, "heartbeat_stats")
+        return await self._run(_op_heartbeat_worker, worker_id, values)
 
     async def get_worker_by_id(self, worker_id: str) -> Worker | None:
         found = await self._run(
@@ -600,7 +606,7 @@ class SqlLightningStore:
         assert self._watchdog_interval is not None
         while not self._watchdog_stop.wait(self._watchdog_interval):
             try:
-                if self._transaction(_op_watchdog, (time.time()), True):
+                if self._transaction(_op_watchdog, (time.time(),), True):
                     self._wake_waiters()
             except Exception:
                 if self._closed:
@@ -612,24 +618,238 @@ class SqlLightningStore:
         return {"backend": self.backend, "url": self._url.render_as_string(hide_password=True), **counts}
 
 
+# --- running SQL ------------------------------------------------------------------------------
+
+
+class _Sql:
+    """A statement on a hot path: built with SQLAlchemy once, rendered once per dialect, then run
+    on the driver's cursor. SQLAlchemy's own per-execution overhead (~30 µs) is several times
+    what SQLite needs to run such a statement."""
+
+    def __init__(self, stmt: Any) -> None:
+        self.stmt = stmt
+        self.columns = tuple(c.key for c in stmt.exported_columns) if hasattr(stmt, "exported_columns") else ()
+        self._rendered: dict[str, tuple[str, dict[str, Any]]] = {}
+
+    def render(self, dialect: Any, params: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        """The SQL text for `dialect` and the parameters with the statement's own constants added."""
+        rendered = self._rendered.get(dialect.name)
+        if rendered is None:
+            compiled = self.stmt.compile(dialect=dialect)
+            # Values written into the statement (LIMIT 1, status='preparing'); the rest are bound per call.
+            constants = {name: bind.value for name, bind in compiled.binds.items() if not bind.required}
+            rendered = self._rendered[dialect.name] = (str(compiled), constants)
+        sql, constants = rendered
+        return sql, ({**constants, **params} if constants else params)
+
+
+class _Tx:
+    """One open transaction: `conn` (SQLAlchemy) for composed queries, the methods below for _Sql."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.dialect = conn.dialect
+        self.driver = conn.connection.dbapi_connection
+
+    def _execute(self, sql: _Sql, params: dict[str, Any]) -> Any:
+        return self.driver.execute(*sql.render(self.dialect, params))
+
+    def rows(self, sql: _Sql, params: dict[str, Any]) -> list[dict[str, Any]]:
+        return [dict(zip(sql.columns, row, strict=True)) for row in self._execute(sql, params).fetchall()]
+
+    def first(self, sql: _Sql, params: dict[str, Any]) -> dict[str, Any] | None:
+        row = self._execute(sql, params).fetchone()
+        return None if row is None else dict(zip(sql.columns, row, strict=True))
+
+    def run(self, sql: _Sql, params: dict[str, Any]) -> int:
+        return self._execute(sql, params).rowcount
+
+    def run_many(self, sql: _Sql, rows: list[dict[str, Any]]) -> None:
+        text, _ = sql.render(self.dialect, {})
+        cursor = self.driver.cursor()
+        cursor.executemany(text, [sql.render(self.dialect, row)[1] for row in rows])
+        cursor.close()
+
+    def insert_each(self, sql: _Sql, rows: list[dict[str, Any]]) -> list[bool]:
+        """Run an INSERT ... ON CONFLICT DO NOTHING per row; which rows went in."""
+        cursor = self.driver.cursor()
+        text, _ = sql.render(self.dialect, {})
+        params = [sql.render(self.dialect, row)[1] for row in rows]
+        if self.dialect.name == "sqlite":
+            inserted = []
+            for row in params:
+                cursor.execute(text, row)
+                inserted.append(cursor.rowcount == 1)
+        else:  # psycopg sends the rows in one pipeline and keeps one result per row
+            # SQLAlchemy already adds RETURNING of a serial key on PostgreSQL; any row back means inserted.
+            returning = text if " RETURNING " in text else text + " RETURNING 1"
+            cursor.executemany(returning, params, returning=True)
+            inserted = [cursor.fetchone() is not None]
+            while cursor.nextset():
+                inserted.append(cursor.fetchone() is not None)
+        cursor.close()
+        return inserted
+
+
+def _insert_row(table: Any, insert_: Any = insert) -> Any:
+    """INSERT of every column but the autoincrement key, each bound by its column name."""
+    return insert_(table).values(
+        {c.key: bindparam(c.key) for c in table.columns if c is not table.autoincrement_column}
+    )
+
+
+def _insert_ignoring_duplicates(table: Any) -> _DialectSql:
+    return _DialectSql(
+        {
+            "sqlite": _Sql(_insert_row(table, sqlite_dialect.insert).on_conflict_do_nothing()),
+            "postgresql": _Sql(_insert_row(table, pg_dialect.insert).on_conflict_do_nothing()),
+        }
+    )
+
+
+class _DialectSql:
+    """Statements that SQLite and PostgreSQL spell differently (ON CONFLICT lives in each dialect)."""
+
+    def __init__(self, by_dialect: dict[str, _Sql]) -> None:
+        self.by_dialect = by_dialect
+
+    def __getitem__(self, tx: _Tx) -> _Sql:
+        return self.by_dialect[tx.dialect.name]
+
+
+def _bp(name: str) -> Any:
+    return bindparam(name)
+
+
+# --- the statements of the hot paths ----------------------------------------------------------
+
+_INSERT_ROLLOUT = _Sql(_insert_row(rollouts))
+_INSERT_ROLLOUT_IF_NEW_KEY = _insert_ignoring_duplicates(rollouts)
+_SELECT_ROLLOUT_BY_KEY = _Sql(select(*_ROLLOUT_COLUMNS).where(rollouts.c.idempotency_key == _bp("key")))
+_SELECT_LATEST_RESOURCES_ID = _Sql(select(resources.c.resources_id).order_by(resources.c.latest_order.desc()).limit(1))
+_SELECT_RESOURCES_ID = _Sql(select(resources.c.resources_id).where(resources.c.resources_id == _bp("rs_id")))
+_SELECT_QUEUE_HEAD = _Sql(
+    select(*_ROLLOUT_COLUMNS, rollouts.c.attempt_count)
+    .where(rollouts.c.queued_at.is_not(None))
+    .order_by(rollouts.c.queued_at, rollouts.c.seq)
+    .limit(_bp("limit"))
+    .with_for_update(skip_locked=True)
+)
+_SELECT_ROLLOUT_FOR_UPDATE = _Sql(
+    select(*_ROLLOUT_COLUMNS, rollouts.c.attempt_count, rollouts.c.latest_attempt_id)
+    .where(rollouts.c.rollout_id == _bp("r_id"))
+    .with_for_update()
+)
+_INSERT_ATTEMPT = _Sql(_insert_row(attempts))
+_UPDATE_ROLLOUT_FOR_NEW_ATTEMPT = _Sql(
+    update(rollouts)
+    .where(rollouts.c.rollout_id == _bp("r_id"))
+    .values(
+        status="preparing",
+        end_time=None,
+        queued_at=None,
+        attempt_count=_bp("attempt_count"),
+        latest_attempt_id=_bp("a_id"),
+    )
+)
+_SET_ROLLOUT_STATUS = _Sql(
+    update(rollouts)
+    .where(rollouts.c.rollout_id == _bp("r_id"))
+    .values(status=_bp("status"), end_time=_bp("end_time"), queued_at=_bp("queued_at"))
+)
+_ATTEMPT_AND_ROLLOUT = select(
+    *_ATTEMPT_COLUMNS,
+    attempts.c.worker_id,
+    rollouts.c.status.label("rollout_status"),
+    rollouts.c.config,
+    rollouts.c.latest_attempt_id,
+    rollouts.c.next_span_sequence_id,
+).select_from(attempts.join(rollouts, rollouts.c.rollout_id == attempts.c.rollout_id))
+_SELECT_ATTEMPT_AND_ROLLOUT = _Sql(_ATTEMPT_AND_ROLLOUT.where(attempts.c.attempt_id == _bp("a_id")).with_for_update())
+_SELECT_LATEST_ATTEMPT_ID = _Sql(select(rollouts.c.latest_attempt_id).where(rollouts.c.rollout_id == _bp("r_id")))
+_SET_ATTEMPT_STATUS = _Sql(
+    update(attempts).where(attempts.c.attempt_id == _bp("a_id")).values(status=_bp("status"), end_time=_bp("end_time"))
+)
+_HEARTBEAT = _Sql(update(attempts).where(attempts.c.attempt_id == _bp("a_id")).values(last_heartbeat_time=_bp("now")))
+_INSERT_SPAN_IF_NEW = _insert_ignoring_duplicates(spans)
+_RAISE_SPAN_COUNTER = _Sql(
+    update(rollouts)
+    .where(rollouts.c.rollout_id == _bp("r_id"))
+    .values(
+        next_span_sequence_id=case(
+            (rollouts.c.next_span_sequence_id <= _bp("seen"), _bp("seen") + 1),
+            else_=rollouts.c.next_span_sequence_id,
+        )
+    )
+)
+_SELECT_ATTEMPT_OWNER = _Sql(select(attempts.c.rollout_id).where(attempts.c.attempt_id == _bp("a_id")))
+_ALLOCATE_SPAN_IDS = _Sql(
+    update(rollouts)
+    .where(rollouts.c.rollout_id == _bp("r_id"))
+    .values(next_span_sequence_id=rollouts.c.next_span_sequence_id + _bp("count"))
+    .returning(rollouts.c.next_span_sequence_id)
+)
+_SELECT_SPANS_OF_ROLLOUT = _Sql(
+    select(spans.c.payload).where(spans.c.rollout_id == _bp("r_id")).order_by(spans.c.sequence_id, spans.c.pk)
+)
+_SELECT_SPANS_OF_ATTEMPT = _Sql(
+    select(spans.c.payload)
+    .where(spans.c.rollout_id == _bp("r_id"), spans.c.attempt_id == _bp("a_id"))
+    .order_by(spans.c.sequence_id, spans.c.pk)
+)
+_SELECT_ROLLOUT_EXISTS = _Sql(select(rollouts.c.seq).where(rollouts.c.rollout_id == _bp("r_id")))
+
+
+def _upsert_worker(insert_: Any) -> _Sql:
+    # Times not given stay as they were; status and the current rollout always follow the attempt.
+    stmt = insert_(workers).values(
+        worker_id=_bp("w_id"),
+        status=_bp("status"),
+        last_dequeue_time=_bp("dequeued"),
+        last_busy_time=_bp("busy"),
+        last_idle_time=_bp("idle"),
+        current_rollout_id=_bp("r_id"),
+        current_attempt_id=_bp("a_id"),
+    )
+    keep = stmt.excluded
+    return _Sql(
+        stmt.on_conflict_do_update(
+            index_elements=[workers.c.worker_id],
+            set_={
+                "status": keep.status,
+                "last_dequeue_time": func.coalesce(keep.last_dequeue_time, workers.c.last_dequeue_time),
+                "last_busy_time": func.coalesce(keep.last_busy_time, workers.c.last_busy_time),
+                "last_idle_time": func.coalesce(keep.last_idle_time, workers.c.last_idle_time),
+                "current_rollout_id": keep.current_rollout_id,
+                "current_attempt_id": keep.current_attempt_id,
+            },
+        )
+    )
+
+
+_UPSERT_WORKER_STATUS = _DialectSql(
+    {"sqlite": _upsert_worker(sqlite_dialect.insert), "postgresql": _upsert_worker(pg_dialect.insert)}
+)
+
+
 # --- the transactions -------------------------------------------------------------------------
-# Each function below runs inside one transaction on `conn` and is the whole of one store call.
+# Each function below runs inside one transaction and is the whole of one store call.
 
 
-def _op_enqueue(conn: Connection, requests: list[EnqueueRolloutRequest], now: float) -> list[Rollout]:
-    _check_resources_exist(conn, {r.resources_id for r in requests if r.resources_id})
-    latest_resources_id = None
+def _op_enqueue(tx: _Tx, requests: list[EnqueueRolloutRequest], encoded: list[str], now: float) -> list[Rollout]:
+    _check_resources_exist(tx, {r.resources_id for r in requests if r.resources_id})
+    latest = None
     if any(r.resources_id is None for r in requests):
-        latest_resources_id = conn.execute(_SELECT_LATEST_RESOURCES_ID).scalar()
+        latest = tx.first(_SELECT_LATEST_RESOURCES_ID, {})
+    latest_resources_id = latest["resources_id"] if latest else None
 
     results: list[Rollout | None] = [None] * len(requests)
-    keyed: dict[str, list[int]] = {}
-    rows: list[dict[str, Any]] = []
+    first_with_key: dict[str, int] = {}
+    plain_rows: list[dict[str, Any]] = []
     for index, request in enumerate(requests):
-        if request.idempotency_key is not None:
-            keyed.setdefault(request.idempotency_key, []).append(index)
-            if len(keyed[request.idempotency_key]) > 1:
-                continue  # the same key twice in one batch: both get the first one's rollout
+        key = request.idempotency_key
+        if key is not None and key in first_with_key:
+            continue  # the same key twice in one batch: both get the first one's rollout
         rollout = Rollout(
             rollout_id=new_rollout_id(),
             input=request.input,
@@ -640,95 +860,66 @@ def _op_enqueue(conn: Connection, requests: list[EnqueueRolloutRequest], now: fl
             config=request.config or RolloutConfig(),
             metadata=request.metadata,
         )
+        row = _rollout_row(rollout, encoded[index], key, queued_at=now)
         results[index] = rollout
-        rows.append(_rollout_row(rollout, request.idempotency_key, queued_at=now))
-
-    plain = [row for row in rows if row["idempotency_key"] is None]
-    if plain:
-        conn.execute(insert(rollouts), plain)
-    for row in (row for row in rows if row["idempotency_key"] is not None):
-        inserted = conn.execute(
-            _dialect_insert(conn)(rollouts).on_conflict_do_nothing().returning(rollouts.c.rollout_id), row
-        ).first()
-        if inserted is None:  # the key was used before: hand back the first rollout
-            indices = keyed[row["idempotency_key"]]
-            existing = conn.execute(
-                select(*_ROLLOUT_COLUMNS).where(rollouts.c.idempotency_key == row["idempotency_key"])
-            ).one()
-            results[indices[0]] = _rollout(existing._mapping)
-    for indices in keyed.values():
-        for index in indices[1:]:
-            results[index] = results[indices[0]]
-    return [r for r in results if r is not None]
+        if key is None:
+            plain_rows.append(row)
+            continue
+        first_with_key[key] = index
+        if not tx.insert_each(_INSERT_ROLLOUT_IF_NEW_KEY[tx], [row])[0]:
+            # The key was used by an earlier call: hand back that rollout, enqueue nothing.
+            results[index] = _rollout(tx.first(_SELECT_ROLLOUT_BY_KEY, {"key": key}))
+    if plain_rows:
+        tx.run_many(_INSERT_ROLLOUT, plain_rows)
+    for index, request in enumerate(requests):
+        if results[index] is None:
+            results[index] = results[first_with_key[request.idempotency_key]]
+    return results  # type: ignore[return-value]
 
 
 def _op_start_rollout(
-    conn: Connection, request: EnqueueRolloutRequest, worker_id: str | None, now: float
+    tx: _Tx, request: EnqueueRolloutRequest, encoded_input: str, worker_id: str | None, now: float
 ) -> AttemptedRollout:
-    _check_resources_exist(conn, {request.resources_id} if request.resources_id else set())
-    resources_id = request.resources_id or conn.execute(_SELECT_LATEST_RESOURCES_ID).scalar()
+    _check_resources_exist(tx, {request.resources_id} if request.resources_id else set())
+    latest = None if request.resources_id else tx.first(_SELECT_LATEST_RESOURCES_ID, {})
     rollout = Rollout(
         rollout_id=new_rollout_id(),
         input=request.input,
         start_time=now,
         mode=request.mode,
-        resources_id=resources_id,
+        resources_id=request.resources_id or (latest["resources_id"] if latest else None),
         status="preparing",
         config=request.config or RolloutConfig(),
         metadata=request.metadata,
     )
-    conn.execute(insert(rollouts), _rollout_row(rollout, None, queued_at=None))
-    attempt = _create_attempt(conn, rollout, 1, worker_id, now)
+    tx.run(_INSERT_ROLLOUT, _rollout_row(rollout, encoded_input, None, queued_at=None))
+    attempt = _create_attempt(tx, rollout, 1, worker_id, now)
     return AttemptedRollout(**rollout.__dict__, attempt=attempt)
 
 
-_SELECT_QUEUE_HEAD = (
-    select(*_ROLLOUT_COLUMNS, rollouts.c.attempt_count)
-    .where(rollouts.c.queued_at.is_not(None), rollouts.c.status.in_(sorted(lifecycle.QUEUED_ROLLOUT)))
-    .order_by(rollouts.c.queued_at, rollouts.c.seq)
-    .limit(bindparam("limit"))
-    .with_for_update(skip_locked=True)
-)
-
-
-def _op_dequeue(conn: Connection, limit: int, worker_id: str | None, now: float) -> list[AttemptedRollout]:
+def _op_dequeue(tx: _Tx, limit: int, worker_id: str | None, now: float) -> list[AttemptedRollout]:
     claimed = []
-    for row in conn.execute(_SELECT_QUEUE_HEAD, {"limit": limit}).all():
-        rollout = _rollout(row._mapping)
+    for row in tx.rows(_SELECT_QUEUE_HEAD, {"limit": limit}):
+        rollout = _rollout(row)
         rollout.status = "preparing"
-        attempt = _create_attempt(conn, rollout, row.attempt_count + 1, worker_id, now)
+        attempt = _create_attempt(tx, rollout, row["attempt_count"] + 1, worker_id, now)
         claimed.append(AttemptedRollout(**rollout.__dict__, attempt=attempt))
     return claimed
 
 
-def _op_start_attempt(conn: Connection, rollout_id: str, worker_id: str | None, now: float) -> AttemptedRollout:
-    row = conn.execute(
-        select(*_ROLLOUT_COLUMNS, rollouts.c.attempt_count).where(rollouts.c.rollout_id == rollout_id).with_for_update()
-    ).first()
+def _op_start_attempt(tx: _Tx, rollout_id: str, worker_id: str | None, now: float) -> AttemptedRollout:
+    row = tx.first(_SELECT_ROLLOUT_FOR_UPDATE, {"r_id": rollout_id})
     if row is None:
         raise NotFoundError(f"start_attempt: no rollout {rollout_id!r}")
-    rollout = _rollout(row._mapping)
+    rollout = _rollout(row)
     rollout.status = "preparing"
     rollout.end_time = None
-    attempt = _create_attempt(conn, rollout, row.attempt_count + 1, worker_id, now)
+    attempt = _create_attempt(tx, rollout, row["attempt_count"] + 1, worker_id, now)
     return AttemptedRollout(**rollout.__dict__, attempt=attempt)
 
 
-_UPDATE_ROLLOUT_FOR_NEW_ATTEMPT = (
-    update(rollouts)
-    .where(rollouts.c.rollout_id == bindparam("r_id"))
-    .values(
-        status="preparing",
-        end_time=None,
-        queued_at=None,
-        attempt_count=bindparam("attempt_count"),
-        latest_attempt_id=bindparam("attempt_id"),
-    )
-)
-
-
-def _create_attempt(conn: Connection, rollout: Rollout, sequence_id: int, worker_id: str | None, now: float) -> Attempt:
-    """A new attempt becomes the rollout's latest; the rollout is preparing."""
+def _create_attempt(tx: _Tx, rollout: Rollout, sequence_id: int, worker_id: str | None, now: float) -> Attempt:
+    """A new attempt becomes the rollout's latest; the rollout is preparing and leaves the queue."""
     attempt = Attempt(
         rollout_id=rollout.rollout_id,
         attempt_id=new_attempt_id(),
@@ -738,8 +929,8 @@ def _create_attempt(conn: Connection, rollout: Rollout, sequence_id: int, worker
         worker_id=worker_id,
     )
     config = rollout.config
-    conn.execute(
-        insert(attempts),
+    tx.run(
+        _INSERT_ATTEMPT,
         {
             **attempt.__dict__,
             "metadata": None,
@@ -747,180 +938,127 @@ def _create_attempt(conn: Connection, rollout: Rollout, sequence_id: int, worker
             "unresponsive_seconds": config.unresponsive_seconds,
         },
     )
-    conn.execute(
+    tx.run(
         _UPDATE_ROLLOUT_FOR_NEW_ATTEMPT,
-        {"r_id": rollout.rollout_id, "attempt_count": sequence_id, "attempt_id": attempt.attempt_id},
+        {"r_id": rollout.rollout_id, "attempt_count": sequence_id, "a_id": attempt.attempt_id},
     )
     if worker_id:
-        _record_worker_status(conn, worker_id, attempt, now, dequeued=True)
+        _record_worker_status(tx, worker_id, attempt, now, dequeued=True)
     return attempt
 
 
-def _op_update_rollout(
-    conn: Connection, rollout_id: str, changes: dict[str, Any], status: RolloutStatus, now: float
-) -> Rollout:
-    row = conn.execute(select(*_ROLLOUT_COLUMNS).where(rollouts.c.rollout_id == rollout_id).with_for_update()).first()
-    if row is None:
+def _op_update_rollout(tx: _Tx, rollout_id: str, changes: dict[str, Any], status: RolloutStatus, now: float) -> Rollout:
+    if tx.first(_SELECT_ROLLOUT_FOR_UPDATE, {"r_id": rollout_id}) is None:
         raise NotFoundError(f"update_rollout: no rollout {rollout_id!r}")
     if changes.get("resources_id"):
-        _check_resources_exist(conn, {changes["resources_id"]})
+        _check_resources_exist(tx, {changes["resources_id"]})
     if changes:
-        conn.execute(update(rollouts).where(rollouts.c.rollout_id == rollout_id).values(**changes))
+        tx.conn.execute(update(rollouts).where(rollouts.c.rollout_id == rollout_id).values(**changes))
     if "config" in changes:
         # Active attempts follow the new deadlines.
-        config = RolloutConfig.model_validate(changes["config"])
-        conn.execute(
+        config = RolloutConfig.model_validate_json(changes["config"])
+        timeout_at = None if config.timeout_seconds is None else attempts.c.start_time + config.timeout_seconds
+        tx.conn.execute(
             update(attempts)
             .where(attempts.c.rollout_id == rollout_id, attempts.c.status.in_(sorted(lifecycle.ACTIVE_ATTEMPT)))
-            .values(
-                timeout_at=None if config.timeout_seconds is None else attempts.c.start_time + config.timeout_seconds,
-                unresponsive_seconds=config.unresponsive_seconds,
-            )
+            .values(timeout_at=timeout_at, unresponsive_seconds=config.unresponsive_seconds)
         )
     if status is not UNSET:
-        _set_rollout_status(conn, rollout_id, status, now)
-    return _rollout(conn.execute(select(*_ROLLOUT_COLUMNS).where(rollouts.c.rollout_id == rollout_id)).one()._mapping)
+        _set_rollout_status(tx, rollout_id, status, now)
+    return _rollout(tx.first(_SELECT_ROLLOUT_FOR_UPDATE, {"r_id": rollout_id}))
 
 
-_SET_ROLLOUT_STATUS = (
-    update(rollouts)
-    .where(rollouts.c.rollout_id == bindparam("r_id"))
-    .values(status=bindparam("status"), end_time=bindparam("end_time"), queued_at=bindparam("queued_at"))
-)
-
-
-def _set_rollout_status(conn: Connection, rollout_id: str, status: RolloutStatus, now: float) -> None:
+def _set_rollout_status(tx: _Tx, rollout_id: str, status: RolloutStatus, now: float) -> None:
     """The one place a rollout's status changes after creation: finished statuses stamp end_time;
     queued statuses put the rollout at the back of the queue (queued_at is set only while queued)."""
-    queued = status in lifecycle.QUEUED_ROLLOUT
-    conn.execute(
+    tx.run(
         _SET_ROLLOUT_STATUS,
         {
             "r_id": rollout_id,
             "status": status,
             "end_time": now if lifecycle.ends_rollout(status) else None,
-            "queued_at": now if queued else None,
+            "queued_at": now if status in lifecycle.QUEUED_ROLLOUT else None,
         },
     )
 
 
-_SELECT_ATTEMPT_AND_ROLLOUT = select(
-    *_ATTEMPT_COLUMNS,
-    rollouts.c.status.label("rollout_status"),
-    rollouts.c.config,
-    rollouts.c.latest_attempt_id,
-    rollouts.c.next_span_sequence_id,
-).select_from(attempts.join(rollouts, rollouts.c.rollout_id == attempts.c.rollout_id))
-
-
 def _op_update_attempt(
-    conn: Connection,
+    tx: _Tx,
     rollout_id: str,
     attempt_id: str,
     status: AttemptStatus,
-    worker_id: str | None,
-    last_heartbeat_time: float,
-    metadata: dict[str, Any] | None,
+    changes: dict[str, Any],
     now: float,
 ) -> Attempt:
     if attempt_id == "latest":
-        latest = conn.execute(select(rollouts.c.latest_attempt_id).where(rollouts.c.rollout_id == rollout_id)).first()
+        latest = tx.first(_SELECT_LATEST_ATTEMPT_ID, {"r_id": rollout_id})
         if latest is None:
             raise NotFoundError(f"update_attempt: no rollout {rollout_id!r}")
-        if latest.latest_attempt_id is None:
+        if latest["latest_attempt_id"] is None:
             raise NotFoundError(f"update_attempt: rollout {rollout_id!r} has no attempt yet")
-        attempt_id = latest.latest_attempt_id
-    row = conn.execute(_SELECT_ATTEMPT_AND_ROLLOUT.where(attempts.c.attempt_id == attempt_id).with_for_update()).first()
-    if row is None or row.rollout_id != rollout_id:
+        attempt_id = latest["latest_attempt_id"]
+    row = tx.first(_SELECT_ATTEMPT_AND_ROLLOUT, {"a_id": attempt_id})
+    if row is None or row["rollout_id"] != rollout_id:
         raise NotFoundError(f"update_attempt: no attempt {attempt_id!r} in rollout {rollout_id!r}")
-    attempt = _attempt(row._mapping)
-    changes: dict[str, Any] = {}
-    if worker_id is not UNSET:
-        changes["worker_id"] = attempt.worker_id = worker_id
-    if last_heartbeat_time is not UNSET:
-        changes["last_heartbeat_time"] = attempt.last_heartbeat_time = last_heartbeat_time
-    if metadata is not UNSET:
-        changes["metadata"] = attempt.metadata = metadata
     if changes:
-        conn.execute(update(attempts).where(attempts.c.attempt_id == attempt_id).values(**changes))
+        tx.conn.execute(update(attempts).where(attempts.c.attempt_id == attempt_id).values(**changes))
+        row.update(changes)
+    attempt = _attempt(row)
     if status is not UNSET and status != attempt.status:
-        _move_attempt(conn, attempt, row, status, now)
+        _move_attempt(tx, attempt, row, status, now)
     return attempt
 
 
-def _move_attempt(conn: Connection, attempt: Attempt, row: Any, status: AttemptStatus, now: float) -> None:
+def _move_attempt(tx: _Tx, attempt: Attempt, row: dict[str, Any], status: AttemptStatus, now: float) -> None:
     """Change an attempt's status and apply the lifecycle to its rollout and worker.
     `row` carries the rollout's status, config and latest attempt id."""
     attempt.status = status
     attempt.end_time = now if lifecycle.ends_attempt(status) else None
-    conn.execute(
-        update(attempts)
-        .where(attempts.c.attempt_id == attempt.attempt_id)
-        .values(status=status, end_time=attempt.end_time)
-    )
+    tx.run(_SET_ATTEMPT_STATUS, {"a_id": attempt.attempt_id, "status": status, "end_time": attempt.end_time})
     new_rollout_status = lifecycle.rollout_status_after_attempt(
         status,
         attempt.sequence_id,
-        row.latest_attempt_id == attempt.attempt_id,
-        row.rollout_status,
-        RolloutConfig.model_validate(row.config),
+        row["latest_attempt_id"] == attempt.attempt_id,
+        row["rollout_status"],
+        RolloutConfig.model_validate_json(row["config"]),
     )
-    if new_rollout_status is not None and new_rollout_status != row.rollout_status:
-        _set_rollout_status(conn, attempt.rollout_id, new_rollout_status, now)
+    if new_rollout_status is not None and new_rollout_status != row["rollout_status"]:
+        _set_rollout_status(tx, attempt.rollout_id, new_rollout_status, now)
+        row["rollout_status"] = new_rollout_status
     if attempt.worker_id:
-        _record_worker_status(conn, attempt.worker_id, attempt, now, dequeued=False)
+        _record_worker_status(tx, attempt.worker_id, attempt, now, dequeued=False)
 
 
-def _record_worker_status(conn: Connection, worker_id: str, attempt: Attempt, now: float, dequeued: bool) -> None:
+def _record_worker_status(tx: _Tx, worker_id: str, attempt: Attempt, now: float, dequeued: bool) -> None:
     status = lifecycle.worker_status_after_attempt(attempt.status)
-    values: dict[str, Any] = {"status": status}
-    if status == "busy":
-        values.update(last_busy_time=now, current_rollout_id=attempt.rollout_id, current_attempt_id=attempt.attempt_id)
-    else:
-        values.update(last_idle_time=now, current_rollout_id=None, current_attempt_id=None)
-    if dequeued:
-        values["last_dequeue_time"] = now
-    stmt = _dialect_insert(conn)(workers).values(worker_id=worker_id, **values)
-    conn.execute(stmt.on_conflict_do_update(index_elements=[workers.c.worker_id], set_=values))
-
-
-_INSERT_SPANS_IGNORE_DUPLICATES = {
-    dialect: insert_(spans).on_conflict_do_nothing().returning(spans.c.attempt_id, spans.c.span_id)
-    for dialect, insert_ in (("sqlite", sqlite_dialect.insert), ("postgresql", pg_dialect.insert))
-}
-_HEARTBEAT = (
-    update(attempts).where(attempts.c.attempt_id == bindparam("a_id")).values(last_heartbeat_time=bindparam("now"))
-)
-_RAISE_SPAN_COUNTER = (
-    update(rollouts)
-    .where(rollouts.c.rollout_id == bindparam("r_id"))
-    .values(
-        next_span_sequence_id=case(
-            (rollouts.c.next_span_sequence_id <= bindparam("seen"), bindparam("seen") + 1),
-            else_=rollouts.c.next_span_sequence_id,
-        )
+    busy = status == "busy"
+    tx.run(
+        _UPSERT_WORKER_STATUS[tx],
+        {
+            "w_id": worker_id,
+            "status": status,
+            "dequeued": now if dequeued else None,
+            "busy": now if busy else None,
+            "idle": None if busy else now,
+            "r_id": attempt.rollout_id if busy else None,
+            "a_id": attempt.attempt_id if busy else None,
+        },
     )
-)
 
 
-def _op_add_spans(conn: Connection, new_spans: list[Span], now: float) -> list[Span]:
+def _op_add_spans(tx: _Tx, new_spans: list[Span], payloads: list[str], now: float) -> list[Span]:
     """Store spans (a duplicate rollout/attempt/span id is skipped), beat the attempts' hearts,
     revive preparing or unresponsive attempts, and keep each rollout's span counter ahead."""
-    attempt_ids = list(dict.fromkeys(span.attempt_id for span in new_spans))
-    found = {
-        row.attempt_id: row
-        for row in conn.execute(
-            _SELECT_ATTEMPT_AND_ROLLOUT.where(attempts.c.attempt_id.in_(attempt_ids))
-            .order_by(attempts.c.attempt_id)
-            .with_for_update()
-        ).all()
-    }
+    found: dict[str, dict[str, Any]] = {}
+    for attempt_id in sorted({span.attempt_id for span in new_spans}):
+        row = tx.first(_SELECT_ATTEMPT_AND_ROLLOUT, {"a_id": attempt_id})
+        if row is not None:
+            found[attempt_id] = row
     for span in new_spans:
         row = found.get(span.attempt_id)
-        if row is None or row.rollout_id != span.rollout_id:
+        if row is None or row["rollout_id"] != span.rollout_id:
             raise NotFoundError(f"add_span: no attempt {span.attempt_id!r} in rollout {span.rollout_id!r}")
 
-    stmt = _INSERT_SPANS_IGNORE_DUPLICATES[conn.dialect.name]
     rows = [
         {
             "rollout_id": span.rollout_id,
@@ -932,60 +1070,44 @@ def _op_add_spans(conn: Connection, new_spans: list[Span], now: float) -> list[S
             "name": span.name,
             "start_time": span.start_time,
             "end_time": span.end_time,
-            "payload": span.model_dump_json(),
+            "payload": payload,
         }
-        for span in new_spans
+        for span, payload in zip(new_spans, payloads, strict=True)
     ]
-    stored = {(r.attempt_id, r.span_id) for r in conn.execute(stmt, rows).all()}
-    added = []
-    for span in new_spans:
-        if (span.attempt_id, span.span_id) in stored:
-            stored.discard((span.attempt_id, span.span_id))  # a duplicate inside the batch counts once
-            added.append(span)
+    inserted = tx.insert_each(_INSERT_SPAN_IF_NEW[tx], rows)
+    added = [span for span, ok in zip(new_spans, inserted, strict=True) if ok]
 
-    for attempt_id in sorted(attempt_ids):
-        row = found[attempt_id]
-        revived = lifecycle.attempt_status_on_heartbeat(row.status)
-        conn.execute(_HEARTBEAT, {"a_id": attempt_id, "now": now})
-        if revived != row.status:
-            attempt = _attempt(row._mapping)
-            _move_attempt(conn, attempt, row, revived, now)
+    for attempt_id, row in found.items():
+        tx.run(_HEARTBEAT, {"a_id": attempt_id, "now": now})
+        revived = lifecycle.attempt_status_on_heartbeat(row["status"])
+        if revived != row["status"]:
+            _move_attempt(tx, _attempt(row), row, revived, now)
 
     highest: dict[str, int] = {}
     for span in added:
         highest[span.rollout_id] = max(highest.get(span.rollout_id, 0), span.sequence_id)
-    next_ids = {row.rollout_id: row.next_span_sequence_id for row in found.values()}
+    next_ids = {row["rollout_id"]: row["next_span_sequence_id"] for row in found.values()}
     for rollout_id in sorted(highest):
         if highest[rollout_id] >= next_ids[rollout_id]:
-            conn.execute(_RAISE_SPAN_COUNTER, {"r_id": rollout_id, "seen": highest[rollout_id]})
+            tx.run(_RAISE_SPAN_COUNTER, {"r_id": rollout_id, "seen": highest[rollout_id]})
     return added
 
 
-_ALLOCATE_SPAN_IDS = (
-    update(rollouts)
-    .where(rollouts.c.rollout_id == bindparam("r_id"))
-    .values(next_span_sequence_id=rollouts.c.next_span_sequence_id + bindparam("count"))
-    .returning(rollouts.c.next_span_sequence_id)
-)
-
-
-def _op_allocate_sequence_ids(conn: Connection, pairs: list[tuple[str, str]]) -> list[int]:
+def _op_allocate_sequence_ids(tx: _Tx, pairs: list[tuple[str, str]]) -> list[int]:
     """Reserve span sequence ids, per rollout, in the order asked."""
-    attempt_ids = list({attempt_id for _, attempt_id in pairs})
-    owners = dict(
-        conn.execute(
-            select(attempts.c.attempt_id, attempts.c.rollout_id).where(attempts.c.attempt_id.in_(attempt_ids))
-        ).all()
-    )
     counts: dict[str, int] = {}
+    checked: set[tuple[str, str]] = set()
     for rollout_id, attempt_id in pairs:
-        if owners.get(attempt_id) != rollout_id:
-            raise NotFoundError(f"span sequence id: no attempt {attempt_id!r} in rollout {rollout_id!r}")
+        if (rollout_id, attempt_id) not in checked:
+            owner = tx.first(_SELECT_ATTEMPT_OWNER, {"a_id": attempt_id})
+            if owner is None or owner["rollout_id"] != rollout_id:
+                raise NotFoundError(f"span sequence id: no attempt {attempt_id!r} in rollout {rollout_id!r}")
+            checked.add((rollout_id, attempt_id))
         counts[rollout_id] = counts.get(rollout_id, 0) + 1
     next_free: dict[str, int] = {}
     for rollout_id in sorted(counts):
-        after = conn.execute(_ALLOCATE_SPAN_IDS, {"r_id": rollout_id, "count": counts[rollout_id]}).scalar_one()
-        next_free[rollout_id] = after - counts[rollout_id]
+        after = tx.first(_ALLOCATE_SPAN_IDS, {"r_id": rollout_id, "count": counts[rollout_id]})
+        next_free[rollout_id] = after["next_span_sequence_id"] - counts[rollout_id]  # type: ignore[index]
     allocated = []
     for rollout_id, _ in pairs:
         allocated.append(next_free[rollout_id])
@@ -993,31 +1115,35 @@ def _op_allocate_sequence_ids(conn: Connection, pairs: list[tuple[str, str]]) ->
     return allocated
 
 
-def _op_query_spans(conn: Connection, rollout_id: str, attempt_id: str | None, stmt: Any) -> list[Span]:
+def _op_query_spans(tx: _Tx, rollout_id: str, attempt_id: str | None, stmt: Any | None) -> list[Span]:
+    """`stmt` None: all spans of the rollout (or attempt) in sequence order, the common case."""
     if attempt_id == "latest":
-        latest = conn.execute(select(rollouts.c.latest_attempt_id).where(rollouts.c.rollout_id == rollout_id)).first()
+        latest = tx.first(_SELECT_LATEST_ATTEMPT_ID, {"r_id": rollout_id})
         if latest is None:
             raise NotFoundError(f"query_spans: no rollout {rollout_id!r}")
-        if latest.latest_attempt_id is None:
+        if latest["latest_attempt_id"] is None:
             return []
-        attempt_id = latest.latest_attempt_id
-    params = {"rollout_id": rollout_id}
-    if attempt_id is not None:
-        params["attempt_id"] = attempt_id
-    payloads = conn.execute(stmt, params).scalars().all()
+        attempt_id = latest["latest_attempt_id"]
+    params = {"r_id": rollout_id, "a_id": attempt_id}
+    if stmt is not None:
+        payloads = list(tx.conn.execute(stmt, params).scalars())
+    elif attempt_id is None:
+        payloads = [row["payload"] for row in tx.rows(_SELECT_SPANS_OF_ROLLOUT, params)]
+    else:
+        payloads = [row["payload"] for row in tx.rows(_SELECT_SPANS_OF_ATTEMPT, params)]
     if not payloads:
-        _check_rollout_exists(conn, rollout_id, "query_spans")
+        _check_rollout_exists(tx, rollout_id, "query_spans")
         return []
     return _SPAN_LIST.validate_json("[" + ",".join(payloads) + "]")
 
 
-def _op_watchdog(conn: Connection, now: float) -> int:
+def _op_watchdog(tx: _Tx, now: float) -> int:
     """Mark attempts that ran past their timeout or fell silent, and move their rollouts.
     Safe with several stores on one database: rows are locked (PostgreSQL) or the whole pass
     holds the write lock (SQLite), and each verdict is re-checked against the locked row."""
     silent_since = func.coalesce(attempts.c.last_heartbeat_time, attempts.c.start_time)
     overdue = (
-        _SELECT_ATTEMPT_AND_ROLLOUT.where(
+        _ATTEMPT_AND_ROLLOUT.where(
             attempts.c.status.in_(sorted(lifecycle.ACTIVE_ATTEMPT)),
             or_(
                 attempts.c.timeout_at < now,
@@ -1031,24 +1157,25 @@ def _op_watchdog(conn: Connection, now: float) -> int:
         .with_for_update(of=attempts, skip_locked=True)
     )
     marked = 0
-    for row in conn.execute(overdue).all():
-        config = RolloutConfig.model_validate(row.config)
-        verdict = lifecycle.watchdog_verdict(row.status, row.start_time, row.last_heartbeat_time, config, now)
+    for result_row in tx.conn.execute(overdue).all():
+        row = dict(result_row._mapping)
+        config = RolloutConfig.model_validate_json(row["config"])
+        verdict = lifecycle.watchdog_verdict(row["status"], row["start_time"], row["last_heartbeat_time"], config, now)
         if verdict is None:
             continue
-        _move_attempt(conn, _attempt(row._mapping), row, verdict, now)
+        _move_attempt(tx, _attempt(row), row, verdict, now)
         marked += 1
     return marked
 
 
-def _op_rollouts_by_ids(conn: Connection, rollout_ids: list[str]) -> dict[str, Rollout]:
-    rows = conn.execute(select(*_ROLLOUT_COLUMNS).where(rollouts.c.rollout_id.in_(rollout_ids))).all()
+def _op_rollouts_by_ids(tx: _Tx, rollout_ids: list[str]) -> dict[str, Rollout]:
+    rows = tx.conn.execute(select(*_ROLLOUT_COLUMNS).where(rollouts.c.rollout_id.in_(rollout_ids))).all()
     return {row.rollout_id: _rollout(row._mapping) for row in rows}
 
 
-def _op_select_rollouts(conn: Connection, stmt: Any) -> list[Rollout]:
+def _op_select_rollouts(tx: _Tx, stmt: Any) -> list[Rollout]:
     result: list[Rollout] = []
-    for row in conn.execute(stmt).all():
+    for row in tx.conn.execute(stmt).all():
         mapping = row._mapping
         rollout = _rollout(mapping)
         if mapping["a_attempt_id"] is not None:
@@ -1058,15 +1185,15 @@ def _op_select_rollouts(conn: Connection, stmt: Any) -> list[Rollout]:
     return result
 
 
-def _op_query_attempts(conn: Connection, rollout_id: str, stmt: Any) -> list[Attempt]:
-    found = [_attempt(row._mapping) for row in conn.execute(stmt).all()]
+def _op_query_attempts(tx: _Tx, rollout_id: str, stmt: Any) -> list[Attempt]:
+    found = [_attempt(row._mapping) for row in tx.conn.execute(stmt).all()]
     if not found:
-        _check_rollout_exists(conn, rollout_id, "query_attempts")
+        _check_rollout_exists(tx, rollout_id, "query_attempts")
     return found
 
 
-def _op_latest_attempt(conn: Connection, rollout_id: str) -> Attempt | None:
-    row = conn.execute(
+def _op_latest_attempt(tx: _Tx, rollout_id: str) -> Attempt | None:
+    row = tx.conn.execute(
         select(*_ATTEMPT_COLUMNS)
         .select_from(rollouts.outerjoin(attempts, attempts.c.attempt_id == rollouts.c.latest_attempt_id))
         .where(rollouts.c.rollout_id == rollout_id)
@@ -1076,68 +1203,58 @@ def _op_latest_attempt(conn: Connection, rollout_id: str) -> Attempt | None:
     return None if row.attempt_id is None else _attempt(row._mapping)
 
 
-_SELECT_LATEST_RESOURCES_ID = select(resources.c.resources_id).order_by(resources.c.latest_order.desc()).limit(1)
-
-
-def _op_put_resources(conn: Connection, resources_id: str, named: dict[str, Any], now: float) -> ResourcesUpdate:
+def _op_put_resources(tx: _Tx, resources_id: str, encoded: str, now: float) -> ResourcesUpdate:
+    conn = tx.conn
     latest_order = (conn.execute(select(func.max(resources.c.latest_order))).scalar() or 0) + 1
     existing = conn.execute(
         select(resources.c.version, resources.c.create_time)
         .where(resources.c.resources_id == resources_id)
         .with_for_update()
     ).first()
+    values = {"update_time": now, "resources": encoded, "latest_order": latest_order}
     if existing is None:
-        update_ = ResourcesUpdate(resources_id=resources_id, create_time=now, update_time=now, version=1, resources={})
-        conn.execute(
-            insert(resources).values(
-                resources_id=resources_id,
-                create_time=now,
-                update_time=now,
-                version=1,
-                resources=named,
-                latest_order=latest_order,
-            )
-        )
+        create_time, version = now, 1
+        conn.execute(insert(resources).values(resources_id=resources_id, create_time=now, version=version, **values))
     else:
-        update_ = ResourcesUpdate(
-            resources_id=resources_id,
-            create_time=existing.create_time,
-            update_time=now,
-            version=existing.version + 1,
-            resources={},
-        )
+        create_time, version = existing.create_time, existing.version + 1
         conn.execute(
-            update(resources)
-            .where(resources.c.resources_id == resources_id)
-            .values(update_time=now, version=update_.version, resources=named, latest_order=latest_order)
+            update(resources).where(resources.c.resources_id == resources_id).values(version=version, **values)
         )
-    return update_.model_copy(update={"resources": _NAMED_RESOURCES.validate_python(named)})
+    return ResourcesUpdate(
+        resources_id=resources_id,
+        create_time=create_time,
+        update_time=now,
+        version=version,
+        resources=_NAMED_RESOURCES.validate_json(encoded),
+    )
 
 
-def _op_select_resources(conn: Connection, stmt: Any) -> list[ResourcesUpdate]:
+def _op_select_resources(tx: _Tx, stmt: Any) -> list[ResourcesUpdate]:
     return [
         ResourcesUpdate(
             resources_id=row.resources_id,
             create_time=row.create_time,
             update_time=row.update_time,
             version=row.version,
-            resources=_NAMED_RESOURCES.validate_python(row.resources),
+            resources=_NAMED_RESOURCES.validate_json(row.resources),
         )
-        for row in conn.execute(stmt).all()
+        for row in tx.conn.execute(stmt).all()
     ]
 
 
-def _op_upsert_worker(conn: Connection, worker_id: str, values: dict[str, Any]) -> Worker:
-    stmt = _dialect_insert(conn)(workers).values(worker_id=worker_id, **values)
-    conn.execute(stmt.on_conflict_do_update(index_elements=[workers.c.worker_id], set_=values))
-    return Worker.model_validate(conn.execute(select(workers).where(workers.c.worker_id == worker_id)).one()._mapping)
+def _op_heartbeat_worker(tx: _Tx, worker_id: str, values: dict[str, Any]) -> Worker:
+    stmt = _dialect_insert(tx.conn)(workers).values(worker_id=worker_id, **values)
+    tx.conn.execute(stmt.on_conflict_do_update(index_elements=[workers.c.worker_id], set_=values))
+    return _worker(tx.conn.execute(select(workers).where(workers.c.worker_id == worker_id)).one()._mapping)
 
 
-def _op_select_workers(conn: Connection, stmt: Any) -> list[Worker]:
-    return [Worker.model_validate(row._mapping) for row in conn.execute(stmt).all()]
+def _op_select_workers(tx: _Tx, stmt: Any) -> list[Worker]:
+    return [_worker(row._mapping) for row in tx.conn.execute(stmt).all()]
 
 
-def _op_statistics(conn: Connection) -> dict[str, Any]:
+def _op_statistics(tx: _Tx) -> dict[str, Any]:
+    conn = tx.conn
+
     def by_status(table: Any) -> dict[str, int]:
         return dict(conn.execute(select(table.c.status, func.count()).group_by(table.c.status)).all())
 
@@ -1150,21 +1267,32 @@ def _op_statistics(conn: Connection) -> dict[str, Any]:
     }
 
 
-# --- helpers ----------------------------------------------------------------------------------
+# --- rows <-> models --------------------------------------------------------------------------
 
 
-def _rollout_row(rollout: Rollout, idempotency_key: str | None, queued_at: float | None) -> dict[str, Any]:
+def _json(value: Any, argument: str) -> str:
+    try:
+        return json.dumps(value, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"{argument} must be JSON-serialisable: {exc}") from None
+
+
+def _json_or_none(value: Any, argument: str) -> str | None:
+    return None if value is None else _json(value, argument)
+
+
+def _rollout_row(rollout: Rollout, encoded_input: str, key: str | None, queued_at: float | None) -> dict[str, Any]:
     return {
         "rollout_id": rollout.rollout_id,
-        "input": rollout.input,
+        "input": encoded_input,
         "start_time": rollout.start_time,
         "end_time": None,
         "mode": rollout.mode,
         "resources_id": rollout.resources_id,
         "status": rollout.status,
-        "config": rollout.config.model_dump(),
-        "metadata": rollout.metadata,
-        "idempotency_key": idempotency_key,
+        "config": rollout.config.model_dump_json(),
+        "metadata": _json_or_none(rollout.metadata, "metadata"),
+        "idempotency_key": key,
         "queued_at": queued_at,
         "attempt_count": 0,
         "latest_attempt_id": None,
@@ -1173,20 +1301,22 @@ def _rollout_row(rollout: Rollout, idempotency_key: str | None, queued_at: float
 
 
 def _rollout(mapping: Any) -> Rollout:
+    metadata = mapping["metadata"]
     return Rollout(
         rollout_id=mapping["rollout_id"],
-        input=mapping["input"],
+        input=json.loads(mapping["input"]),
         start_time=mapping["start_time"],
         end_time=mapping["end_time"],
         mode=mapping["mode"],
         resources_id=mapping["resources_id"],
         status=mapping["status"],
-        config=mapping["config"],
-        metadata=mapping["metadata"],
+        config=RolloutConfig.model_validate_json(mapping["config"]),
+        metadata=None if metadata is None else json.loads(metadata),
     )
 
 
 def _attempt(mapping: Any) -> Attempt:
+    metadata = mapping["metadata"]
     return Attempt(
         rollout_id=mapping["rollout_id"],
         attempt_id=mapping["attempt_id"],
@@ -1196,28 +1326,33 @@ def _attempt(mapping: Any) -> Attempt:
         status=mapping["status"],
         worker_id=mapping["worker_id"],
         last_heartbeat_time=mapping["last_heartbeat_time"],
-        metadata=mapping["metadata"],
+        metadata=None if metadata is None else json.loads(metadata),
     )
+
+
+def _worker(mapping: Any) -> Worker:
+    fields = dict(mapping)
+    if fields["heartbeat_stats"] is not None:
+        fields["heartbeat_stats"] = json.loads(fields["heartbeat_stats"])
+    return Worker.model_validate(fields)
+
+
+# --- checks and helpers -----------------------------------------------------------------------
 
 
 def _dialect_insert(conn: Connection) -> Any:
-    """INSERT with ON CONFLICT clauses, which SQLite and PostgreSQL spell the same way."""
+    """INSERT with ON CONFLICT clauses, which SQLite and PostgreSQL each spell in their dialect."""
     return sqlite_dialect.insert if conn.dialect.name == "sqlite" else pg_dialect.insert
 
 
-def _check_resources_exist(conn: Connection, resources_ids: set[str]) -> None:
-    if not resources_ids:
-        return
-    known = set(
-        conn.execute(select(resources.c.resources_id).where(resources.c.resources_id.in_(resources_ids))).scalars()
-    )
-    missing = sorted(resources_ids - known)
-    if missing:
-        raise NotFoundError(f"resources_id {missing[0]!r} names no resources; add them first with add_resources")
+def _check_resources_exist(tx: _Tx, resources_ids: set[str]) -> None:
+    for resources_id in sorted(resources_ids):
+        if tx.first(_SELECT_RESOURCES_ID, {"rs_id": resources_id}) is None:
+            raise NotFoundError(f"resources_id {resources_id!r} names no resources; add them with add_resources first")
 
 
-def _check_rollout_exists(conn: Connection, rollout_id: str, where: str) -> None:
-    if conn.execute(select(rollouts.c.seq).where(rollouts.c.rollout_id == rollout_id)).first() is None:
+def _check_rollout_exists(tx: _Tx, rollout_id: str, where: str) -> None:
+    if tx.first(_SELECT_ROLLOUT_EXISTS, {"r_id": rollout_id}) is None:
         raise NotFoundError(f"{where}: no rollout {rollout_id!r}")
 
 
@@ -1280,11 +1415,12 @@ def _validated(model: type[T], **fields: Any) -> T:
         raise InvalidArgumentError(f"{where}: {first['msg']}") from None
 
 
-def _validated_resources(named: Any) -> dict[str, Any]:
+def _validated_resources(named: Any) -> str:
+    """The resources validated and encoded as JSON text."""
     if not isinstance(named, dict):
         raise InvalidArgumentError("resources must be a dict of name -> resource (LLM, ProxyLLM, PromptTemplate)")
     try:
-        return _NAMED_RESOURCES.dump_python(_NAMED_RESOURCES.validate_python(named), mode="json")
+        return _NAMED_RESOURCES.dump_json(_NAMED_RESOURCES.validate_python(named)).decode()
     except pydantic.ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(part) for part in first["loc"])
@@ -1326,6 +1462,8 @@ def _sqlite_engine(url: URL) -> Any:
     engine = create_engine(
         url,
         poolclass=StaticPool,
+        # Named parameters (:name), so _Sql statements take the same dicts on both drivers.
+        paramstyle="named",
         connect_args={"check_same_thread": False, "timeout": 30},
     )
 

@@ -2,13 +2,13 @@
 
 Besides the public fields, a few bookkeeping columns make the store's rules cheap in SQL:
 queue order, the latest attempt, the per-rollout span counter and the watchdog's deadlines.
+Nested values (inputs, configs, metadata, resources) are stored as JSON text, the same bytes on
+SQLite and PostgreSQL.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-from sqlalchemy import JSON, Column, Index, Text, UniqueConstraint, text
+from sqlalchemy import Column, Index, Text, UniqueConstraint, text
 from sqlmodel import Field, SQLModel
 
 
@@ -28,14 +28,14 @@ class RolloutRow(SQLModel, table=True):
     seq: int | None = Field(default=None, primary_key=True)
     """Insertion order; breaks ties in queue order."""
     rollout_id: str = Field(unique=True, max_length=64)
-    input: Any = Field(default=None, sa_column=Column(JSON))
+    input: str = Field(sa_column=Column(Text, nullable=False))
     start_time: float
     end_time: float | None = None
     mode: str | None = Field(default=None, max_length=16)
     resources_id: str | None = Field(default=None, max_length=64)
     status: str = Field(max_length=16)
-    config: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False))
-    metadata_: dict[str, Any] | None = Field(default=None, sa_column=Column("metadata", JSON))
+    config: str = Field(sa_column=Column(Text, nullable=False))
+    metadata_: str | None = Field(default=None, sa_column=Column("metadata", Text))
     idempotency_key: str | None = Field(default=None, unique=True, max_length=255)
     queued_at: float | None = None
     """When the rollout last entered the queue (FIFO order); NULL whenever it is not queued."""
@@ -59,7 +59,7 @@ class AttemptRow(SQLModel, table=True):
     status: str = Field(max_length=16)
     worker_id: str | None = Field(default=None, max_length=255)
     last_heartbeat_time: float | None = None
-    metadata_: dict[str, Any] | None = Field(default=None, sa_column=Column("metadata", JSON))
+    metadata_: str | None = Field(default=None, sa_column=Column("metadata", Text))
     timeout_at: float | None = None
     """start_time + the rollout's timeout_seconds, for the watchdog."""
     unresponsive_seconds: float | None = None
@@ -94,7 +94,7 @@ class ResourcesRow(SQLModel, table=True):
     create_time: float
     update_time: float
     version: int
-    resources: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False))
+    resources: str = Field(sa_column=Column(Text, nullable=False))
     latest_order: int = Field(index=True)
     """Grows on every add or update; the highest is the latest resources."""
 
@@ -104,7 +104,7 @@ class WorkerRow(SQLModel, table=True):
 
     worker_id: str = Field(primary_key=True, max_length=255)
     status: str = Field(default="unknown", max_length=16)
-    heartbeat_stats: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+    heartbeat_stats: str | None = Field(default=None, sa_column=Column(Text))
     last_heartbeat_time: float | None = None
     last_dequeue_time: float | None = None
     last_busy_time: float | None = None
