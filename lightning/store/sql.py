@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sqlite3
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -176,14 +177,26 @@ class SqlLightningStore:
         try:
             if self._sqlite_conn is not None:
                 with self._lock:
-                    conn = self._sqlite_conn
-                    conn.info["begin"] = "BEGIN IMMEDIATE" if write else "BEGIN"
-                    with conn.begin():
-                        return fn(_Tx(conn), *args)
+                    return self._sqlite_transaction(self._sqlite_conn, fn, args, write)
             with self._engine.begin() as conn:
                 return fn(_Tx(conn), *args)
         except StatementError as exc:
             raise _translate(exc) from exc
+
+    @staticmethod
+    def _sqlite_transaction(conn: Connection, fn: Callable[..., T], args: tuple[Any, ...], write: bool) -> T:
+        # BEGIN and COMMIT go straight to sqlite3: through SQLAlchemy they cost more than the commit.
+        # IMMEDIATE takes the write lock up front, so a writer never has to upgrade a read lock
+        # (which fails at once in WAL mode when another process wrote in between).
+        driver = conn.connection.dbapi_connection
+        driver.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+        try:
+            result = fn(_Tx(conn), *args)
+        except BaseException:
+            conn.rollback() if conn.in_transaction() else driver.rollback()
+            raise
+        conn.commit() if conn.in_transaction() else driver.commit()
+        return result
 
     async def _run(self, fn: Callable[..., T], *args: Any, write: bool = True) -> T:
         if self._executor is None:
@@ -196,8 +209,7 @@ class SqlLightningStore:
             try:
                 if self._sqlite_conn is not None:
                     with self._lock:
-                        metadata.create_all(self._sqlite_conn)
-                        self._sqlite_conn.commit()
+                        self._sqlite_transaction(self._sqlite_conn, lambda tx: metadata.create_all(tx.conn), (), True)
                 else:
                     with self._engine.begin() as conn:
                         metadata.create_all(conn)
@@ -603,15 +615,27 @@ class SqlLightningStore:
         return marked
 
     def _watchdog_loop(self) -> None:
+        """The background thread: a watchdog pass, and for a SQLite file a WAL checkpoint, each interval."""
         assert self._watchdog_interval is not None
+        checkpointer = self._wal_checkpointer()
         while not self._watchdog_stop.wait(self._watchdog_interval):
             try:
                 if self._transaction(_op_watchdog, (time.time(),), True):
                     self._wake_waiters()
+                if checkpointer is not None:
+                    # PASSIVE copies what it can without blocking writers; commits then never pay for it.
+                    checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)")
             except Exception:
                 if self._closed:
-                    return
+                    break
                 logger.exception("store watchdog pass failed; retrying in %.1fs", self._watchdog_interval)
+        if checkpointer is not None:
+            checkpointer.close()
+
+    def _wal_checkpointer(self) -> sqlite3.Connection | None:
+        if self.backend != "sqlite" or self._url.database in (None, "", ":memory:"):
+            return None
+        return sqlite3.connect(self._url.database, timeout=30, check_same_thread=False)
 
     async def statistics(self) -> dict[str, Any]:
         counts = await self._run(_op_statistics, write=False)
@@ -894,7 +918,7 @@ def _op_start_rollout(
     )
     tx.run(_INSERT_ROLLOUT, _rollout_row(rollout, encoded_input, None, queued_at=None))
     attempt = _create_attempt(tx, rollout, 1, worker_id, now)
-    return AttemptedRollout(**rollout.__dict__, attempt=attempt)
+    return _attempted(rollout, attempt)
 
 
 def _op_dequeue(tx: _Tx, limit: int, worker_id: str | None, now: float) -> list[AttemptedRollout]:
@@ -903,7 +927,7 @@ def _op_dequeue(tx: _Tx, limit: int, worker_id: str | None, now: float) -> list[
         rollout = _rollout(row)
         rollout.status = "preparing"
         attempt = _create_attempt(tx, rollout, row["attempt_count"] + 1, worker_id, now)
-        claimed.append(AttemptedRollout(**rollout.__dict__, attempt=attempt))
+        claimed.append(_attempted(rollout, attempt))
     return claimed
 
 
@@ -915,7 +939,7 @@ def _op_start_attempt(tx: _Tx, rollout_id: str, worker_id: str | None, now: floa
     rollout.status = "preparing"
     rollout.end_time = None
     attempt = _create_attempt(tx, rollout, row["attempt_count"] + 1, worker_id, now)
-    return AttemptedRollout(**rollout.__dict__, attempt=attempt)
+    return _attempted(rollout, attempt)
 
 
 def _create_attempt(tx: _Tx, rollout: Rollout, sequence_id: int, worker_id: str | None, now: float) -> Attempt:
@@ -1180,7 +1204,7 @@ def _op_select_rollouts(tx: _Tx, stmt: Any) -> list[Rollout]:
         rollout = _rollout(mapping)
         if mapping["a_attempt_id"] is not None:
             attempt = _attempt({c.name: mapping[f"a_{c.name}"] for c in _ATTEMPT_COLUMNS})
-            rollout = AttemptedRollout(**rollout.__dict__, attempt=attempt)
+            rollout = _attempted(rollout, attempt)
         result.append(rollout)
     return result
 
@@ -1270,9 +1294,12 @@ def _op_statistics(tx: _Tx) -> dict[str, Any]:
 # --- rows <-> models --------------------------------------------------------------------------
 
 
+_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+
+
 def _json(value: Any, argument: str) -> str:
     try:
-        return json.dumps(value, separators=(",", ":"), allow_nan=False)
+        return _JSON.encode(value)
     except (TypeError, ValueError) as exc:
         raise InvalidArgumentError(f"{argument} must be JSON-serialisable: {exc}") from None
 
@@ -1290,7 +1317,7 @@ def _rollout_row(rollout: Rollout, encoded_input: str, key: str | None, queued_a
         "mode": rollout.mode,
         "resources_id": rollout.resources_id,
         "status": rollout.status,
-        "config": rollout.config.model_dump_json(),
+        "config": _config_json(rollout.config),
         "metadata": _json_or_none(rollout.metadata, "metadata"),
         "idempotency_key": key,
         "queued_at": queued_at,
@@ -1298,6 +1325,20 @@ def _rollout_row(rollout: Rollout, encoded_input: str, key: str | None, queued_a
         "latest_attempt_id": None,
         "next_span_sequence_id": 1,
     }
+
+
+_DEFAULT_CONFIG = RolloutConfig()
+_DEFAULT_CONFIG_JSON = _DEFAULT_CONFIG.model_dump_json()
+
+
+def _config_json(config: RolloutConfig) -> str:
+    default = not config.retry_condition and config == _DEFAULT_CONFIG
+    return _DEFAULT_CONFIG_JSON if default else config.model_dump_json()
+
+
+def _attempted(rollout: Rollout, attempt: Attempt) -> AttemptedRollout:
+    # Both parts are validated models already; validating the pair again costs more than the SQL.
+    return AttemptedRollout.model_construct(**rollout.__dict__, attempt=attempt)
 
 
 def _rollout(mapping: Any) -> Rollout:
@@ -1469,7 +1510,7 @@ def _sqlite_engine(url: URL) -> Any:
 
     @event.listens_for(engine, "connect")
     def _configure(dbapi_connection: Any, _record: Any) -> None:
-        # Transactions are begun by us (see _begin), not by the sqlite3 module.
+        # Transactions are begun by the store (BEGIN IMMEDIATE for writes), not by the sqlite3 module.
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
         if not in_memory:
@@ -1478,10 +1519,8 @@ def _sqlite_engine(url: URL) -> Any:
         # power cut can lose the last few.
         cursor.execute("PRAGMA synchronous=NORMAL")
         cursor.execute("PRAGMA busy_timeout=30000")
+        # The background thread checkpoints the WAL; this is only the backstop when it is off (64 MB).
+        cursor.execute("PRAGMA wal_autocheckpoint=16384")
         cursor.close()
-
-    @event.listens_for(engine, "begin")
-    def _begin(conn: Connection) -> None:
-        conn.exec_driver_sql(conn.info.get("begin", "BEGIN"))
 
     return engine
