@@ -1,0 +1,1082 @@
+"""SqlLightningStore against the store protocol and the lifecycle rules, on every backend."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from typing import Any
+
+import pytest
+from opentelemetry import trace as trace_api
+from opentelemetry.sdk.trace import TracerProvider
+
+from lightning.store import UNSET, InvalidArgumentError, NotFoundError
+from lightning.types import (
+    LLM,
+    ROLLOUT_STATUSES,
+    Attempt,
+    AttemptedRollout,
+    EnqueueRolloutRequest,
+    PromptTemplate,
+    Rollout,
+    RolloutConfig,
+    Span,
+)
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+def make_span(
+    rollout_id: str,
+    attempt_id: str,
+    sequence_id: int,
+    *,
+    span_id: str | None = None,
+    name: str = "step",
+    parent_id: str | None = None,
+    trace_id: str = "ab" * 16,
+    attributes: dict[str, Any] | None = None,
+) -> Span:
+    now = time.time()
+    return Span(
+        rollout_id=rollout_id,
+        attempt_id=attempt_id,
+        sequence_id=sequence_id,
+        trace_id=trace_id,
+        span_id=span_id or uuid.uuid4().hex[:16],
+        parent_id=parent_id,
+        name=name,
+        attributes=attributes or {},
+        start_time=now,
+        end_time=now,
+    )
+
+
+async def add_auto_span(store: Any, rollout_id: str, attempt_id: str, **kwargs: Any) -> Span | None:
+    seq = await store.get_next_span_sequence_id(rollout_id, attempt_id)
+    return await store.add_span(make_span(rollout_id, attempt_id, seq, **kwargs))
+
+
+async def started(store: Any, **kwargs: Any) -> AttemptedRollout:
+    """A rollout enqueued and dequeued: status preparing, attempt 1."""
+    rollout = await store.enqueue_rollout({"q": "x"}, **kwargs)
+    got = await store.dequeue_rollout(worker_id="w-test")
+    assert got is not None and got.rollout_id == rollout.rollout_id
+    return got
+
+
+async def must_get(store: Any, rollout_id: str) -> Rollout:
+    rollout = await store.get_rollout_by_id(rollout_id)
+    assert rollout is not None, rollout_id
+    return rollout
+
+
+async def latest(store: Any, rollout_id: str) -> Attempt:
+    attempt = await store.get_latest_attempt(rollout_id)
+    assert attempt is not None, rollout_id
+    return attempt
+
+
+def rollout_counts(stats: dict[str, Any]) -> dict[str, int]:
+    """Counts by rollout status, found in `statistics()` (nested under a rollout key, or flat)."""
+    nested = [v for k, v in stats.items() if "rollout" in str(k).lower() and isinstance(v, dict)]
+    for candidate in [*nested, stats]:
+        if any(s in candidate for s in ROLLOUT_STATUSES):
+            return {s: int(candidate.get(s, 0) or 0) for s in ROLLOUT_STATUSES}
+    raise AssertionError(f"statistics() has no counts by rollout status: {stats!r}")
+
+
+# --- enqueue ---------------------------------------------------------------------------------
+
+
+async def test_enqueue_returns_queuing_rollout(store: Any) -> None:
+    before = time.time()
+    rollout = await store.enqueue_rollout({"question": "2+2"}, mode="train", metadata={"k": 1})
+    assert isinstance(rollout, Rollout)
+    assert rollout.rollout_id.startswith("ro-")
+    assert rollout.status == "queuing"
+    assert before - 1 <= rollout.start_time <= time.time() + 1
+    assert rollout.end_time is None
+    assert rollout.input == {"question": "2+2"}
+    assert rollout.mode == "train"
+    assert rollout.metadata == {"k": 1}
+    assert rollout.config == RolloutConfig()
+    stored = await must_get(store, rollout.rollout_id)
+    assert stored.model_dump() == rollout.model_dump()
+
+
+async def test_enqueue_keeps_given_config(store: Any) -> None:
+    config = RolloutConfig(timeout_seconds=30, max_attempts=3, retry_condition=["failed", "timeout"])
+    rollout = await store.enqueue_rollout("task", config=config)
+    assert rollout.config == config
+    assert (await must_get(store, rollout.rollout_id)).config == config
+
+
+async def test_enqueue_idempotency_key_returns_first_rollout(store: Any) -> None:
+    first = await store.enqueue_rollout("a", idempotency_key="job-1")
+    second = await store.enqueue_rollout("b", idempotency_key="job-1")
+    assert second.rollout_id == first.rollout_id
+    assert second.input == "a"
+    assert len(await store.query_rollouts()) == 1
+    # The queue holds one entry.
+    got = await store.dequeue_rollout()
+    assert got is not None and got.rollout_id == first.rollout_id
+    assert await store.dequeue_rollout() is None
+
+
+async def test_enqueue_many_idempotency_key_within_batch(store: Any) -> None:
+    out = await store.enqueue_many_rollouts(
+        [
+            EnqueueRolloutRequest(input=1, idempotency_key="k"),
+            EnqueueRolloutRequest(input=2, idempotency_key="k"),
+        ]
+    )
+    assert len(out) == 2
+    assert out[0].rollout_id == out[1].rollout_id
+    assert len(await store.query_rollouts()) == 1
+    assert len(await store.dequeue_many_rollouts(limit=10)) == 1
+
+
+async def test_enqueue_idempotency_key_mixed_single_and_batch(store: Any) -> None:
+    first = await store.enqueue_rollout("a", idempotency_key="k1")
+    out = await store.enqueue_many_rollouts(
+        [
+            EnqueueRolloutRequest(input="again", idempotency_key="k1"),
+            EnqueueRolloutRequest(input="fresh"),
+            EnqueueRolloutRequest(input="keyed", idempotency_key="k2"),
+        ]
+    )
+    assert out[0].rollout_id == first.rollout_id
+    assert len({r.rollout_id for r in out}) == 3
+    again = await store.enqueue_rollout("later", idempotency_key="k2")
+    assert again.rollout_id == out[2].rollout_id
+    assert len(await store.query_rollouts()) == 3
+    assert len(await store.dequeue_many_rollouts(limit=10)) == 3
+
+
+async def test_enqueue_many_returns_rollouts_in_order(store: Any) -> None:
+    out = await store.enqueue_many_rollouts([EnqueueRolloutRequest(input=i, mode="val") for i in range(4)])
+    assert [r.input for r in out] == [0, 1, 2, 3]
+    assert all(r.status == "queuing" and r.mode == "val" for r in out)
+    assert len({r.rollout_id for r in out}) == 4
+
+
+# --- resources -------------------------------------------------------------------------------
+
+
+async def test_enqueue_without_resources_and_none_stored(store: Any) -> None:
+    rollout = await store.enqueue_rollout("x")
+    assert rollout.resources_id is None
+    assert await store.get_latest_resources() is None
+
+
+async def test_enqueue_takes_latest_resources(store: Any) -> None:
+    r1 = await store.add_resources({"llm": LLM(endpoint="http://a/v1", model="m1")})
+    assert r1.resources_id.startswith("rs-")
+    assert isinstance(r1.resources["llm"], LLM)
+    rollout1 = await store.enqueue_rollout("x")
+    assert rollout1.resources_id == r1.resources_id
+
+    r2 = await store.add_resources({"prompt": PromptTemplate(template="hi {name}")})
+    assert (await store.get_latest_resources()).resources_id == r2.resources_id
+    rollout2 = await store.enqueue_rollout("y")
+    assert rollout2.resources_id == r2.resources_id
+    # The first rollout keeps the resources it was enqueued with.
+    assert (await must_get(store, rollout1.rollout_id)).resources_id == r1.resources_id
+
+
+async def test_update_resources_marks_them_latest(store: Any) -> None:
+    r1 = await store.add_resources({"llm": LLM(endpoint="http://a/v1", model="m1")})
+    r2 = await store.add_resources({"llm": LLM(endpoint="http://b/v1", model="m2")})
+    updated = await store.update_resources(r1.resources_id, {"llm": LLM(endpoint="http://c/v1", model="m3")})
+    assert updated.resources_id == r1.resources_id
+    assert updated.resources["llm"].model == "m3"
+    latest_res = await store.get_latest_resources()
+    assert latest_res is not None and latest_res.resources_id == r1.resources_id
+    assert latest_res.resources["llm"].model == "m3"
+    rollout = await store.enqueue_rollout("x")
+    assert rollout.resources_id == r1.resources_id
+    assert (await store.get_resources_by_id(r2.resources_id)).resources["llm"].model == "m2"
+
+
+async def test_enqueue_with_explicit_resources_id(store: Any) -> None:
+    r1 = await store.add_resources({"llm": LLM(endpoint="http://a/v1", model="m1")})
+    await store.add_resources({"llm": LLM(endpoint="http://b/v1", model="m2")})
+    rollout = await store.enqueue_rollout("x", resources_id=r1.resources_id)
+    assert rollout.resources_id == r1.resources_id
+
+
+async def test_enqueue_unknown_resources_id_raises_not_found(store: Any) -> None:
+    with pytest.raises(NotFoundError):
+        await store.enqueue_rollout("x", resources_id="rs-doesnotexist")
+
+
+async def test_get_resources_by_unknown_id_is_none(store: Any) -> None:
+    assert await store.get_resources_by_id("rs-doesnotexist") is None
+
+
+# --- dequeue ---------------------------------------------------------------------------------
+
+
+async def test_dequeue_is_fifo_over_single_enqueues(store: Any) -> None:
+    ids = [(await store.enqueue_rollout(i)).rollout_id for i in range(5)]
+    got = []
+    for _ in ids:
+        r = await store.dequeue_rollout()
+        assert r is not None
+        got.append(r.rollout_id)
+    assert got == ids
+
+
+async def test_dequeue_is_fifo_over_batch_enqueue(store: Any) -> None:
+    out = await store.enqueue_many_rollouts([EnqueueRolloutRequest(input=i) for i in range(5)])
+    more = await store.enqueue_rollout(99)
+    got = []
+    while (r := await store.dequeue_rollout()) is not None:
+        got.append(r.rollout_id)
+    assert got == [r.rollout_id for r in out] + [more.rollout_id]
+
+
+async def test_dequeue_empty_queue_returns_none_at_once(store: Any) -> None:
+    assert await store.dequeue_rollout() is None  # warm-up: tables created on first use
+    t0 = time.perf_counter()
+    assert await store.dequeue_rollout() is None
+    assert time.perf_counter() - t0 < 0.1
+    t0 = time.perf_counter()
+    assert await store.dequeue_many_rollouts(limit=5) == []
+    assert time.perf_counter() - t0 < 0.1
+
+
+async def test_dequeue_makes_rollout_preparing_with_first_attempt(store: Any) -> None:
+    rollout = await store.enqueue_rollout("x")
+    got = await store.dequeue_rollout(worker_id="w1")
+    assert isinstance(got, AttemptedRollout)
+    assert got.rollout_id == rollout.rollout_id
+    assert got.status == "preparing"
+    assert got.attempt.attempt_id.startswith("at-")
+    assert got.attempt.rollout_id == rollout.rollout_id
+    assert got.attempt.sequence_id == 1
+    assert got.attempt.status == "preparing"
+    assert got.attempt.worker_id == "w1"
+    assert got.attempt.end_time is None
+    assert (await must_get(store, rollout.rollout_id)).status == "preparing"
+    stored_attempt = await latest(store, rollout.rollout_id)
+    assert stored_attempt.attempt_id == got.attempt.attempt_id
+    assert stored_attempt.worker_id == "w1"
+
+
+async def test_dequeue_many_rollouts_honours_limit(store: Any) -> None:
+    out = await store.enqueue_many_rollouts([EnqueueRolloutRequest(input=i) for i in range(5)])
+    first = await store.dequeue_many_rollouts(limit=3, worker_id="w1")
+    assert [r.rollout_id for r in first] == [r.rollout_id for r in out[:3]]
+    assert all(r.status == "preparing" and r.attempt.sequence_id == 1 for r in first)
+    assert all(r.attempt.worker_id == "w1" for r in first)
+    rest = await store.dequeue_many_rollouts(limit=3)
+    assert [r.rollout_id for r in rest] == [r.rollout_id for r in out[3:]]
+    assert await store.dequeue_many_rollouts(limit=3) == []
+
+
+# --- start_rollout / start_attempt -----------------------------------------------------------
+
+
+async def test_start_rollout_creates_preparing_rollout_without_queueing(store: Any) -> None:
+    got = await store.start_rollout({"q": 1}, mode="test", worker_id="w1")
+    assert isinstance(got, AttemptedRollout)
+    assert got.rollout_id.startswith("ro-")
+    assert got.status == "preparing"
+    assert got.attempt.status == "preparing"
+    assert got.attempt.sequence_id == 1
+    assert got.attempt.worker_id == "w1"
+    assert (await must_get(store, got.rollout_id)).status == "preparing"
+    assert await store.dequeue_rollout() is None
+
+
+async def test_start_attempt_makes_next_sequence_id_latest(store: Any) -> None:
+    first = await store.start_rollout("x")
+    second = await store.start_attempt(first.rollout_id, worker_id="w2")
+    assert second.rollout_id == first.rollout_id
+    assert second.attempt.sequence_id == 2
+    assert second.attempt.attempt_id != first.attempt.attempt_id
+    assert second.attempt.worker_id == "w2"
+    assert (await latest(store, first.rollout_id)).attempt_id == second.attempt.attempt_id
+    attempts = await store.query_attempts(first.rollout_id)
+    assert [a.sequence_id for a in attempts] == [1, 2]
+
+
+# --- spans -----------------------------------------------------------------------------------
+
+
+async def test_first_span_moves_attempt_and_rollout_to_running(store: Any) -> None:
+    got = await started(store)
+    rid, aid = got.rollout_id, got.attempt.attempt_id
+    stored = await add_auto_span(store, rid, aid)
+    assert stored is not None
+    assert (await latest(store, rid)).status == "running"
+    assert (await must_get(store, rid)).status == "running"
+
+
+async def test_span_moves_last_heartbeat_time(store: Any) -> None:
+    got = await started(store)
+    rid, aid = got.rollout_id, got.attempt.attempt_id
+    await add_auto_span(store, rid, aid)
+    first_beat = (await latest(store, rid)).last_heartbeat_time
+    assert first_beat is not None
+    await asyncio.sleep(0.02)
+    await add_auto_span(store, rid, aid)
+    second_beat = (await latest(store, rid)).last_heartbeat_time
+    assert second_beat is not None and second_beat > first_beat
+
+
+async def test_next_span_sequence_id_counts_per_rollout(store: Any) -> None:
+    a = await store.start_rollout("a")
+    b = await store.start_rollout("b")
+    ids_a = [await store.get_next_span_sequence_id(a.rollout_id, a.attempt.attempt_id) for _ in range(3)]
+    ids_b = [await store.get_next_span_sequence_id(b.rollout_id, b.attempt.attempt_id) for _ in range(2)]
+    assert ids_a == [1, 2, 3]
+    assert ids_b == [1, 2]
+
+
+async def test_span_sequence_ids_continue_across_attempts(store: Any) -> None:
+    first = await store.start_rollout("a")
+    assert await store.get_next_span_sequence_id(first.rollout_id, first.attempt.attempt_id) == 1
+    second = await store.start_attempt(first.rollout_id)
+    assert await store.get_next_span_sequence_id(first.rollout_id, second.attempt.attempt_id) == 2
+
+
+async def test_explicit_span_sequence_id_is_honoured(store: Any) -> None:
+    got = await store.start_rollout("a")
+    rid, aid = got.rollout_id, got.attempt.attempt_id
+    stored = await store.add_span(make_span(rid, aid, 10, span_id="s10"))
+    assert stored is not None and stored.sequence_id == 10
+    spans = await store.query_spans(rid)
+    assert [s.sequence_id for s in spans] == [10]
+    assert await store.get_next_span_sequence_id(rid, aid) > 10
+
+
+async def test_duplicate_span_is_ignored(store: Any) -> None:
+    got = await store.start_rollout("a")
+    rid, aid = got.rollout_id, got.attempt.attempt_id
+    assert await store.add_span(make_span(rid, aid, 1, span_id="dup", name="first")) is not None
+    assert await store.add_span(make_span(rid, aid, 2, span_id="dup", name="second")) is None
+    spans = await store.query_spans(rid)
+    assert len(spans) == 1
+    assert spans[0].name == "first"
+
+
+async def test_add_many_spans_skips_duplicates_inside_batch(store: Any) -> None:
+    got = await store.start_rollout("a")
+    rid, aid = got.rollout_id, got.attempt.attempt_id
+    await store.add_span(make_span(rid, aid, 1, span_id="old"))
+    out = await store.add_many_spans(
+        [
+            make_span(rid, aid, 2, span_id="s1"),
+            make_span(rid, aid, 3, span_id="s2"),
+            make_span(rid, aid, 4, span_id="s1"),
+            make_span(rid, aid, 5, span_id="old"),
+        ]
+    )
+    assert sorted(s.span_id for s in out) == ["s1", "s2"]
+    spans = await store.query_spans(rid)
+    assert sorted(s.span_id for s in spans) == ["old", "s1", "s2"]
+
+
+async def test_add_many_spans_moves_attempt_to_running(store: Any) -> None:
+    got = await started(store)
+    rid, aid = got.rollout_id, got.attempt.attempt_id
+    out = await store.add_many_spans([make_span(rid, aid, 1), make_span(rid, aid, 2)])
+    assert len(out) == 2
+    assert (await latest(store, rid)).status == "running"
+    assert (await must_get(store, rid)).status == "running"
+
+
+async def test_add_span_unknown_rollout_raises_not_found(store: Any) -> None:
+    with pytest.raises(NotFoundError):
+        await store.add_span(make_span("ro-doesnotexist", "at-doesnotexist", 1))
+
+
+async def test_add_span_unknown_attempt_raises_not_found(store: Any) -> None:
+    got = await store.start_rollout("a")
+    with pytest.raises(NotFoundError):
+        await store.add_span(make_span(got.rollout_id, "at-doesnotexist", 1))
+
+
+async def test_add_span_attempt_of_other_rollout_raises_not_found(store: Any) -> None:
+    a = await store.start_rollout("a")
+    b = await store.start_rollout("b")
+    with pytest.raises(NotFoundError):
+        await store.add_span(make_span(a.rollout_id, b.attempt.attempt_id, 1))
+
+
+async def test_next_span_sequence_id_unknown_rollout_raises_not_found(store: Any) -> None:
+    with pytest.raises(NotFoundError):
+        await store.get_next_span_sequence_id("ro-doesnotexist", "at-doesnotexist")
+
+
+async def test_query_spans_filters_by_attempt_and_latest(store: Any) -> None:
+    first = await store.start_rollout("a")
+    rid, a1 = first.rollout_id, first.attempt.attempt_id
+    await add_auto_span(store, rid, a1, span_id="a1-1")
+    await add_auto_span(store, rid, a1, span_id="a1-2")
+    a2 = (await store.start_attempt(rid)).attempt.attempt_id
+    await add_auto_span(store, rid, a2, span_id="a2-1")
+
+    assert [s.span_id for s in await store.query_spans(rid)] == ["a1-1", "a1-2", "a2-1"]
+    assert [s.span_id for s in await store.query_spans(rid, a1)] == ["a1-1", "a1-2"]
+    assert [s.span_id for s in await store.query_spans(rid, a2)] == ["a2-1"]
+    assert [s.span_id for s in await store.query_spans(rid, "latest")] == ["a2-1"]
+
+
+async def test_query_spans_name_filter(store: Any) -> None:
+    got = await store.start_rollout("a")
+    rid, aid = got.rollout_id, got.attempt.attempt_id
+    await add_auto_span(store, rid, aid, span_id="1", name="openai.chat")
+    await add_auto_span(store, rid, aid, span_id="2", name="reward")
+    await add_auto_span(store, rid, aid, span_id="3", name="openai.chat")
+    assert [s.span_id for s in await store.query_spans(rid, name="openai.chat")] == ["1", "3"]
+    assert [s.span_id for s in await store.query_spans(rid, name_contains="rew")] == ["2"]
+    assert await store.query_spans(rid, name="nothing") == []
+
+
+async def test_query_spans_sort_desc_limit_offset(store: Any) -> None:
+    got = await store.start_rollout("a")
+    rid, aid = got.rollout_id, got.attempt.attempt_id
+    for i in range(5):
+        await add_auto_span(store, rid, aid, span_id=f"s{i}")
+    desc = await store.query_spans(rid, sort_by="sequence_id", sort_order="desc")
+    assert [s.sequence_id for s in desc] == [5, 4, 3, 2, 1]
+    page = await store.query_spans(rid, sort_by="sequence_id", sort_order="asc", limit=2, offset=1)
+    assert [s.sequence_id for s in page] == [2, 3]
+    assert [s.sequence_id for s in await store.query_spans(rid, limit=2, offset=4)] == [5]
+
+
+async def test_query_spans_round_trips_span_fields(store: Any) -> None:
+    got = await store.start_rollout("a")
+    rid, aid = got.rollout_id, got.attempt.attempt_id
+    span = make_span(
+        rid,
+        aid,
+        1,
+        span_id="s1",
+        parent_id="p1",
+        name="llm",
+        attributes={"gen_ai.request.model": "m", "prompt_token_ids": [1, 2, 3], "reward": 0.5},
+    )
+    await store.add_span(span)
+    (stored,) = await store.query_spans(rid)
+    assert stored.model_dump() == span.model_dump()
+
+
+async def test_add_otel_span_round_trips_real_sdk_span(store: Any) -> None:
+    got = await started(store)
+    rid, aid = got.rollout_id, got.attempt.attempt_id
+    provider = TracerProvider()  # private; never the global one
+    tracer = provider.get_tracer("lightning-tests")
+    attributes = {"gen_ai.system": "openai", "token_ids": (1, 2, 3), "n": 2}
+    with (
+        tracer.start_as_current_span("agent.run") as parent,
+        tracer.start_as_current_span("openai.chat", attributes=attributes) as child,
+    ):
+        child.add_event("reward", {"value": 1.0})
+    provider.shutdown()
+
+    stored = await store.add_otel_span(rid, aid, child)
+    assert stored is not None
+    assert stored.name == "openai.chat"
+    assert stored.rollout_id == rid and stored.attempt_id == aid
+    assert stored.sequence_id >= 1
+    assert stored.span_id == trace_api.format_span_id(child.get_span_context().span_id)
+    assert stored.trace_id == trace_api.format_trace_id(child.get_span_context().trace_id)
+    assert stored.parent_id == trace_api.format_span_id(parent.get_span_context().span_id)
+    assert stored.attributes == {"gen_ai.system": "openai", "token_ids": [1, 2, 3], "n": 2}
+
+    (queried,) = await store.query_spans(rid)
+    assert queried.name == "openai.chat"
+    assert queried.parent_id == stored.parent_id
+    assert queried.attributes == stored.attributes
+    assert [e.name for e in queried.events] == ["reward"]
+    assert (await latest(store, rid)).status == "running"
+
+    parent_stored = await store.add_otel_span(rid, aid, parent, sequence_id=50)
+    assert parent_stored is not None and parent_stored.sequence_id == 50
+    assert parent_stored.parent_id is None
+
+
+async def test_span_sequence_ids_are_atomic_under_concurrency(store: Any) -> None:
+    got = await store.start_rollout("a")
+    pair = (got.rollout_id, got.attempt.attempt_id)
+    results = await asyncio.gather(*(store.get_many_span_sequence_ids([pair]) for _ in range(50)))
+    ids = [i for batch in results for i in batch]
+    assert len(ids) == 50
+    assert len(set(ids)) == 50
+    assert min(ids) >= 1
+
+
+async def test_get_many_span_sequence_ids_in_one_call(store: Any) -> None:
+    a = await store.start_rollout("a")
+    b = await store.start_rollout("b")
+    pa = (a.rollout_id, a.attempt.attempt_id)
+    pb = (b.rollout_id, b.attempt.attempt_id)
+    assert await store.get_many_span_sequence_ids([pa, pb, pa, pa, pb]) == [1, 1, 2, 3, 2]
+
+
+# --- status mapping through update_attempt ---------------------------------------------------
+
+
+async def test_attempt_succeeded_moves_rollout_to_succeeded(store: Any) -> None:
+    got = await started(store)
+    attempt = await store.update_attempt(got.rollout_id, got.attempt.attempt_id, status="succeeded")
+    assert attempt.status == "succeeded"
+    assert attempt.end_time is not None
+    rollout = await must_get(store, got.rollout_id)
+    assert rollout.status == "succeeded"
+    assert rollout.end_time is not None
+
+
+async def test_failed_attempt_with_retry_condition_requeues_then_fails(store: Any) -> None:
+    config = RolloutConfig(max_attempts=2, retry_condition=["failed"])
+    got = await started(store, config=config)
+    rid = got.rollout_id
+    await store.update_attempt(rid, got.attempt.attempt_id, status="failed")
+    rollout = await must_get(store, rid)
+    assert rollout.status == "requeuing"
+    assert rollout.end_time is None
+
+    retry = await store.dequeue_rollout()
+    assert retry is not None and retry.rollout_id == rid
+    assert retry.status == "preparing"
+    assert retry.attempt.sequence_id == 2
+    await store.update_attempt(rid, retry.attempt.attempt_id, status="failed")
+    rollout = await must_get(store, rid)
+    assert rollout.status == "failed"
+    assert rollout.end_time is not None
+    assert await store.dequeue_rollout() is None
+
+
+async def test_failed_attempt_without_retry_condition_fails_rollout(store: Any) -> None:
+    got = await started(store, config=RolloutConfig(max_attempts=3))
+    await store.update_attempt(got.rollout_id, got.attempt.attempt_id, status="failed")
+    assert (await must_get(store, got.rollout_id)).status == "failed"
+    assert await store.dequeue_rollout() is None
+
+
+async def test_only_latest_attempt_moves_rollout(store: Any) -> None:
+    first = await store.start_rollout("x", config=RolloutConfig(max_attempts=3, retry_condition=["failed"]))
+    rid = first.rollout_id
+    second = await store.start_attempt(rid)
+    old = await store.update_attempt(rid, first.attempt.attempt_id, status="failed")
+    assert old.status == "failed"
+    rollout = await must_get(store, rid)
+    assert rollout.status == "preparing"
+    assert rollout.end_time is None
+    await store.update_attempt(rid, second.attempt.attempt_id, status="succeeded")
+    assert (await must_get(store, rid)).status == "succeeded"
+
+
+async def test_cancelled_rollout_stays_cancelled(store: Any) -> None:
+    got = await started(store)
+    rid = got.rollout_id
+    cancelled = await store.update_rollout(rid, status="cancelled")
+    assert cancelled.status == "cancelled"
+    await store.update_attempt(rid, got.attempt.attempt_id, status="succeeded")
+    assert (await must_get(store, rid)).status == "cancelled"
+
+
+@pytest.mark.parametrize(
+    ("attempt_status", "rollout_status"),
+    [("succeeded", "succeeded"), ("failed", "failed"), ("timeout", "failed"), ("unresponsive", "failed")],
+)
+async def test_terminal_statuses_stamp_end_time(store: Any, attempt_status: str, rollout_status: str) -> None:
+    got = await started(store)
+    attempt = await store.update_attempt(got.rollout_id, got.attempt.attempt_id, status=attempt_status)
+    assert attempt.end_time is not None
+    stored_attempt = await latest(store, got.rollout_id)
+    assert stored_attempt.status == attempt_status
+    assert stored_attempt.end_time is not None
+    rollout = await must_get(store, got.rollout_id)
+    assert rollout.status == rollout_status
+    assert rollout.end_time is not None
+
+
+async def test_update_attempt_running_moves_rollout_running(store: Any) -> None:
+    got = await started(store)
+    attempt = await store.update_attempt(got.rollout_id, got.attempt.attempt_id, status="running")
+    assert attempt.status == "running"
+    assert attempt.end_time is None
+    assert (await must_get(store, got.rollout_id)).status == "running"
+
+
+# --- watchdog --------------------------------------------------------------------------------
+
+
+async def test_watchdog_marks_timeout_and_fails_rollout(store: Any) -> None:
+    got = await started(store, config=RolloutConfig(timeout_seconds=0.2))
+    assert await store.run_watchdog() == 0
+    await asyncio.sleep(0.3)
+    assert await store.run_watchdog() == 1
+    attempt = await latest(store, got.rollout_id)
+    assert attempt.status == "timeout"
+    assert attempt.end_time is not None
+    rollout = await must_get(store, got.rollout_id)
+    assert rollout.status == "failed"
+    assert rollout.end_time is not None
+    assert await store.run_watchdog() == 0
+
+
+async def test_watchdog_timeout_requeues_when_retry_allows(store: Any) -> None:
+    config = RolloutConfig(timeout_seconds=0.2, max_attempts=2, retry_condition=["timeout"])
+    got = await started(store, config=config)
+    await asyncio.sleep(0.3)
+    assert await store.run_watchdog() == 1
+    assert (await latest(store, got.rollout_id)).status == "timeout"
+    assert (await must_get(store, got.rollout_id)).status == "requeuing"
+    retry = await store.dequeue_rollout()
+    assert retry is not None and retry.rollout_id == got.rollout_id
+    assert retry.attempt.sequence_id == 2
+
+
+async def test_watchdog_marks_silent_attempt_unresponsive(store: Any) -> None:
+    got = await started(store, config=RolloutConfig(unresponsive_seconds=0.2))
+    await asyncio.sleep(0.3)
+    assert await store.run_watchdog() == 1
+    assert (await latest(store, got.rollout_id)).status == "unresponsive"
+    assert (await must_get(store, got.rollout_id)).status == "failed"
+
+
+async def test_watchdog_spares_attempt_that_heartbeats(store: Any) -> None:
+    got = await started(store, config=RolloutConfig(unresponsive_seconds=0.3))
+    rid, aid = got.rollout_id, got.attempt.attempt_id
+    for _ in range(3):
+        await asyncio.sleep(0.15)
+        await add_auto_span(store, rid, aid)
+    assert await store.run_watchdog() == 0
+    assert (await latest(store, rid)).status == "running"
+
+
+async def test_heartbeat_via_update_attempt_spares_attempt(store: Any) -> None:
+    got = await started(store, config=RolloutConfig(unresponsive_seconds=0.3))
+    rid, aid = got.rollout_id, got.attempt.attempt_id
+    await asyncio.sleep(0.2)
+    await store.update_attempt(rid, aid, last_heartbeat_time=time.time())
+    await asyncio.sleep(0.2)
+    assert await store.run_watchdog() == 0
+    assert (await latest(store, rid)).status in ("preparing", "running")
+
+
+async def test_late_span_revives_unresponsive_attempt(store: Any) -> None:
+    got = await started(store, config=RolloutConfig(unresponsive_seconds=0.2))
+    rid, aid = got.rollout_id, got.attempt.attempt_id
+    await asyncio.sleep(0.3)
+    assert await store.run_watchdog() == 1
+    assert (await latest(store, rid)).status == "unresponsive"
+    assert (await must_get(store, rid)).status == "failed"
+
+    assert await add_auto_span(store, rid, aid) is not None
+    assert (await latest(store, rid)).status == "running"
+    assert (await must_get(store, rid)).status == "running"
+
+
+async def test_background_watchdog_marks_without_explicit_call(store_url: str, open_store: Any) -> None:
+    store = open_store(store_url, watchdog_interval=0.05)
+    got = await started(store, config=RolloutConfig(timeout_seconds=0.1))
+    deadline = time.monotonic() + 3.0
+    while time.monotonic() < deadline:
+        if (await latest(store, got.rollout_id)).status == "timeout":
+            break
+        await asyncio.sleep(0.05)
+    assert (await latest(store, got.rollout_id)).status == "timeout"
+    assert (await must_get(store, got.rollout_id)).status == "failed"
+
+
+async def test_two_stores_run_watchdog_concurrently_mark_once(shared_url: str, open_store: Any) -> None:
+    a = open_store(shared_url)
+    b = open_store(shared_url)
+    config = RolloutConfig(timeout_seconds=0.2, max_attempts=3, retry_condition=["timeout"])
+    n = 20
+    await a.enqueue_many_rollouts([EnqueueRolloutRequest(input=i, config=config) for i in range(n)])
+    claimed = await b.dequeue_many_rollouts(limit=n)
+    assert len(claimed) == n
+    await asyncio.sleep(0.3)
+    marked = await asyncio.gather(a.run_watchdog(), b.run_watchdog(), a.run_watchdog(), b.run_watchdog())
+    assert sum(marked) == n
+    for r in claimed:
+        attempts = await a.query_attempts(r.rollout_id)
+        assert [(x.sequence_id, x.status) for x in attempts] == [(1, "timeout")]
+        assert (await a.get_rollout_by_id(r.rollout_id)).status == "requeuing"
+    # Each rollout is in the queue once: a second round hands out sequence_id 2, exactly n of them.
+    again = await a.dequeue_many_rollouts(limit=2 * n)
+    assert sorted(r.rollout_id for r in again) == sorted(r.rollout_id for r in claimed)
+    assert {r.attempt.sequence_id for r in again} == {2}
+
+
+def _watchdog_pass_in_own_thread(store: Any, barrier: threading.Barrier) -> int:
+    barrier.wait(timeout=10)
+    return asyncio.run(store.run_watchdog())
+
+
+async def test_two_stores_watchdog_passes_in_parallel_threads_mark_once(shared_url: str, open_store: Any) -> None:
+    a = open_store(shared_url)
+    b = open_store(shared_url)
+    config = RolloutConfig(timeout_seconds=0.2, max_attempts=2, retry_condition=["timeout"])
+    n = 100
+    await a.enqueue_many_rollouts([EnqueueRolloutRequest(input=i, config=config) for i in range(n)])
+    claimed = await a.dequeue_many_rollouts(limit=n)
+    assert len(claimed) == n
+    await asyncio.sleep(0.3)
+    barrier = threading.Barrier(4)
+    passes = [asyncio.to_thread(_watchdog_pass_in_own_thread, s, barrier) for s in (a, b, a, b)]
+    marked = await asyncio.gather(*passes)
+    assert sum(marked) == n
+    requeued = await a.query_rollouts(status_in=["requeuing"])
+    assert len(requeued) == n
+    again = await b.dequeue_many_rollouts(limit=2 * n)
+    assert len(again) == n
+    assert {r.attempt.sequence_id for r in again} == {2}
+
+
+async def test_two_background_watchdogs_on_one_database_mark_once(shared_url: str, open_store: Any) -> None:
+    a = open_store(shared_url, watchdog_interval=0.02)
+    b = open_store(shared_url, watchdog_interval=0.02)
+    config = RolloutConfig(timeout_seconds=0.1, max_attempts=3, retry_condition=["timeout"])
+    n = 10
+    await a.enqueue_many_rollouts([EnqueueRolloutRequest(input=i, config=config) for i in range(n)])
+    claimed = await a.dequeue_many_rollouts(limit=n)
+    ids = sorted(r.rollout_id for r in claimed)
+    deadline = time.monotonic() + 3.0
+    while time.monotonic() < deadline:
+        if len(await b.query_rollouts(status_in=["requeuing"])) == n:
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.1)  # let both watchdogs have another go
+    assert sorted(r.rollout_id for r in await b.query_rollouts(status_in=["requeuing"])) == ids
+    for rid in ids:
+        assert [(x.sequence_id, x.status) for x in await a.query_attempts(rid)] == [(1, "timeout")]
+
+
+# --- update_rollout / update_attempt: UNSET vs None ------------------------------------------
+
+
+async def test_update_rollout_none_clears_metadata(store: Any) -> None:
+    rollout = await store.enqueue_rollout("x", metadata={"a": 1})
+    updated = await store.update_rollout(rollout.rollout_id, metadata=None)
+    assert updated.metadata is None
+    assert (await must_get(store, rollout.rollout_id)).metadata is None
+
+
+async def test_update_rollout_without_fields_changes_nothing(store: Any) -> None:
+    rollout = await store.enqueue_rollout({"q": 1}, mode="train", metadata={"a": 1})
+    updated = await store.update_rollout(rollout.rollout_id)
+    assert updated.model_dump() == rollout.model_dump()
+    assert (await must_get(store, rollout.rollout_id)).model_dump() == rollout.model_dump()
+    explicit = await store.update_rollout(rollout.rollout_id, metadata=UNSET, status=UNSET)
+    assert explicit.model_dump() == rollout.model_dump()
+
+
+async def test_update_rollout_sets_given_fields_only(store: Any) -> None:
+    rollout = await store.enqueue_rollout({"q": 1}, mode="train", metadata={"a": 1})
+    config = RolloutConfig(max_attempts=4)
+    updated = await store.update_rollout(rollout.rollout_id, input={"q": 2}, config=config)
+    assert updated.input == {"q": 2}
+    assert updated.config == config
+    assert updated.mode == "train"
+    assert updated.metadata == {"a": 1}
+    assert updated.status == "queuing"
+
+
+async def test_update_rollout_status_queuing_puts_it_back_in_queue(store: Any) -> None:
+    got = await store.start_rollout("x")
+    assert await store.dequeue_rollout() is None
+    updated = await store.update_rollout(got.rollout_id, status="queuing")
+    assert updated.status == "queuing"
+    again = await store.dequeue_rollout()
+    assert again is not None and again.rollout_id == got.rollout_id
+    assert again.status == "preparing"
+
+
+async def test_update_rollout_status_cancelled_takes_it_out_of_queue(store: Any) -> None:
+    rollout = await store.enqueue_rollout("x")
+    updated = await store.update_rollout(rollout.rollout_id, status="cancelled")
+    assert updated.status == "cancelled"
+    assert updated.end_time is not None
+    assert await store.dequeue_rollout() is None
+
+
+async def test_update_attempt_none_clears_and_unset_keeps(store: Any) -> None:
+    got = await started(store)
+    rid, aid = got.rollout_id, got.attempt.attempt_id
+    with_meta = await store.update_attempt(rid, aid, metadata={"m": 1})
+    assert with_meta.metadata == {"m": 1}
+    assert with_meta.worker_id == "w-test"
+    assert with_meta.status == "preparing"
+    cleared = await store.update_attempt(rid, aid, metadata=None)
+    assert cleared.metadata is None
+    assert cleared.worker_id == "w-test"
+    no_worker = await store.update_attempt(rid, aid, worker_id=None)
+    assert no_worker.worker_id is None
+    stored = await latest(store, rid)
+    assert stored.metadata is None and stored.worker_id is None
+
+
+# --- wait_for_rollouts -----------------------------------------------------------------------
+
+
+async def test_wait_for_rollouts_returns_finished(store: Any) -> None:
+    a = await started(store)
+    await store.update_attempt(a.rollout_id, a.attempt.attempt_id, status="succeeded")
+    b = await started(store)
+    await store.update_attempt(b.rollout_id, b.attempt.attempt_id, status="failed")
+    done = await asyncio.wait_for(store.wait_for_rollouts(rollout_ids=[a.rollout_id, b.rollout_id]), 5)
+    assert {r.rollout_id: r.status for r in done} == {a.rollout_id: "succeeded", b.rollout_id: "failed"}
+
+
+async def test_wait_for_rollouts_timeout_returns_only_finished(store: Any) -> None:
+    a = await started(store)
+    await store.update_attempt(a.rollout_id, a.attempt.attempt_id, status="succeeded")
+    b = await store.enqueue_rollout("still queued")
+    t0 = time.perf_counter()
+    done = await store.wait_for_rollouts(rollout_ids=[a.rollout_id, b.rollout_id], timeout=0.3)
+    assert time.perf_counter() - t0 < 0.3 + 0.5
+    assert [r.rollout_id for r in done] == [a.rollout_id]
+
+
+async def test_wait_for_rollouts_zero_timeout_does_not_block(store: Any) -> None:
+    r = await store.enqueue_rollout("x")
+    t0 = time.perf_counter()
+    assert await store.wait_for_rollouts(rollout_ids=[r.rollout_id], timeout=0) == []
+    assert time.perf_counter() - t0 < 0.5
+
+
+async def test_wait_for_rollouts_wakes_when_rollout_finishes(store: Any) -> None:
+    got = await started(store)
+
+    async def finish_soon() -> None:
+        await asyncio.sleep(0.1)
+        await store.update_attempt(got.rollout_id, got.attempt.attempt_id, status="succeeded")
+
+    finisher = asyncio.create_task(finish_soon())
+    t0 = time.perf_counter()
+    done = await store.wait_for_rollouts(rollout_ids=[got.rollout_id], timeout=5)
+    elapsed = time.perf_counter() - t0
+    await finisher
+    assert [r.rollout_id for r in done] == [got.rollout_id]
+    assert done[0].status == "succeeded"
+    assert elapsed < 1.0
+
+
+async def test_wait_for_unknown_rollout_raises_not_found(store: Any) -> None:
+    with pytest.raises(NotFoundError):
+        await store.wait_for_rollouts(rollout_ids=["ro-doesnotexist"], timeout=0.1)
+
+
+# --- queries ---------------------------------------------------------------------------------
+
+
+async def _three_rollouts(store: Any) -> list[Rollout]:
+    out = []
+    for i in range(3):
+        out.append(await store.enqueue_rollout(i, mode="train" if i < 2 else "val"))
+        await asyncio.sleep(0.01)  # distinct start times
+    return out
+
+
+async def test_query_rollouts_status_in(store: Any) -> None:
+    r = await _three_rollouts(store)
+    await store.dequeue_rollout()
+    queued = await store.query_rollouts(status_in=["queuing"], sort_by="start_time")
+    assert [x.rollout_id for x in queued] == [r[1].rollout_id, r[2].rollout_id]
+    preparing = await store.query_rollouts(status_in=["preparing", "running"])
+    assert [x.rollout_id for x in preparing] == [r[0].rollout_id]
+
+
+async def test_query_rollouts_rollout_id_in_and_contains(store: Any) -> None:
+    r = await _three_rollouts(store)
+    got = await store.query_rollouts(rollout_id_in=[r[0].rollout_id, r[2].rollout_id, "ro-missing"])
+    assert sorted(x.rollout_id for x in got) == sorted([r[0].rollout_id, r[2].rollout_id])
+    fragment = r[1].rollout_id[-10:]
+    assert [x.rollout_id for x in await store.query_rollouts(rollout_id_contains=fragment)] == [r[1].rollout_id]
+    assert len(await store.query_rollouts(rollout_id_contains="ro-")) == 3
+
+
+async def test_query_rollouts_mode(store: Any) -> None:
+    r = await _three_rollouts(store)
+    assert [x.rollout_id for x in await store.query_rollouts(mode="val")] == [r[2].rollout_id]
+
+
+async def test_query_rollouts_filter_logic_or(store: Any) -> None:
+    r = await _three_rollouts(store)
+    await store.dequeue_rollout()  # r0 -> preparing
+    both_and = await store.query_rollouts(status_in=["preparing"], rollout_id_in=[r[2].rollout_id])
+    assert both_and == []
+    either = await store.query_rollouts(status_in=["preparing"], rollout_id_in=[r[2].rollout_id], filter_logic="or")
+    assert sorted(x.rollout_id for x in either) == sorted([r[0].rollout_id, r[2].rollout_id])
+
+
+async def test_query_rollouts_sort_limit_offset(store: Any) -> None:
+    r = await _three_rollouts(store)
+    desc = await store.query_rollouts(sort_by="start_time", sort_order="desc")
+    assert [x.rollout_id for x in desc] == [x.rollout_id for x in reversed(r)]
+    page = await store.query_rollouts(sort_by="start_time", limit=2, offset=1)
+    assert [x.rollout_id for x in page] == [r[1].rollout_id, r[2].rollout_id]
+    assert len(await store.query_rollouts(sort_by="start_time", limit=1)) == 1
+    assert await store.query_rollouts(sort_by="start_time", offset=3) == []
+
+
+async def test_query_rollouts_invalid_sort_by_names_field(store: Any) -> None:
+    await store.enqueue_rollout("x")
+    with pytest.raises(InvalidArgumentError) as info:
+        await store.query_rollouts(sort_by="no_such_field")
+    message = str(info.value)
+    assert "no_such_field" in message or "sort_by" in message
+
+
+async def test_query_attempts_sorted(store: Any) -> None:
+    first = await store.start_rollout("x")
+    rid = first.rollout_id
+    await store.start_attempt(rid)
+    third = await store.start_attempt(rid)
+    asc = await store.query_attempts(rid)
+    assert [a.sequence_id for a in asc] == [1, 2, 3]
+    desc = await store.query_attempts(rid, sort_by="sequence_id", sort_order="desc")
+    assert [a.sequence_id for a in desc] == [3, 2, 1]
+    assert desc[0].attempt_id == third.attempt.attempt_id
+    page = await store.query_attempts(rid, limit=1, offset=1)
+    assert [a.sequence_id for a in page] == [2]
+
+
+async def test_query_resources(store: Any) -> None:
+    r1 = await store.add_resources({"llm": LLM(endpoint="http://a/v1", model="m1")})
+    r2 = await store.add_resources({"prompt": PromptTemplate(template="{x}")})
+    everything = await store.query_resources()
+    assert sorted(x.resources_id for x in everything) == sorted([r1.resources_id, r2.resources_id])
+    only = await store.query_resources(resources_id=r2.resources_id)
+    assert [x.resources_id for x in only] == [r2.resources_id]
+    assert isinstance(only[0].resources["prompt"], PromptTemplate)
+    fragment = r1.resources_id[-8:]
+    assert [x.resources_id for x in await store.query_resources(resources_id_contains=fragment)] == [r1.resources_id]
+    assert len(await store.query_resources(limit=1)) == 1
+
+
+async def test_dequeue_with_worker_makes_worker_busy_and_success_idle(store: Any) -> None:
+    await store.enqueue_rollout("x")
+    got = await store.dequeue_rollout(worker_id="w1")
+    assert got is not None
+    worker = await store.get_worker_by_id("w1")
+    assert worker is not None
+    assert worker.status == "busy"
+    assert worker.current_rollout_id == got.rollout_id
+    assert worker.current_attempt_id == got.attempt.attempt_id
+    assert worker.last_dequeue_time is not None
+    await store.update_attempt(got.rollout_id, got.attempt.attempt_id, status="succeeded")
+    worker = await store.get_worker_by_id("w1")
+    assert worker is not None and worker.status == "idle"
+
+
+async def test_update_worker_heartbeat_stats(store: Any) -> None:
+    before = time.time()
+    worker = await store.update_worker("w9", heartbeat_stats={"gpu": 0.5})
+    assert worker.worker_id == "w9"
+    assert worker.heartbeat_stats == {"gpu": 0.5}
+    assert worker.last_heartbeat_time is not None and worker.last_heartbeat_time >= before - 1
+    stored = await store.get_worker_by_id("w9")
+    assert stored is not None and stored.heartbeat_stats == {"gpu": 0.5}
+    assert stored.last_heartbeat_time == worker.last_heartbeat_time
+
+
+async def test_get_unknown_worker_is_none(store: Any) -> None:
+    assert await store.get_worker_by_id("nobody") is None
+
+
+async def test_query_workers_by_status(store: Any) -> None:
+    await store.enqueue_many_rollouts([EnqueueRolloutRequest(input=i) for i in range(2)])
+    await store.dequeue_rollout(worker_id="busy-1")
+    await store.update_worker("other-1", heartbeat_stats={})
+    busy = await store.query_workers(status_in=["busy"])
+    assert [w.worker_id for w in busy] == ["busy-1"]
+    every = await store.query_workers(sort_by="worker_id")
+    assert [w.worker_id for w in every] == ["busy-1", "other-1"]
+    assert [w.worker_id for w in await store.query_workers(worker_id_contains="other")] == ["other-1"]
+
+
+# --- statistics ------------------------------------------------------------------------------
+
+
+async def test_statistics_counts_rollouts_by_status(store: Any) -> None:
+    await store.enqueue_many_rollouts([EnqueueRolloutRequest(input=i) for i in range(5)])
+    a = await store.dequeue_rollout()
+    b = await store.dequeue_rollout()
+    await store.dequeue_rollout()
+    await store.update_attempt(a.rollout_id, a.attempt.attempt_id, status="succeeded")
+    await store.update_attempt(b.rollout_id, b.attempt.attempt_id, status="failed")
+    await store.start_rollout("direct")
+    counts = rollout_counts(await store.statistics())
+    assert counts["queuing"] == 2
+    assert counts["preparing"] == 2
+    assert counts["succeeded"] == 1
+    assert counts["failed"] == 1
+    assert counts["running"] == 0
+    assert sum(counts.values()) == 6
+
+
+# --- unknown ids and invalid arguments -------------------------------------------------------
+
+
+async def test_get_unknown_rollout_is_none(store: Any) -> None:
+    assert await store.get_rollout_by_id("ro-doesnotexist") is None
+
+
+async def test_update_unknown_rollout_raises_not_found(store: Any) -> None:
+    with pytest.raises(NotFoundError):
+        await store.update_rollout("ro-doesnotexist", metadata={"a": 1})
+
+
+async def test_update_attempt_unknown_ids_raise_not_found(store: Any) -> None:
+    got = await store.start_rollout("x")
+    with pytest.raises(NotFoundError):
+        await store.update_attempt("ro-doesnotexist", got.attempt.attempt_id, status="running")
+    with pytest.raises(NotFoundError):
+        await store.update_attempt(got.rollout_id, "at-doesnotexist", status="running")
+
+
+async def test_start_attempt_unknown_rollout_raises_not_found(store: Any) -> None:
+    with pytest.raises(NotFoundError):
+        await store.start_attempt("ro-doesnotexist")
+
+
+async def test_query_attempts_unknown_rollout_raises_not_found(store: Any) -> None:
+    with pytest.raises(NotFoundError):
+        await store.query_attempts("ro-doesnotexist")
+
+
+async def test_not_found_error_is_a_value_error(store: Any) -> None:
+    with pytest.raises(ValueError):
+        await store.start_attempt("ro-doesnotexist")
+
+
+async def test_negative_offset_raises_invalid_argument(store: Any) -> None:
+    with pytest.raises(InvalidArgumentError, match="offset"):
+        await store.query_rollouts(offset=-1)
+
+
+async def test_limit_below_minus_one_raises_invalid_argument(store: Any) -> None:
+    with pytest.raises(InvalidArgumentError, match="limit"):
+        await store.query_rollouts(limit=-5)
+
+
+async def test_bad_rollout_status_raises_invalid_argument(store: Any) -> None:
+    rollout = await store.enqueue_rollout("x")
+    with pytest.raises(InvalidArgumentError, match="status"):
+        await store.update_rollout(rollout.rollout_id, status="bogus")
+    assert (await must_get(store, rollout.rollout_id)).status == "queuing"
+
+
+async def test_bad_attempt_status_raises_invalid_argument(store: Any) -> None:
+    got = await store.start_rollout("x")
+    with pytest.raises(InvalidArgumentError, match="status"):
+        await store.update_attempt(got.rollout_id, got.attempt.attempt_id, status="bogus")
+    assert (await latest(store, got.rollout_id)).status == "preparing"
+
+
+async def test_bad_sort_order_raises_invalid_argument(store: Any) -> None:
+    with pytest.raises(InvalidArgumentError, match="sort_order"):
+        await store.query_rollouts(sort_by="start_time", sort_order="sideways")
