@@ -54,7 +54,12 @@ def new_resources_id() -> str:
 
 
 class RolloutConfig(BaseModel):
-    """Retry and timeout policy of one rollout, enforced by the store's watchdog."""
+    """Retry and timeout policy of one rollout, enforced by the store's watchdog.
+
+    Frozen: change a rollout's policy with `update_rollout(config=...)`, not in place.
+    """
+
+    model_config = ConfigDict(frozen=True)
 
     timeout_seconds: float | None = Field(default=None, gt=0)
     """An attempt running longer than this is marked `timeout`. None: no limit."""

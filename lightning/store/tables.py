@@ -23,6 +23,13 @@ class RolloutRow(SQLModel, table=True):
             sqlite_where=text("queued_at IS NOT NULL"),
             postgresql_where=text("queued_at IS NOT NULL"),
         ),
+        Index(
+            "uq_rollouts_idempotency_key",
+            "idempotency_key",
+            unique=True,
+            sqlite_where=text("idempotency_key IS NOT NULL"),
+            postgresql_where=text("idempotency_key IS NOT NULL"),
+        ),
     )
 
     seq: int | None = Field(default=None, primary_key=True)
@@ -36,7 +43,8 @@ class RolloutRow(SQLModel, table=True):
     status: str = Field(max_length=16)
     config: str = Field(sa_column=Column(Text, nullable=False))
     metadata_: str | None = Field(default=None, sa_column=Column("metadata", Text))
-    idempotency_key: str | None = Field(default=None, unique=True, max_length=255)
+    idempotency_key: str | None = Field(default=None, max_length=255)
+    """Unique among rollouts that have one (a partial index: rows without a key cost nothing)."""
     queued_at: float | None = None
     """When the rollout last entered the queue (FIFO order); NULL whenever it is not queued."""
     attempt_count: int = 0
