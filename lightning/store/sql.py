@@ -9,6 +9,8 @@ SQLAlchemy connection (`_op_*` below); the async methods only choose where that 
   FOR UPDATE SKIP LOCKED, so concurrent workers never claim the same rollout.
 Running plain functions rather than an async driver keeps one code path for both databases
 and lets the same store object serve any thread or event loop (runner threads each have one).
+Statements on the hot paths (`_Sql`) are built with SQLAlchemy but run on the driver's cursor;
+composed queries (filters, sorting) go through SQLAlchemy as usual.
 
 Status changes are decided by lightning.store.lifecycle; this module only applies them.
 """
@@ -44,7 +46,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql as pg_dialect
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError, StatementError
+from sqlalchemy.exc import IntegrityError, OperationalError, StatementError
 from sqlalchemy.pool import StaticPool
 
 from lightning.store import lifecycle
@@ -130,7 +132,8 @@ _ATTEMPT_COLUMNS = [
 class SqlLightningStore:
     """The store. `url`: `sqlite:///path.db` (default `.lightning/store.db`), `sqlite://` (in memory),
     or `postgresql://user:pass@host:port/db`. `watchdog_interval`: seconds between background
-    watchdog passes (None: only when `run_watchdog()` is called)."""
+    watchdog passes (None: only when `run_watchdog()` is called). `pool_size`: PostgreSQL
+    connections (and threads that use them)."""
 
     def __init__(
         self,
@@ -182,6 +185,10 @@ class SqlLightningStore:
                 return fn(_Tx(conn), *args)
         except StatementError as exc:
             raise _translate(exc) from exc
+        except sqlite3.OperationalError as exc:
+            if "locked" in str(exc):
+                raise StoreError(f"the SQLite database stayed locked by another process for 30 s: {exc}") from exc
+            raise
 
     @staticmethod
     def _sqlite_transaction(conn: Connection, fn: Callable[..., T], args: tuple[Any, ...], write: bool) -> T:
@@ -1479,8 +1486,6 @@ def _translate(exc: StatementError) -> Exception:
     """Errors that come from the caller's data, said plainly; the rest pass through."""
     if isinstance(exc.orig, TypeError):
         return InvalidArgumentError(f"a value is not JSON-serialisable: {exc.orig}")
-    if isinstance(exc, DBAPIError) and "locked" in str(exc.orig):
-        return StoreError(f"the SQLite database stayed locked by another process: {exc.orig}")
     return exc
 
 
@@ -1518,6 +1523,7 @@ def _sqlite_engine(url: URL) -> Any:
         # power cut can lose the last few.
         cursor.execute("PRAGMA synchronous=NORMAL")
         cursor.execute("PRAGMA busy_timeout=30000")
+        cursor.execute("PRAGMA cache_size=-65536")  # 64 MB of page cache instead of 2 MB
         # The background thread checkpoints the WAL; this is only the backstop when it is off (64 MB).
         cursor.execute("PRAGMA wal_autocheckpoint=16384")
         cursor.close()

@@ -77,8 +77,9 @@ class AttemptRow(SQLModel, table=True):
 class SpanRow(SQLModel, table=True):
     __tablename__ = "spans"
     __table_args__ = (
+        # Also the index for "spans of a rollout": a second one on (rollout_id, sequence_id) would
+        # cost a page write per span and save only sorting one rollout's spans.
         UniqueConstraint("rollout_id", "attempt_id", "span_id", name="uq_spans_identity"),
-        Index("ix_spans_rollout_sequence", "rollout_id", "sequence_id"),
     )
 
     pk: int | None = Field(default=None, primary_key=True)
