@@ -1080,3 +1080,22 @@ async def test_bad_attempt_status_raises_invalid_argument(store: Any) -> None:
 async def test_bad_sort_order_raises_invalid_argument(store: Any) -> None:
     with pytest.raises(InvalidArgumentError, match="sort_order"):
         await store.query_rollouts(sort_by="start_time", sort_order="sideways")
+
+
+async def test_dequeue_with_wait_wakes_when_work_is_enqueued(store: Any) -> None:
+    async def enqueue_later() -> None:
+        await asyncio.sleep(0.2)
+        await store.enqueue_rollout({"late": True})
+
+    started_at = time.monotonic()
+    task = asyncio.create_task(enqueue_later())
+    claimed = await store.dequeue_rollout(worker_id="w", wait=5.0)
+    await task
+    assert claimed is not None and claimed.input == {"late": True}
+    assert time.monotonic() - started_at < 1.0
+
+
+async def test_dequeue_with_wait_returns_none_after_the_wait(store: Any) -> None:
+    started_at = time.monotonic()
+    assert await store.dequeue_rollout(wait=0.3) is None
+    assert 0.25 < time.monotonic() - started_at < 1.5

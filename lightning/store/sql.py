@@ -18,12 +18,13 @@ Status changes are decided by lightning.store.lifecycle; this module only applie
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -129,6 +130,38 @@ _ATTEMPT_COLUMNS = [
 ]
 
 
+class _Signal:
+    """Wakes coroutines, in any thread's event loop, that wait for a change made through this store
+    object (another process's changes are seen by polling)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
+
+    @contextlib.contextmanager
+    def listening(self) -> Iterator[asyncio.Event]:
+        waiter = (asyncio.get_running_loop(), asyncio.Event())
+        with self._lock:
+            self._waiters.add(waiter)
+        try:
+            yield waiter[1]
+        finally:
+            with self._lock:
+                self._waiters.discard(waiter)
+
+    def notify(self) -> None:
+        with self._lock:
+            waiters = list(self._waiters)
+        for loop, wake in waiters:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(wake.set)
+
+
+async def _wait(event: asyncio.Event, timeout: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(event.wait(), timeout=timeout)
+
+
 class SqlLightningStore:
     """The store. `url`: `sqlite:///path.db` (default `.lightning/store.db`), `sqlite://` (in memory),
     or `postgresql://user:pass@host:port/db`. `watchdog_interval`: seconds between background
@@ -147,8 +180,8 @@ class SqlLightningStore:
         self._lock = threading.RLock()
         self._executor: ThreadPoolExecutor | None = None
         self._sqlite_conn: Connection | None = None
-        self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
-        self._waiters_lock = threading.Lock()
+        self._finished = _Signal()  # some rollout may have finished
+        self._enqueued = _Signal()  # some rollout may have entered the queue
         self._closed = False
 
         if self.backend == "sqlite":
@@ -268,6 +301,7 @@ class SqlLightningStore:
             idempotency_key=idempotency_key,
         )
         (rollout,) = await self._run(_op_enqueue, [request], [_json(input, "input")], time.time())
+        self._enqueued.notify()
         return rollout
 
     async def enqueue_many_rollouts(self, rollouts: Sequence[EnqueueRolloutRequest]) -> list[Rollout]:
@@ -277,7 +311,9 @@ class SqlLightningStore:
         if not requests:
             return []
         encoded = [_json(r.input, f"rollouts[{i}].input") for i, r in enumerate(requests)]
-        return await self._run(_op_enqueue, requests, encoded, time.time())
+        enqueued = await self._run(_op_enqueue, requests, encoded, time.time())
+        self._enqueued.notify()
+        return enqueued
 
     async def start_rollout(
         self,
@@ -298,14 +334,29 @@ class SqlLightningStore:
         )
         return await self._run(_op_start_rollout, request, _json(input, "input"), worker_id, time.time())
 
-    async def dequeue_rollout(self, worker_id: str | None = None) -> AttemptedRollout | None:
-        claimed = await self.dequeue_many_rollouts(limit=1, worker_id=worker_id)
+    async def dequeue_rollout(self, worker_id: str | None = None, *, wait: float = 0.0) -> AttemptedRollout | None:
+        claimed = await self.dequeue_many_rollouts(limit=1, worker_id=worker_id, wait=wait)
         return claimed[0] if claimed else None
 
-    async def dequeue_many_rollouts(self, *, limit: int = 1, worker_id: str | None = None) -> list[AttemptedRollout]:
+    async def dequeue_many_rollouts(
+        self, *, limit: int = 1, worker_id: str | None = None, wait: float = 0.0
+    ) -> list[AttemptedRollout]:
+        """Claim up to `limit` queued rollouts, oldest first. With an empty queue, return [] at once,
+        or with `wait` > 0 keep trying for up to `wait` seconds: an enqueue through this store object
+        wakes the wait at once, others are seen within 0.5 s."""
         if limit <= 0:
             return []
-        return await self._run(_op_dequeue, limit, worker_id, time.time())
+        if wait < 0:
+            raise InvalidArgumentError(f"wait must be >= 0 seconds, got {wait}")
+        deadline = time.monotonic() + wait
+        with self._enqueued.listening() as enqueued:
+            while True:
+                enqueued.clear()
+                claimed = await self._run(_op_dequeue, limit, worker_id, time.time())
+                remaining = deadline - time.monotonic()
+                if claimed or remaining <= 0:
+                    return claimed
+                await _wait(enqueued, min(remaining, 0.5))
 
     async def start_attempt(self, rollout_id: str, worker_id: str | None = None) -> AttemptedRollout:
         return await self._run(_op_start_attempt, rollout_id, worker_id, time.time())
@@ -370,7 +421,7 @@ class SqlLightningStore:
         if status is not UNSET:
             _check_statuses("status", [status], ROLLOUT_STATUSES)
         rollout = await self._run(_op_update_rollout, rollout_id, changes, status, time.time())
-        self._wake_waiters()
+        self._notify()
         return rollout
 
     async def wait_for_rollouts(self, *, rollout_ids: list[str], timeout: float | None = None) -> list[Rollout]:
@@ -383,12 +434,7 @@ class SqlLightningStore:
         deadline = None if timeout is None else time.monotonic() + timeout
         finished: dict[str, Rollout] = {}
         pending = wanted
-        loop = asyncio.get_running_loop()
-        wake = asyncio.Event()
-        waiter = (loop, wake)
-        with self._waiters_lock:
-            self._waiters.add(waiter)
-        try:
+        with self._finished.listening() as wake:
             delay = 0.01
             first = True
             while True:
@@ -404,21 +450,13 @@ class SqlLightningStore:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if not pending or (remaining is not None and remaining <= 0):
                     return [finished[rid] for rid in wanted if rid in finished]
-                sleep_for = delay if remaining is None else min(delay, remaining)
-                try:
-                    await asyncio.wait_for(wake.wait(), timeout=sleep_for)
-                except TimeoutError:
-                    delay = min(delay * 2, 0.5)
-        finally:
-            with self._waiters_lock:
-                self._waiters.discard(waiter)
+                await _wait(wake, delay if remaining is None else min(delay, remaining))
+                delay = min(delay * 2, 0.5)
 
-    def _wake_waiters(self) -> None:
-        with self._waiters_lock:
-            waiters = list(self._waiters)
-        for loop, wake in waiters:
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(wake.set)
+    def _notify(self) -> None:
+        """After a write that may have finished or queued rollouts."""
+        self._finished.notify()
+        self._enqueued.notify()
 
     # --- attempts ----------------------------------------------------------------------------
 
@@ -457,7 +495,7 @@ class SqlLightningStore:
         if metadata is not UNSET:
             changes["metadata"] = _json_or_none(metadata, "metadata")
         attempt = await self._run(_op_update_attempt, rollout_id, attempt_id, status, changes, time.time())
-        self._wake_waiters()
+        self._notify()
         return attempt
 
     # --- spans -------------------------------------------------------------------------------
@@ -618,7 +656,7 @@ class SqlLightningStore:
         rollouts. Returns how many attempts it marked."""
         marked = await self._run(_op_watchdog, time.time())
         if marked:
-            self._wake_waiters()
+            self._notify()
         return marked
 
     def _watchdog_loop(self) -> None:
@@ -628,7 +666,7 @@ class SqlLightningStore:
         while not self._watchdog_stop.wait(self._watchdog_interval):
             try:
                 if self._transaction(_op_watchdog, (time.time(),), True):
-                    self._wake_waiters()
+                    self._notify()
                 if checkpointer is not None:
                     # PASSIVE copies what it can without blocking writers; commits then never pay for it.
                     checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)")
