@@ -1,0 +1,30 @@
+"""Tracing: spans from a private OpenTelemetry provider, attributed to rollout attempts, written to the store."""
+
+from lightning.tracing.emitters import (
+    Operation,
+    emit_exception,
+    emit_message,
+    emit_object,
+    emit_reward,
+    is_secret_name,
+    operation,
+)
+from lightning.tracing.rewards import find_final_reward, find_rewards, get_final_reward, get_reward_value
+from lightning.tracing.tracer import SpanExportError, TraceContext, Tracer
+
+__all__ = [
+    "Operation",
+    "SpanExportError",
+    "TraceContext",
+    "Tracer",
+    "emit_exception",
+    "emit_message",
+    "emit_object",
+    "emit_reward",
+    "find_final_reward",
+    "find_rewards",
+    "get_final_reward",
+    "get_reward_value",
+    "is_secret_name",
+    "operation",
+]

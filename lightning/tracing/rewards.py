@@ -1,0 +1,61 @@
+"""Reading rewards back from spans: ours, and agent-lightning 0.2/0.3 reward spans."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from lightning import semconv
+from lightning.store.base import LightningStore
+from lightning.types import Span
+
+# agent-lightning 0.3's emit_reward writes an `agentlightning.annotation` span whose reward list is flattened
+# into `agentlightning.reward.<i>.name` / `.value`, the primary reward first; 0.2 wrote an
+# `agentlightning.reward` span with a plain `reward` attribute.
+PEER_ANNOTATION_SPAN = "agentlightning.annotation"
+PEER_PRIMARY_REWARD = "agentlightning.reward.0.value"
+PEER_LEGACY_REWARD = "reward"
+
+
+def get_reward_value(span: Span) -> float | None:
+    """The primary reward a span carries, or None when it is not a reward span."""
+    attributes = span.attributes
+    if span.name == semconv.REWARD_SPAN:
+        return _finite(attributes.get(semconv.REWARD_VALUE))
+    if PEER_PRIMARY_REWARD in attributes:
+        return _finite(attributes[PEER_PRIMARY_REWARD])
+    if span.name in (semconv.PEER_REWARD_SPAN, PEER_ANNOTATION_SPAN):
+        return _finite(attributes.get(PEER_LEGACY_REWARD))
+    return None
+
+
+def find_rewards(spans: Sequence[Span]) -> list[float]:
+    """The primary reward of each reward span, in sequence order."""
+    ordered = sorted(spans, key=lambda span: span.sequence_id)
+    return [reward for span in ordered if (reward := get_reward_value(span)) is not None]
+
+
+def find_final_reward(spans: Sequence[Span]) -> float | None:
+    """The last reward in sequence order, or None when there is none."""
+    rewards = find_rewards(spans)
+    return rewards[-1] if rewards else None
+
+
+async def get_final_reward(store: LightningStore, rollout_id: str, attempt_id: str = "latest") -> float | None:
+    """The final reward of one attempt (by default the rollout's latest), read from the store."""
+    if attempt_id == "latest":
+        attempt = await store.get_latest_attempt(rollout_id)
+        if attempt is None:
+            return None
+        attempt_id = attempt.attempt_id
+    # Only the spans that can hold a reward: the others may carry whole prompts and token ids.
+    candidates = await store.query_spans(rollout_id, attempt_id, name_contains="reward")
+    candidates += await store.query_spans(rollout_id, attempt_id, name=PEER_ANNOTATION_SPAN)
+    return find_final_reward(candidates)
+
+
+def _finite(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None

@@ -1,0 +1,491 @@
+"""The tracer: a private OpenTelemetry provider whose finished spans stream into the store, per attempt."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from types import TracebackType
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace as trace_api
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import Span as SdkSpan
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON
+from opentelemetry.trace import Status, StatusCode
+
+from lightning import semconv
+from lightning.store.base import LightningStore
+from lightning.types import Span
+
+logger = logging.getLogger(__name__)
+
+_SCOPE_KEY = otel_context.create_key("lightning-trace-context")
+_RECENT_FAILURES = 64
+
+
+class SpanExportError(RuntimeError):
+    """Spans could not be written to the store; the attempt's trace is incomplete."""
+
+
+@dataclass(eq=False)
+class _Scope:
+    """One entered trace context: which attempt its spans belong to, and how many are still unwritten."""
+
+    processor: _StoreSpanProcessor
+    otel_tracer: trace_api.Tracer
+    rollout_id: str
+    attempt_id: str
+    open: int = 0
+    pending: int = 0
+    waited_on: bool = False
+    error: BaseException | None = None
+
+
+@dataclass(eq=False, slots=True)
+class _Ended:
+    span: ReadableSpan
+    scope: _Scope
+    index: int
+
+
+def current_scope() -> _Scope | None:
+    """The trace context active in this thread or asyncio task, if any."""
+    return otel_context.get_value(_SCOPE_KEY)  # type: ignore[return-value]
+
+
+class _StoreSpanProcessor(SpanProcessor):
+    """Queues finished spans with their attempt and writes them to the store in batches from its own thread.
+
+    All shared state is guarded by `_cond`; the thread only releases it to talk to the store.
+    """
+
+    def __init__(self, store: LightningStore, flush_interval: float, max_batch: int, shutdown_timeout: float) -> None:
+        self._store = store
+        self._flush_interval = flush_interval
+        self._max_batch = max_batch
+        self._shutdown_timeout = shutdown_timeout
+        self._cond = threading.Condition()
+        self._queue: list[_Ended] = []  # in the order the spans ended
+        self._in_flight: list[_Ended] = []
+        self._scopes_of_open_spans: dict[int, _Scope] = {}
+        self._ended = 0  # spans queued so far; the next one gets this index
+        self._failures: list[tuple[set[int], BaseException]] = []  # recent failures: span indices, error
+        self._waiters = 0
+        self._scopes_waited_on = 0
+        self._listeners: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._export_loop, name="lightning-span-exporter", daemon=True)
+        self._thread.start()
+
+    # --- called by the OpenTelemetry SDK, on the thread that starts or ends the span ---------
+
+    def on_start(self, span: SdkSpan, parent_context: otel_context.Context | None = None) -> None:
+        # An explicit parent context wins (instrumentation may carry one across threads);
+        # a context built from scratch falls back to the caller's own.
+        scope = (parent_context is not None and otel_context.get_value(_SCOPE_KEY, parent_context)) or current_scope()
+        if scope is None or scope.processor is not self:
+            return
+        with self._cond:
+            self._scopes_of_open_spans[span.context.span_id] = scope
+            scope.open += 1
+
+    def on_end(self, span: ReadableSpan) -> None:
+        with self._cond:
+            scope = self._scopes_of_open_spans.pop(span.context.span_id, None)
+            if scope is None:
+                return
+            scope.open -= 1
+            if self._stopping:
+                scope.error = scope.error or SpanExportError(f"span {span.name!r} ended after the tracer shut down")
+                return
+            self._queue.append(_Ended(span, scope, self._ended))
+            self._ended += 1
+            scope.pending += 1
+            if len(self._queue) == 1 or len(self._queue) >= self._max_batch or self._waiters:
+                self._cond.notify_all()
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(self._shutdown_timeout)
+        if self._thread.is_alive():
+            logger.warning("the span exporter is still writing after %s s; leaving it behind", self._shutdown_timeout)
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        try:
+            self.flush(timeout_millis / 1000)
+        except (TimeoutError, SpanExportError):
+            return False
+        return True
+
+    # --- waiting for spans to reach the store -------------------------------------------------
+
+    def flush(self, timeout: float) -> None:
+        """Block until every span ended so far is written; raise if writing any of them failed."""
+        with self._cond:
+            first, stop = self._oldest_unwritten(), self._ended
+        self._wait_until(lambda: self._oldest_unwritten() >= stop, timeout, "spans")
+        self._raise_failures_between(first, stop)
+
+    async def aflush(self, timeout: float) -> None:
+        with self._cond:
+            first, stop = self._oldest_unwritten(), self._ended
+        await self._await_until(lambda: self._oldest_unwritten() >= stop, timeout, "spans")
+        self._raise_failures_between(first, stop)
+
+    def flush_scope(self, scope: _Scope, timeout: float) -> None:
+        with self._waiting_on(scope):
+            self._wait_until(lambda: scope.pending == 0, timeout, _describe(scope))
+        _raise_scope_error(scope)
+
+    async def aflush_scope(self, scope: _Scope, timeout: float) -> None:
+        with self._waiting_on(scope):
+            await self._await_until(lambda: scope.pending == 0, timeout, _describe(scope))
+        _raise_scope_error(scope)
+
+    @contextlib.contextmanager
+    def _waiting_on(self, scope: _Scope) -> Iterator[None]:
+        """While a trace context waits at its exit, its spans jump the queue: under load, the exit
+        costs one store write rather than the whole backlog of other attempts."""
+        with self._cond:
+            scope.waited_on = True
+            self._scopes_waited_on += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                scope.waited_on = False
+                self._scopes_waited_on -= 1
+
+    def _oldest_unwritten(self) -> int:
+        """Index of the oldest span not yet written (or failed); every older one is done."""
+        oldest = [items[0].index for items in (self._queue, self._in_flight) if items]
+        return min(oldest, default=self._ended)
+
+    def _wait_until(self, done: Callable[[], bool], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._waiters += 1  # tells the exporter not to wait for the interval
+            self._cond.notify_all()
+            try:
+                while not done():
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise TimeoutError(f"{what} not written to the store within {timeout} s")
+                    self._cond.wait(remaining)
+            finally:
+                self._waiters -= 1
+
+    async def _await_until(self, done: Callable[[], bool], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        wake = asyncio.Event()
+        listener = (asyncio.get_running_loop(), wake)
+        with self._cond:
+            self._waiters += 1
+            self._listeners.add(listener)
+            self._cond.notify_all()
+        try:
+            while True:
+                wake.clear()
+                with self._cond:
+                    if done():
+                        return
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"{what} not written to the store within {timeout} s")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(wake.wait(), remaining)
+        finally:
+            with self._cond:
+                self._waiters -= 1
+                self._listeners.discard(listener)
+
+    def _raise_failures_between(self, first: int, stop: int) -> None:
+        with self._cond:
+            errors = [error for indices, error in self._failures if any(first <= i < stop for i in indices)]
+        if errors:
+            raise SpanExportError(f"spans could not be written to the store: {errors[0]}") from errors[0]
+
+    # --- the exporter thread ------------------------------------------------------------------
+
+    def _export_loop(self) -> None:
+        loop = asyncio.new_event_loop()
+        try:
+            while (batch := self._take_batch()) is not None:
+                try:
+                    failures = loop.run_until_complete(self._write_batch(batch))
+                except BaseException as exc:  # never leave waiters hanging on a dead thread
+                    failures = [(batch, exc)]
+                self._mark_processed(batch, failures)
+        finally:
+            loop.close()
+
+    def _take_batch(self) -> list[_Ended] | None:
+        """The next spans to write (None: shut down and drained). Waits for a first span, then up to
+        flush_interval for more, unless someone is waiting for a flush or a batch is full."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._queue or self._stopping)
+            self._cond.wait_for(self._should_write_now, timeout=self._flush_interval)
+            if not self._queue:
+                return None
+            self._in_flight = self._pop_batch()
+            return self._in_flight
+
+    def _pop_batch(self) -> list[_Ended]:
+        """Up to max_batch spans: the oldest, or, while trace contexts wait at their exit, only theirs (so
+        an exit under load costs one small write, not the backlog of other attempts). Sequence ids are per
+        rollout, and each attempt's spans keep their order."""
+        if self._scopes_waited_on:
+            urgent = [item for item in self._queue if item.scope.waited_on][: self._max_batch]
+            if urgent:
+                taken = {id(item) for item in urgent}
+                self._queue = [item for item in self._queue if id(item) not in taken]
+                return urgent
+        batch = self._queue[: self._max_batch]
+        del self._queue[: self._max_batch]
+        return batch
+
+    def _should_write_now(self) -> bool:
+        return self._stopping or len(self._queue) >= self._max_batch or (bool(self._queue) and self._waiters > 0)
+
+    async def _write_batch(self, batch: list[_Ended]) -> list[tuple[list[_Ended], BaseException]]:
+        """Write the batch; on failure write each attempt's spans apart, so that one bad attempt
+        (deleted, say) does not cost the others their spans. Returns what failed, and why."""
+        try:
+            await self._write_spans(batch)
+            return []
+        except Exception as exc:
+            by_attempt = _group_by_attempt(batch)
+            if len(by_attempt) == 1:
+                return [(batch, exc)]
+        failures: list[tuple[list[_Ended], BaseException]] = []
+        for group in by_attempt:
+            try:
+                await self._write_spans(group)
+            except Exception as exc:
+                failures.append((group, exc))
+        return failures
+
+    async def _write_spans(self, batch: list[_Ended]) -> None:
+        keys = [(item.scope.rollout_id, item.scope.attempt_id) for item in batch]
+        sequence_ids = await self._store.get_many_span_sequence_ids(keys)
+        spans = [
+            Span.from_opentelemetry(item.span, rollout_id, attempt_id, sequence_id)
+            for item, (rollout_id, attempt_id), sequence_id in zip(batch, keys, sequence_ids, strict=True)
+        ]
+        await self._store.add_many_spans(spans)
+
+    def _mark_processed(self, batch: list[_Ended], failures: list[tuple[list[_Ended], BaseException]]) -> None:
+        for group, error in failures:
+            logger.error(
+                "could not write %d span(s) of %s to the store: %s", len(group), _describe(group[0].scope), error
+            )
+        with self._cond:
+            for group, error in failures:
+                for item in group:
+                    item.scope.error = item.scope.error or error
+                self._failures.append(({item.index for item in group}, error))
+            del self._failures[:-_RECENT_FAILURES]
+            for item in batch:
+                item.scope.pending -= 1
+            self._in_flight = []
+            self._cond.notify_all()
+            listeners = list(self._listeners)
+        for loop, wake in listeners:
+            with contextlib.suppress(RuntimeError):  # the waiter's loop has closed
+                loop.call_soon_threadsafe(wake.set)
+
+
+def _group_by_attempt(batch: list[_Ended]) -> list[list[_Ended]]:
+    groups: dict[tuple[str, str], list[_Ended]] = {}
+    for item in batch:
+        groups.setdefault((item.scope.rollout_id, item.scope.attempt_id), []).append(item)
+    return list(groups.values())
+
+
+def _describe(scope: _Scope) -> str:
+    return f"spans of rollout {scope.rollout_id!r} attempt {scope.attempt_id!r}"
+
+
+def _raise_scope_error(scope: _Scope) -> None:
+    if scope.error is not None:
+        raise SpanExportError(f"{_describe(scope)} could not be written to the store: {scope.error}") from scope.error
+
+
+def _raise_unless_block_failed(flush_error: BaseException, block_error: BaseException | None) -> None:
+    # The block's own exception says more than a failed flush, and fails the attempt anyway.
+    if block_error is None:
+        raise flush_error
+    logger.error("%s (while the block itself raised %r)", flush_error, block_error)
+
+
+class TraceContext:
+    """Marks the spans started inside it (in this thread or asyncio task) as the attempt's, and on exit
+    blocks until they are all in the store. Use `with` in sync code, `async with` to wait without blocking
+    the event loop; a plain `with` works in async code too, blocking the loop for one store write."""
+
+    def __init__(self, tracer: Tracer, rollout_id: str, attempt_id: str, name: str | None) -> None:
+        if not rollout_id or not attempt_id:
+            raise ValueError(f"trace_context needs a rollout_id and an attempt_id, got {rollout_id!r}, {attempt_id!r}")
+        self.rollout_id = rollout_id
+        self.attempt_id = attempt_id
+        self.name = name
+        self.root_span: trace_api.Span | None = None
+        self._tracer = tracer
+        self._scope: _Scope | None = None
+        self._token: object | None = None
+
+    def __enter__(self) -> TraceContext:
+        self._open()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        scope = self._close(exc)
+        try:
+            scope.processor.flush_scope(scope, self._tracer.flush_timeout)
+        except (SpanExportError, TimeoutError) as flush_error:
+            _raise_unless_block_failed(flush_error, exc)
+
+    async def __aenter__(self) -> TraceContext:
+        self._open()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        scope = self._close(exc)
+        try:
+            await scope.processor.aflush_scope(scope, self._tracer.flush_timeout)
+        except (SpanExportError, TimeoutError) as flush_error:
+            _raise_unless_block_failed(flush_error, exc)
+
+    def _open(self) -> None:
+        if self._scope is not None:
+            raise RuntimeError("this trace context is already active; make a new one with tracer.trace_context()")
+        self._scope = self._tracer._new_scope(self.rollout_id, self.attempt_id)
+        ctx = otel_context.set_value(_SCOPE_KEY, self._scope)
+        # The attempt's spans form their own traces: a span around the runner is not in the store,
+        # and a parent id pointing at it would dangle.
+        ctx = trace_api.set_span_in_context(trace_api.INVALID_SPAN, ctx)
+        if self.name is not None:
+            self.root_span = self._scope.otel_tracer.start_span(
+                self.name,
+                context=ctx,
+                attributes={semconv.ROLLOUT_ID: self.rollout_id, semconv.ATTEMPT_ID: self.attempt_id},
+            )
+            ctx = trace_api.set_span_in_context(self.root_span, ctx)
+        self._token = otel_context.attach(ctx)
+
+    def _close(self, exc: BaseException | None) -> _Scope:
+        scope = self._scope
+        assert scope is not None, "trace context exited without being entered"
+        if self.root_span is not None:
+            if exc is not None:
+                self.root_span.record_exception(exc)
+                self.root_span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+            self.root_span.end()
+        otel_context.detach(self._token)  # type: ignore[arg-type]
+        self._scope = None
+        if scope.open:
+            logger.warning(
+                "%d span(s) of %s are still open; each is written when it ends", scope.open, _describe(scope)
+            )
+        return scope
+
+
+class Tracer:
+    """Records spans with a private OpenTelemetry TracerProvider and streams them into `store`.
+
+    Finished spans are written in batches of up to `max_batch` every `flush_interval` seconds (so a long
+    rollout's spans reach the store as it runs), and at once when a trace context exits or `flush` is called.
+    """
+
+    def __init__(
+        self,
+        store: LightningStore,
+        *,
+        flush_interval: float = 0.2,
+        max_batch: int = 512,
+        flush_timeout: float = 30.0,
+    ) -> None:
+        if flush_interval <= 0 or max_batch <= 0 or flush_timeout <= 0:
+            raise ValueError(
+                f"flush_interval, max_batch and flush_timeout must be > 0, got {flush_interval}, {max_batch}, "
+                f"{flush_timeout}"
+            )
+        self.store = store
+        self.flush_timeout = flush_timeout
+        self._processor = _StoreSpanProcessor(store, flush_interval, max_batch, flush_timeout)
+        self._provider = TracerProvider(
+            # Explicit sampler, resource and limits: the SDK would otherwise read OTEL_* environment
+            # variables, which could sample spans away, put env values in every span, or truncate JSON.
+            sampler=ALWAYS_ON,
+            resource=Resource({"service.name": "lightning"}),
+            span_limits=_unlimited(),
+            shutdown_on_exit=False,
+        )
+        self._provider.add_span_processor(self._processor)
+        self._otel_tracer = self._provider.get_tracer("lightning.tracing")
+        self._shut_down = False
+        if isinstance(self._otel_tracer, trace_api.NoOpTracer):
+            logger.warning("OTEL_SDK_DISABLED is set: no spans (and no rewards) will be recorded")
+
+    @property
+    def otel_tracer(self) -> trace_api.Tracer:
+        """An OpenTelemetry tracer for manual spans; its spans inside a trace context go to the store."""
+        return self._otel_tracer
+
+    @property
+    def tracer_provider(self) -> TracerProvider:
+        """The private provider, for instrumentation libraries that take `tracer_provider=`."""
+        return self._provider
+
+    def trace_context(self, rollout_id: str, attempt_id: str, *, name: str | None = None) -> TraceContext:
+        """Attribute spans to this attempt inside the block, optionally under a root span called `name`;
+        on exit, wait (up to flush_timeout) until they are in the store, raising if writing failed."""
+        return TraceContext(self, rollout_id, attempt_id, name)
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Block until every span ended so far is in the store; raise SpanExportError if writing failed."""
+        self._processor.flush(timeout)
+
+    async def aflush(self, timeout: float = 30.0) -> None:
+        """`flush` without blocking the event loop."""
+        await self._processor.aflush(timeout)
+
+    def shutdown(self) -> None:
+        """Write what is queued (waiting up to flush_timeout), stop the exporter thread and the provider.
+        Spans ending later are not recorded. The store stays open."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        self._provider.shutdown()
+
+    def _new_scope(self, rollout_id: str, attempt_id: str) -> _Scope:
+        if self._shut_down:
+            raise RuntimeError("the tracer is shut down")
+        return _Scope(self._processor, self._otel_tracer, rollout_id, attempt_id)
+
+
+def _unlimited() -> SpanLimits:
+    # Spans are training data: a truncated JSON attribute or a dropped token-id attribute corrupts it.
+    unset = SpanLimits.UNSET
+    return SpanLimits(
+        max_attributes=unset,
+        max_events=unset,
+        max_links=unset,
+        max_span_attributes=unset,
+        max_event_attributes=unset,
+        max_link_attributes=unset,
+        max_attribute_length=unset,
+        max_span_attribute_length=unset,
+    )
