@@ -1,4 +1,5 @@
-"""Throughput and latency of SqlLightningStore next to agent-lightning 0.3's InMemoryLightningStore."""
+"""Throughput and latency of SqlLightningStore next to agent-lightning 0.3's InMemoryLightningStore;
+with --http, of each store's HTTP client against its server running in a separate process."""
 
 from __future__ import annotations
 
@@ -10,12 +11,15 @@ import json
 import os
 import platform
 import shutil
+import signal
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
+import urllib.request
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,7 +69,7 @@ class Adapter:
     request: Callable[[dict[str, Any]], Any]
 
 
-def ours_adapter() -> Adapter:
+def ours_adapter(http: bool = False) -> Adapter:
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
     from lightning.store import SqlLightningStore
@@ -81,6 +85,31 @@ def ours_adapter() -> Adapter:
             await store.close()
             shutil.rmtree(folder, ignore_errors=True)
 
+    @contextlib.asynccontextmanager
+    async def open_http_store() -> AsyncIterator[Any]:
+        from lightning.store.client import HttpLightningStore
+
+        folder = tempfile.mkdtemp(prefix="store_bench_")
+        port = free_port()
+        command = [sys.executable, "-m", "lightning.cli", "store", "serve", "--port", str(port)]
+        command += ["--db", f"sqlite:///{folder}/store.db", "--log-level", "warning"]
+        try:
+            with server_process(command, f"http://127.0.0.1:{port}/health", Path(folder)):
+                store = HttpLightningStore(f"http://127.0.0.1:{port}")
+                try:
+                    yield store
+                finally:
+                    await store.close()
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    if http:
+        return Adapter(
+            description="lightning HttpLightningStore -> `lightning store serve` (SQLite file, WAL) in its own process",
+            open_store=open_http_store,
+            span=Span.model_validate,
+            request=EnqueueRolloutRequest.model_validate,
+        )
     return Adapter(
         description="lightning SqlLightningStore (SQLite file, WAL)",
         open_store=open_store,
@@ -89,7 +118,7 @@ def ours_adapter() -> Adapter:
     )
 
 
-def peer_adapter() -> Adapter:
+def peer_adapter(http: bool = False) -> Adapter:
     from importlib.metadata import version
 
     # agentlightning imports litellm, which otherwise fetches a price list over the network in a thread.
@@ -102,12 +131,79 @@ def peer_adapter() -> Adapter:
         # InMemoryLightningStore has no close(); dropping the reference is all there is.
         yield InMemoryLightningStore()
 
+    @contextlib.asynccontextmanager
+    async def open_http_store() -> AsyncIterator[Any]:
+        # `agl store`: LightningStoreServer over a thread-safe InMemoryLightningStore, its own process.
+        from agentlightning.store.client_server import LightningStoreClient
+
+        folder = tempfile.mkdtemp(prefix="store_bench_peer_")
+        port = free_port()
+        command = [sys.executable, "-m", "agentlightning.cli.store", "--host", "127.0.0.1", "--port", str(port)]
+        command += ["--log-level", "WARNING"]
+        try:
+            with server_process(command, f"http://127.0.0.1:{port}/v1/agl/health", Path(folder)):
+                store = LightningStoreClient(f"http://127.0.0.1:{port}")
+                try:
+                    yield store
+                finally:
+                    await store.close()
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    name = f"agentlightning {version('agentlightning')}"
+    if http:
+        return Adapter(
+            description=f"{name} LightningStoreClient -> LightningStoreServer (InMemoryLightningStore), own process",
+            open_store=open_http_store,
+            span=Span.model_validate,
+            request=EnqueueRolloutRequest.model_validate,
+        )
     return Adapter(
-        description=f"agentlightning {version('agentlightning')} InMemoryLightningStore",
+        description=f"{name} InMemoryLightningStore",
         open_store=open_store,
         span=Span.model_validate,
         request=EnqueueRolloutRequest.model_validate,
     )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def server_process(command: list[str], health_url: str, folder: Path) -> Iterator[None]:
+    """Run a store server as `command` (its output in folder/server.log) until it answers health_url."""
+    log_path = folder / "server.log"
+    with log_path.open("w") as log:
+        process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_until_healthy(process, health_url, log_path)
+        yield
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def wait_until_healthy(process: subprocess.Popen[bytes], health_url: str, log_path: Path) -> None:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through a proxy
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"store server exited ({process.returncode}): {log_path.read_text()[-2000:]}")
+        try:
+            with opener.open(health_url, timeout=2) as answer:
+                if answer.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"store server did not answer {health_url} within 60 s: {log_path.read_text()[-2000:]}")
 
 
 # --- inputs ----------------------------------------------------------------------------------
@@ -283,12 +379,12 @@ async def run_workloads(adapter: Adapter, side: str, repeat: int, only: set[str]
 # --- driver ----------------------------------------------------------------------------------
 
 
-def run_worker(side: str, repeat: int, only: set[str], json_path: Path | None) -> None:
+def run_worker(side: str, repeat: int, only: set[str], json_path: Path | None, http: bool) -> None:
     """Run the workloads on one store here; print {"description", "python", "results"} as JSON."""
     real_stdout = sys.stdout
     sys.stdout = sys.stderr  # anything the libraries print must not corrupt the JSON on stdout
     try:
-        adapter = ours_adapter() if side == "ours" else peer_adapter()
+        adapter = ours_adapter(http) if side == "ours" else peer_adapter(http)
         # Keep the imported modules out of the collector's full passes; agentlightning imports so much
         # (litellm, openai, ...) that one such pass otherwise costs several times a 2,000-call workload.
         gc.collect()
@@ -304,10 +400,10 @@ def run_worker(side: str, repeat: int, only: set[str], json_path: Path | None) -
         json_path.write_text(json.dumps(payload, indent=2) + "\n")
 
 
-def spawn_worker(python: str, side: str, repeat: int, only: str) -> dict[str, Any]:
+def spawn_worker(python: str, side: str, repeat: int, only: str, http: bool) -> dict[str, Any]:
     """Run this file as `--worker side` under `python`: progress on our stderr, the JSON comes back."""
     command = [python, str(Path(__file__).resolve()), "--worker", side, "--repeat", str(repeat)]
-    command += ["--only", only]
+    command += ["--only", only, *(["--http"] if http else [])]
     completed = subprocess.run(command, stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
     if completed.returncode != 0:
         raise SystemExit(f"{side} worker failed (exit {completed.returncode}): {' '.join(command)}")
@@ -342,6 +438,11 @@ def main() -> None:
     parser.add_argument("--only", default="a,b,c,d", help="comma-separated workloads among a,b,c,d")
     parser.add_argument("--peer-python", help="a Python with agentlightning 0.3, for the peer side")
     parser.add_argument("--json", type=Path, help="also write the raw results here")
+    parser.add_argument(
+        "--http",
+        action="store_true",
+        help="through each store's HTTP client, against its server started in a separate process on 127.0.0.1",
+    )
     parser.add_argument("--worker", choices=("ours", "peer"), help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -349,12 +450,12 @@ def main() -> None:
     if not only or only - {"a", "b", "c", "d"}:
         parser.error(f"--only takes workloads among a,b,c,d, got {args.only!r}")
     if args.worker:
-        run_worker(args.worker, args.repeat, only, args.json)
+        run_worker(args.worker, args.repeat, only, args.json, args.http)
         return
 
     selected = ",".join(sorted(only))
-    ours = spawn_worker(sys.executable, "ours", args.repeat, selected)
-    peer = spawn_worker(args.peer_python, "peer", args.repeat, selected) if args.peer_python else None
+    ours = spawn_worker(sys.executable, "ours", args.repeat, selected, args.http)
+    peer = spawn_worker(args.peer_python, "peer", args.repeat, selected, args.http) if args.peer_python else None
 
     print(f"ours: {ours['description']}, Python {ours['python']}")
     if peer:
@@ -362,7 +463,8 @@ def main() -> None:
     print(f"median of {args.repeat} run(s) per row; each run on a fresh store\n")
     print(format_table(ours, peer, only))
     if args.json:
-        args.json.write_text(json.dumps({"repeat": args.repeat, "ours": ours, "peer": peer}, indent=2) + "\n")
+        raw = {"repeat": args.repeat, "http": args.http, "ours": ours, "peer": peer}
+        args.json.write_text(json.dumps(raw, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Store fixtures: one `store` per backend (SQLite file, SQLite in memory, PostgreSQL).
+"""Store fixtures: one `store` per backend (SQLite file, SQLite in memory, PostgreSQL, and HTTP:
+HttpLightningStore talking to a real server on 127.0.0.1 that holds a SQLite file).
 
 PostgreSQL tests run against the server named by LIGHTNING_TEST_PG_URL (default
 postgresql://postgres@127.0.0.1:5432/test); each test gets a fresh schema, dropped afterwards.
@@ -6,8 +7,11 @@ postgresql://postgres@127.0.0.1:5432/test); each test gets a fresh schema, dropp
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -112,16 +116,86 @@ def shared_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return _backend_url(request, request.param, tmp_path)
 
 
-@pytest.fixture
-async def store(store_url: str) -> AsyncIterator[Any]:
-    """A SqlLightningStore without the background watchdog (call `run_watchdog()` explicitly)."""
+@contextlib.contextmanager
+def serving(app: Any) -> Iterator[str]:
+    """Serve the ASGI `app` with uvicorn on a free port of 127.0.0.1 in a background thread; its base URL."""
+    import uvicorn
+
+    # Port 0: the system picks a free port. (Handing uvicorn a socket bound here instead made every
+    # request wait 40 ms on a delayed ACK.)
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=0, log_level="warning", lifespan="off", timeout_graceful_shutdown=2
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="test-store-server", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test store server did not start")
+        time.sleep(0.002)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture(
+    params=[
+        pytest.param("sqlite_file", id="sqlite_file"),
+        pytest.param("sqlite_memory", id="sqlite_memory"),
+        pytest.param("postgres", id="postgres", marks=pytest.mark.postgres),
+        pytest.param("http", id="http"),
+    ]
+)
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Any]:
+    """A store without the background watchdog (call `run_watchdog()` explicitly): a SqlLightningStore
+    per backend, or (`http`) an HttpLightningStore whose server holds one on a SQLite file."""
     from lightning.store import SqlLightningStore
 
-    s = SqlLightningStore(store_url, watchdog_interval=None)
+    if request.param != "http":
+        s = SqlLightningStore(_backend_url(request, request.param, tmp_path), watchdog_interval=None)
+        try:
+            yield s
+        finally:
+            await s.close()
+        return
+
+    from lightning.store.client import HttpLightningStore
+
+    base_url, switch = request.getfixturevalue("store_server")
+    switch.current = SqlLightningStore(_backend_url(request, "sqlite_file", tmp_path), watchdog_interval=None)
+    client = HttpLightningStore(base_url, retries=0)
     try:
-        yield s
+        yield client
     finally:
-        await s.close()
+        await client.close()
+        served, switch.current = switch.current, None
+        await served.close()
+
+
+class _StoreSwitch:
+    """Passes every store call on to `current`, so that one server serves each test's fresh store."""
+
+    current: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        if self.current is None:
+            raise AttributeError(f"no test store is open to answer {name}")
+        return getattr(self.current, name)
+
+
+@pytest.fixture(scope="session")
+def store_server() -> Iterator[tuple[str, _StoreSwitch]]:
+    """One store server on 127.0.0.1 for the whole session (starting one per test costs 0.3 s):
+    its base URL, and the switch that the `http` store fixture points at each test's store."""
+    from lightning.store.server import create_app
+
+    switch = _StoreSwitch()
+    with serving(create_app(switch)) as base_url:  # type: ignore[arg-type]
+        yield base_url, switch
 
 
 @pytest.fixture

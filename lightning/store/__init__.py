@@ -4,6 +4,20 @@ from lightning.store.base import UNSET, LightningStore, Unset
 from lightning.store.errors import ConflictError, InvalidArgumentError, NotFoundError, StoreError
 from lightning.store.sql import DEFAULT_URL, SqlLightningStore
 
+
+def open_store(url: str, *, token: str | None = None, watchdog_interval: float | None = 1.0) -> LightningStore:
+    """The store at `url`: `http(s)://host:port` is a store server (`lightning store serve`), anything
+    else a database URL for SqlLightningStore. `token`: the server's bearer token (default: env
+    LIGHTNING_STORE_TOKEN)."""
+    if url.startswith(("http://", "https://")):
+        import os
+
+        from lightning.store.client import HttpLightningStore
+
+        return HttpLightningStore(url, token=token or os.environ.get("LIGHTNING_STORE_TOKEN"))
+    return SqlLightningStore(url, watchdog_interval=watchdog_interval)
+
+
 __all__ = [
     "DEFAULT_URL",
     "UNSET",
@@ -14,4 +28,5 @@ __all__ = [
     "SqlLightningStore",
     "StoreError",
     "Unset",
+    "open_store",
 ]

@@ -1,0 +1,481 @@
+"""The store's HTTP face: status codes and messages, the token, OTLP ingestion, the client's retries, the CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from conftest import serving
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyValue
+from opentelemetry.proto.resource.v1.resource_pb2 import Resource
+from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Status
+from opentelemetry.proto.trace.v1.trace_pb2 import Span as ProtoSpan
+
+from lightning.store import ConflictError, InvalidArgumentError, NotFoundError, SqlLightningStore, StoreError
+from lightning.store import client as client_module
+from lightning.store import server as server_module
+from lightning.store.client import HttpLightningStore
+from lightning.store.server import create_app
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TOKEN = "s3cret-token"
+TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
+PARENT_ID = "b7ad6b7169203331"
+CHILD_ID = "00f067aa0ba902b7"
+
+
+class FussyStore:
+    """A stand-in store whose calls fail the ways a real one can."""
+
+    async def start_attempt(self, rollout_id: str, worker_id: str | None = None) -> Any:
+        raise ConflictError(f"rollout {rollout_id} is cancelled; no new attempts")
+
+    async def get_rollout_by_id(self, rollout_id: str) -> Any:
+        raise StoreError("the SQLite database stayed locked by another process for 30 s")
+
+    async def get_latest_attempt(self, rollout_id: str) -> Any:
+        raise RuntimeError("secret internals /home/me/.ssh")
+
+    async def statistics(self) -> dict[str, Any]:
+        return {"rollouts": {}}
+
+
+@pytest.fixture
+async def sql_store(tmp_path: Path) -> AsyncIterator[SqlLightningStore]:
+    store = SqlLightningStore(f"sqlite:///{tmp_path / 'store.db'}", watchdog_interval=None)
+    yield store
+    await store.close()
+
+
+def asgi_client(app: Any, **kwargs: Any) -> httpx.AsyncClient:
+    """Requests straight into the app, no socket: for what the server answers."""
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://store", **kwargs)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# --- status codes and messages ----------------------------------------------------------------
+
+
+async def test_errors_map_to_status_codes_with_messages(sql_store: SqlLightningStore) -> None:
+    async with asgi_client(create_app(sql_store)) as http:
+        missing = await http.post("/v1/store/update_rollout", json={"rollout_id": "ro-nope", "metadata": {}})
+        assert missing.status_code == 404
+        assert "ro-nope" in missing.json()["detail"]
+
+        bad_status = await http.post("/v1/store/update_rollout", json={"rollout_id": "ro-x", "status": "bogus"})
+        assert bad_status.status_code == 422
+        assert bad_status.json()["detail"].startswith("status: ")
+
+        typo = await http.post("/v1/store/query_rollouts", json={"statuses": ["queuing"]})
+        assert typo.status_code == 422
+        assert "statuses" in typo.json()["detail"]
+
+        store_says = await http.post("/v1/store/query_rollouts", json={"sort_by": "no_such_column"})
+        assert store_says.status_code == 422
+        assert "no_such_column" in store_says.json()["detail"]
+
+        not_json = await http.post("/v1/store/query_rollouts", content=b"{not json", headers={"content-type": "json"})
+        assert not_json.status_code == 422
+        assert isinstance(not_json.json()["detail"], str)
+
+
+async def test_conflict_unavailable_and_unexpected_errors() -> None:
+    async with asgi_client(create_app(FussyStore())) as http:  # type: ignore[arg-type]
+        conflict = await http.post("/v1/store/start_attempt", json={"rollout_id": "ro-1"})
+        assert conflict.status_code == 409
+        assert conflict.json() == {"detail": "rollout ro-1 is cancelled; no new attempts"}
+
+        unavailable = await http.post("/v1/store/get_rollout_by_id", json={"rollout_id": "ro-1"})
+        assert unavailable.status_code == 503
+        assert "locked" in unavailable.json()["detail"]
+
+        unexpected = await http.post("/v1/store/get_latest_attempt", json={"rollout_id": "ro-1"})
+        assert unexpected.status_code == 500
+        assert "secret" not in unexpected.text and "Traceback" not in unexpected.text
+        assert unexpected.json()["detail"].startswith("internal server error")
+
+
+async def test_client_raises_typed_errors_with_the_server_message(sql_store: SqlLightningStore) -> None:
+    with serving(create_app(FussyStore())) as fussy_url, serving(create_app(sql_store)) as url:  # type: ignore[arg-type]
+        async with HttpLightningStore(fussy_url, retries=0) as fussy, HttpLightningStore(url) as store:
+            with pytest.raises(ConflictError, match="is cancelled"):
+                await fussy.start_attempt("ro-1")
+            with pytest.raises(StoreError, match="locked"):
+                await fussy.get_rollout_by_id("ro-1")
+            with pytest.raises(NotFoundError, match="ro-nope"):
+                await store.start_attempt("ro-nope")
+            with pytest.raises(InvalidArgumentError, match="sort_order"):
+                await store.query_rollouts(sort_order="sideways")  # type: ignore[arg-type]
+            with pytest.raises(InvalidArgumentError, match="JSON"):
+                await store.enqueue_rollout({"score": float("nan")})
+            assert await store.query_rollouts() == []
+
+
+async def test_openapi_schema_has_a_route_per_store_method(sql_store: SqlLightningStore) -> None:
+    async with asgi_client(create_app(sql_store)) as http:
+        schema = (await http.get("/openapi.json")).json()
+    methods = {path.removeprefix("/v1/store/") for path in schema["paths"] if path.startswith("/v1/store/")}
+    protocol = {
+        name
+        for name in dir(HttpLightningStore)
+        if not name.startswith("_") and name not in ("close", "add_otel_span", "base_url")
+    }
+    assert protocol <= methods
+    assert "/v1/traces" in schema["paths"] and "/health" in schema["paths"]
+
+
+# --- the token --------------------------------------------------------------------------------
+
+
+async def test_token_guards_every_route(sql_store: SqlLightningStore, caplog: pytest.LogCaptureFixture) -> None:
+    app = create_app(sql_store, token=TOKEN)
+    routes = [("GET", "/health"), ("GET", "/openapi.json"), ("GET", "/docs"), ("POST", "/v1/store/statistics")]
+    routes.append(("POST", "/v1/traces"))
+    async with asgi_client(app) as http:
+        for method, path in routes:
+            for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": TOKEN}):
+                denied = await http.request(method, path, headers=headers)
+                assert denied.status_code == 401, (method, path, headers)
+                assert "token" in denied.json()["detail"]
+            allowed = await http.request(method, path, headers={"authorization": f"Bearer {TOKEN}"})
+            assert allowed.status_code == 200, (method, path, allowed.text)
+    assert TOKEN not in caplog.text
+
+    with serving(app) as url:
+        async with HttpLightningStore(url, token=TOKEN) as good, HttpLightningStore(url, retries=0) as anonymous:
+            assert (await good.enqueue_rollout("x")).status == "queuing"
+            with pytest.raises(StoreError, match="401"):
+                await anonymous.query_rollouts()
+            assert TOKEN not in repr(good)
+
+
+# --- OTLP/HTTP --------------------------------------------------------------------------------
+
+
+def _kv(key: str, value: Any) -> KeyValue:
+    if isinstance(value, bool):
+        return KeyValue(key=key, value=AnyValue(bool_value=value))
+    if isinstance(value, int):
+        return KeyValue(key=key, value=AnyValue(int_value=value))
+    if isinstance(value, float):
+        return KeyValue(key=key, value=AnyValue(double_value=value))
+    if isinstance(value, list):
+        return KeyValue(key=key, value=AnyValue(array_value=ArrayValue(values=[_kv("", v).value for v in value])))
+    return KeyValue(key=key, value=AnyValue(string_value=value))
+
+
+def otlp_protobuf(resource: dict[str, Any], *spans: ProtoSpan) -> bytes:
+    request = ExportTraceServiceRequest(
+        resource_spans=[
+            ResourceSpans(
+                resource=Resource(attributes=[_kv(k, v) for k, v in resource.items()]),
+                scope_spans=[ScopeSpans(spans=list(spans))],
+            )
+        ]
+    )
+    return request.SerializeToString()
+
+
+def proto_span(name: str, span_id: str, parent_id: str = "", **attributes: Any) -> ProtoSpan:
+    return ProtoSpan(
+        trace_id=bytes.fromhex(TRACE_ID),
+        span_id=bytes.fromhex(span_id),
+        parent_span_id=bytes.fromhex(parent_id),
+        name=name,
+        start_time_unix_nano=1_700_000_000_000_000_000,
+        end_time_unix_nano=1_700_000_000_500_000_000,
+        attributes=[_kv(k, v) for k, v in attributes.items()],
+        events=[ProtoSpan.Event(name="reward", time_unix_nano=1_700_000_000_400_000_000, attributes=[_kv("v", 1.0)])],
+        status=Status(code=Status.STATUS_CODE_ERROR, message="boom"),
+    )
+
+
+async def test_otlp_protobuf_spans_land_in_the_store(sql_store: SqlLightningStore) -> None:
+    got = await sql_store.start_rollout("task")
+    rid, aid = got.rollout_id, got.attempt.attempt_id
+    body = otlp_protobuf(
+        {"service.name": "agent", "lightning.rollout_id": rid, "lightning.attempt_id": aid},
+        proto_span("agent.run", PARENT_ID, **{"lightning.span_sequence_id": 7}),
+        proto_span("openai.chat", CHILD_ID, PARENT_ID, model="m", tokens=[1, 2, 3], temperature=0.5, stream=False),
+    )
+    async with asgi_client(create_app(sql_store)) as http:
+        answer = await http.post(
+            "/v1/traces",
+            content=gzip.compress(body),
+            headers={
+                "content-type": "application/x-protobuf",
+                "content-encoding": "gzip",
+            },
+        )
+    assert answer.status_code == 200
+    assert answer.headers["content-type"] == "application/x-protobuf"
+    assert ExportTraceServiceResponse.FromString(answer.content) == ExportTraceServiceResponse()
+
+    parent, child = await sql_store.query_spans(rid, sort_by="name")
+    assert (parent.name, parent.span_id, parent.parent_id, parent.sequence_id) == ("agent.run", PARENT_ID, None, 7)
+    assert (child.name, child.span_id, child.parent_id, child.trace_id) == (
+        "openai.chat",
+        CHILD_ID,
+        PARENT_ID,
+        TRACE_ID,
+    )
+    assert (child.rollout_id, child.attempt_id) == (rid, aid)
+    assert child.sequence_id not in (7, parent.sequence_id) and child.sequence_id >= 1
+    assert child.attributes == {"model": "m", "tokens": [1, 2, 3], "temperature": 0.5, "stream": False}
+    assert (child.status.status_code, child.status.description) == ("ERROR", "boom")
+    assert (child.start_time, child.end_time) == (1_700_000_000.0, 1_700_000_000.5)
+    assert [(e.name, e.attributes, e.timestamp) for e in child.events] == [("reward", {"v": 1.0}, 1_700_000_000.4)]
+    assert child.resource.attributes["service.name"] == "agent"
+    assert (await sql_store.get_latest_attempt(rid)).status == "running"
+
+
+async def test_otlp_json_spans_land_in_the_store(sql_store: SqlLightningStore) -> None:
+    got = await sql_store.start_rollout("task")
+    rid, aid = got.rollout_id, got.attempt.attempt_id
+    document = {
+        "resourceSpans": [
+            {
+                "resource": {
+                    "attributes": [
+                        {"key": "agentlightning.rollout_id", "value": {"stringValue": rid}},
+                        {"key": "agentlightning.attempt_id", "value": {"stringValue": aid}},
+                    ]
+                },
+                "scopeSpans": [
+                    {
+                        "scope": {"name": "hand-made"},
+                        "spans": [
+                            {
+                                "traceId": TRACE_ID,
+                                "spanId": CHILD_ID,
+                                "parentSpanId": PARENT_ID,
+                                "name": "tool.call",
+                                "kind": 1,
+                                "startTimeUnixNano": "1700000000000000000",
+                                "endTimeUnixNano": "1700000001000000000",
+                                "attributes": [
+                                    {"key": "count", "value": {"intValue": "42"}},
+                                    {"key": "ratio", "value": {"doubleValue": 0.25}},
+                                    {"key": "ok", "value": {"boolValue": True}},
+                                ],
+                                "links": [{"traceId": TRACE_ID, "spanId": PARENT_ID}],
+                                "status": {"code": 1},
+                                "someFutureField": {"ignored": True},
+                            }
+                        ],
+                    }
+                ],
+            }
+        ]
+    }
+    async with asgi_client(create_app(sql_store)) as http:
+        answer = await http.post("/v1/traces", json=document)
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["content-type"] == "application/json"
+    assert answer.json() == {}
+
+    (span,) = await sql_store.query_spans(rid)
+    assert (span.name, span.trace_id, span.span_id, span.parent_id) == ("tool.call", TRACE_ID, CHILD_ID, PARENT_ID)
+    assert (span.rollout_id, span.attempt_id, span.sequence_id) == (rid, aid, 1)
+    assert span.attributes == {"count": 42, "ratio": 0.25, "ok": True}
+    assert span.status.status_code == "OK"
+    assert (span.start_time, span.end_time) == (1_700_000_000.0, 1_700_000_001.0)
+    assert [(link.context.trace_id, link.context.span_id) for link in span.links] == [(TRACE_ID, PARENT_ID)]
+
+
+async def test_otlp_span_without_rollout_id_is_a_400(sql_store: SqlLightningStore) -> None:
+    got = await sql_store.start_rollout("task")
+    body = otlp_protobuf({"lightning.attempt_id": got.attempt.attempt_id}, proto_span("orphan", CHILD_ID))
+    async with asgi_client(create_app(sql_store)) as http:
+        answer = await http.post("/v1/traces", content=body, headers={"content-type": "application/x-protobuf"})
+        garbage = await http.post("/v1/traces", content=b"\xff\xff", headers={"content-type": "application/x-protobuf"})
+    assert answer.status_code == 400
+    assert "lightning.rollout_id" in answer.json()["detail"] and "orphan" in answer.json()["detail"]
+    assert garbage.status_code == 400
+    assert await sql_store.query_spans(got.rollout_id) == []
+
+
+# --- the client: threads, loops, long waits, retries -------------------------------------------
+
+
+async def test_client_works_from_many_threads_and_loops(sql_store: SqlLightningStore) -> None:
+    with serving(create_app(sql_store)) as url:
+        store = HttpLightningStore(url)
+        rollout = await store.enqueue_rollout("shared")
+        seen: list[str] = []
+
+        def in_own_loop() -> None:
+            for _ in range(2):  # a second loop in the same thread, after the first has ended
+                got = asyncio.run(store.get_rollout_by_id(rollout.rollout_id))
+                seen.append(got.rollout_id)
+
+        threads = [threading.Thread(target=in_own_loop) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30)
+        assert seen == [rollout.rollout_id] * 6
+        assert (await store.get_rollout_by_id(rollout.rollout_id)).input == "shared"
+        await store.close()
+        with pytest.raises(StoreError, match="closed"):
+            await store.get_rollout_by_id(rollout.rollout_id)
+
+
+async def test_long_waits_span_several_requests(sql_store: SqlLightningStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(server_module, "MAX_WAIT_SECONDS", 0.2)
+    monkeypatch.setattr(client_module, "MAX_WAIT_SECONDS", 0.2)
+    with serving(create_app(sql_store)) as url:
+        async with HttpLightningStore(url) as store:
+
+            async def enqueue_later() -> str:
+                await asyncio.sleep(0.6)
+                return (await store.enqueue_rollout("late")).rollout_id
+
+            started = time.monotonic()
+            late, claimed = await asyncio.gather(enqueue_later(), store.dequeue_rollout(worker_id="w", wait=3.0))
+            assert claimed is not None and claimed.rollout_id == late
+            assert 0.5 < time.monotonic() - started < 2.0
+
+            async def finish_later() -> None:
+                await asyncio.sleep(0.5)
+                await store.update_attempt(claimed.rollout_id, claimed.attempt.attempt_id, status="succeeded")
+
+            _, done = await asyncio.gather(finish_later(), store.wait_for_rollouts(rollout_ids=[late], timeout=3.0))
+            assert [(r.rollout_id, r.status) for r in done] == [(late, "succeeded")]
+
+
+class CountingStub:
+    """An ASGI app that counts requests per path and answers each with 503."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        path = scope["path"].removeprefix("/v1/store/")
+        self.calls[path] = self.calls.get(path, 0) + 1
+        body = json.dumps({"detail": "store busy"}).encode()
+        await send({"type": "http.response.start", "status": 503, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+async def test_client_repeats_only_calls_that_are_safe_to_repeat() -> None:
+    stub = CountingStub()
+    with serving(stub) as url:
+        async with HttpLightningStore(url, retries=2) as store:
+            safe = {
+                "get_rollout_by_id": store.get_rollout_by_id("ro-1"),
+                "enqueue_rollout": store.enqueue_rollout("x", idempotency_key="k-1"),
+                "get_many_span_sequence_ids": store.get_many_span_sequence_ids([("ro-1", "at-1")]),
+                "update_attempt": store.update_attempt("ro-1", "at-1", last_heartbeat_time=time.time()),
+                "update_worker": store.update_worker("w-1"),
+            }
+            for name, call in safe.items():
+                with pytest.raises(StoreError, match="store busy"):
+                    await call
+                assert stub.calls.pop(name) == 3, name
+
+            unsafe = {
+                "enqueue_rollout": store.enqueue_rollout("x"),
+                "dequeue_rollout": store.dequeue_rollout(worker_id="w-1"),
+                "update_attempt": store.update_attempt("ro-1", "at-1", status="succeeded"),
+                "update_rollout": store.update_rollout("ro-1", status="cancelled"),
+            }
+            for name, call in unsafe.items():
+                with pytest.raises(StoreError, match="store busy"):
+                    await call
+                assert stub.calls.pop(name) == 1, name
+
+
+async def test_client_against_a_stopped_server_raises_instead_of_answering_empty() -> None:
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    async with HttpLightningStore(url, retries=2, timeout=2.0) as store:
+        started = time.monotonic()
+        with pytest.raises(StoreError, match="no answer"):
+            await store.query_rollouts()
+        assert time.monotonic() - started >= 0.2  # two backoffs: the read was repeated
+        started = time.monotonic()
+        with pytest.raises(StoreError, match="no answer"):
+            await store.dequeue_rollout(worker_id="w")
+        assert time.monotonic() - started < 0.1  # sent once, and not turned into "queue empty"
+
+
+# --- the command line -------------------------------------------------------------------------
+
+
+def run_cli(*args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "lightning.cli", *args]
+    return subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT, timeout=60, **kwargs)
+
+
+def test_cli_help_reads_well() -> None:
+    top = run_cli("--help")
+    assert top.returncode == 0
+    assert "usage: lightning" in top.stdout and "store" in top.stdout
+    serve = run_cli("store", "serve", "--help")
+    assert serve.returncode == 0
+    for option in ("--host", "--port", "--db", "--token", "--log-level", "LIGHTNING_STORE_TOKEN", "127.0.0.1"):
+        assert option in serve.stdout, option
+
+
+def test_cli_refuses_a_public_host_without_token() -> None:
+    refused = run_cli("store", "serve", "--host", "0.0.0.0", env={**os.environ, "LIGHTNING_STORE_TOKEN": ""})
+    assert refused.returncode == 2
+    assert "--token" in refused.stderr and "0.0.0.0" in refused.stderr
+
+
+@pytest.fixture
+def served_by_cli(tmp_path: Path) -> Iterator[str]:
+    port = free_port()
+    command = [sys.executable, "-m", "lightning.cli", "store", "serve", "--port", str(port)]
+    command += ["--db", f"sqlite:///{tmp_path / 'cli.db'}", "--log-level", "warning"]
+    env = {**os.environ, "LIGHTNING_STORE_TOKEN": TOKEN}
+    process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        yield url
+    finally:
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=20)
+        assert process.returncode == 0, stderr
+        assert TOKEN not in stderr
+
+
+def test_cli_serves_a_store_that_answers_health(served_by_cli: str) -> None:
+    deadline = time.monotonic() + 30
+    with httpx.Client(base_url=served_by_cli, trust_env=False) as http:
+        while True:
+            try:
+                denied = http.get("/health")
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "lightning store serve did not come up"
+                time.sleep(0.1)
+        assert denied.status_code == 401
+        health = http.get("/health", headers={"authorization": f"Bearer {TOKEN}"})
+    assert health.status_code == 200
+    assert health.json()["status"] == "ok"
+    assert health.json()["statistics"]["backend"] == "sqlite"
