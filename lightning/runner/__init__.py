@@ -1,0 +1,217 @@
+"""The runner: claims rollouts from the store, runs the agent inside a trace context, records the outcome.
+
+While the agent works, a background task beats the attempt's heartbeat, so a long LLM or tool
+call is not taken for a dead runner, and checks that the attempt is still this runner's: if the
+store's watchdog timed it out or a newer attempt superseded it, the runner abandons the work and
+writes nothing over the newer attempt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from lightning.agent import Hook, LitAgent, RolloutResult
+from lightning.store.base import LightningStore
+from lightning.store.errors import StoreError
+from lightning.types import AttemptedRollout, AttemptStatus, NamedResources, Rollout, RolloutConfig, RolloutMode, Span
+
+logger = logging.getLogger(__name__)
+
+StopEvent = threading.Event | asyncio.Event
+
+
+class Runner:
+    """Runs `agent` on rollouts from `store`. One runner works on one rollout at a time; run many
+    (threads, processes or machines) for parallelism.
+
+    - `worker_id`: how the store knows this runner (default: host-pid-object).
+    - `heartbeat_interval`: seconds between attempt heartbeats while the agent works; keep it well
+      under the rollouts' `unresponsive_seconds`.
+    - `idle_wait`: longest single wait for work when the queue is empty; an enqueue through the same
+      store (or the same store server) wakes the runner at once.
+    """
+
+    def __init__(
+        self,
+        agent: LitAgent[Any],
+        store: LightningStore,
+        *,
+        tracer: Any | None = None,
+        worker_id: str | None = None,
+        hooks: Sequence[Hook] = (),
+        heartbeat_interval: float = 5.0,
+        idle_wait: float = 1.0,
+    ) -> None:
+        from lightning.tracing import Tracer
+
+        self.agent = agent
+        self.store = store
+        self.tracer = tracer if tracer is not None else Tracer(store)
+        self._owns_tracer = tracer is None
+        self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{id(self):x}"
+        self.hooks = list(hooks)
+        self.heartbeat_interval = heartbeat_interval
+        self.idle_wait = idle_wait
+
+    async def iter(self, *, stop_event: StopEvent | None = None, max_rollouts: int | None = None) -> int:
+        """Claim and run rollouts until `stop_event` is set or `max_rollouts` ran; returns how many ran."""
+        ran = 0
+        last_beat = 0.0
+        backoff = 0.1
+        while (stop_event is None or not stop_event.is_set()) and (max_rollouts is None or ran < max_rollouts):
+            try:
+                claimed = await self.store.dequeue_rollout(worker_id=self.worker_id, wait=self.idle_wait)
+                if claimed is None:
+                    if time.monotonic() - last_beat > self.heartbeat_interval:
+                        await self.store.update_worker(self.worker_id)
+                        last_beat = time.monotonic()
+                    continue
+                await self.run_attempt(claimed)
+                ran += 1
+                backoff = 0.1
+            except StoreError as exc:
+                # The store is unreachable or refused: the watchdog requeues what we held; keep trying.
+                logger.warning("runner %s: store error %s; retrying in %.1fs", self.worker_id, exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 10.0)
+        return ran
+
+    async def step(
+        self,
+        input: Any,
+        *,
+        mode: RolloutMode | None = None,
+        resources_id: str | None = None,
+        config: RolloutConfig | None = None,
+    ) -> Rollout:
+        """Run one ad-hoc rollout of `input` now, outside the queue; returns the finished rollout."""
+        started = await self.store.start_rollout(
+            input, mode=mode, resources_id=resources_id, config=config, worker_id=self.worker_id
+        )
+        await self.run_attempt(started)
+        finished = await self.store.get_rollout_by_id(started.rollout_id)
+        assert finished is not None
+        return finished
+
+    async def run_attempt(self, claimed: AttemptedRollout) -> str:
+        """Run the agent on a claimed attempt and record its outcome. Returns the attempt's final
+        status as reported ("succeeded" / "failed"), or "abandoned" when the store moved the
+        attempt on before the agent finished."""
+        rollout_id, attempt_id = claimed.rollout_id, claimed.attempt.attempt_id
+        for hook in self.hooks:
+            await hook.on_rollout_start(agent=self.agent, runner=self, rollout=claimed)
+        await self.store.update_attempt(rollout_id, attempt_id, status="running", worker_id=self.worker_id)
+
+        work = asyncio.create_task(self._traced_rollout(claimed))
+        watch = asyncio.create_task(self._heartbeat_until_moved_on(rollout_id, attempt_id))
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if work not in done:
+            # The store moved the attempt on: stop the agent (a sync agent's thread runs out on its own).
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await work
+            logger.warning("rollout %s attempt %s was moved on by the store; abandoned", rollout_id, attempt_id)
+            status = "abandoned"
+        else:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
+            failure = work.exception()
+            status = await self._record_outcome(rollout_id, attempt_id, "failed" if failure else "succeeded")
+        for hook in self.hooks:
+            await hook.on_rollout_end(agent=self.agent, runner=self, rollout=claimed, status=status)
+        return status
+
+    async def _traced_rollout(self, claimed: AttemptedRollout) -> None:
+        """The agent inside the trace context; its return value becomes a reward span or spans.
+        Raises what the agent raised, after recording it as an exception span."""
+        from lightning.tracing import emit_exception, emit_reward
+
+        resources = await self._resources(claimed)
+        with self.tracer.trace_context(claimed.rollout_id, claimed.attempt.attempt_id):
+            for hook in self.hooks:
+                await hook.on_trace_start(agent=self.agent, runner=self, rollout=claimed)
+            try:
+                result = await self.agent.run(claimed.input, resources, claimed)
+                await self._store_result(claimed, result, emit_reward)
+            except Exception as exc:
+                logger.info("rollout %s failed: %r", claimed.rollout_id, exc)
+                emit_exception(exc)
+                raise
+            finally:
+                for hook in self.hooks:
+                    await hook.on_trace_end(agent=self.agent, runner=self, rollout=claimed)
+
+    async def _resources(self, claimed: AttemptedRollout) -> NamedResources:
+        if claimed.resources_id is None:
+            return {}
+        found = await self.store.get_resources_by_id(claimed.resources_id)
+        if found is None:
+            raise LookupError(f"rollout {claimed.rollout_id} names resources {claimed.resources_id!r}, which are gone")
+        return found.resources
+
+    async def _store_result(self, claimed: AttemptedRollout, result: RolloutResult, emit_reward: Any) -> None:
+        if result is None:
+            return
+        if isinstance(result, bool):
+            raise TypeError("the agent returned a bool; return a float reward, spans or None")
+        if isinstance(result, int | float):
+            emit_reward(float(result))
+            return
+        if isinstance(result, list):
+            await self._store_spans(claimed, result)
+            return
+        raise TypeError(f"the agent returned {type(result).__name__}; return a float reward, spans or None")
+
+    async def _store_spans(self, claimed: AttemptedRollout, spans: list[Any]) -> None:
+        rollout_id, attempt_id = claimed.rollout_id, claimed.attempt.attempt_id
+        ids = await self.store.get_many_span_sequence_ids([(rollout_id, attempt_id)] * len(spans))
+        converted = []
+        for span, sequence_id in zip(spans, ids, strict=True):
+            if isinstance(span, Span):
+                fields = {"rollout_id": rollout_id, "attempt_id": attempt_id, "sequence_id": sequence_id}
+                converted.append(span.model_copy(update=fields))
+            else:  # an OpenTelemetry ReadableSpan
+                converted.append(Span.from_opentelemetry(span, rollout_id, attempt_id, sequence_id))
+        await self.store.add_many_spans(converted)
+
+    async def _heartbeat_until_moved_on(self, rollout_id: str, attempt_id: str) -> None:
+        """Beat the attempt's heartbeat; return when the attempt is no longer this runner's to finish."""
+        while True:
+            await asyncio.sleep(self.heartbeat_interval)
+            attempt = await self.store.update_attempt(rollout_id, attempt_id, last_heartbeat_time=time.time())
+            await self.store.update_worker(self.worker_id)
+            if not await self._still_ours(rollout_id, attempt_id, attempt.status):
+                return
+
+    async def _still_ours(self, rollout_id: str, attempt_id: str, status: AttemptStatus) -> bool:
+        if status not in ("preparing", "running"):
+            return False
+        latest = await self.store.get_latest_attempt(rollout_id)
+        return latest is not None and latest.attempt_id == attempt_id
+
+    async def _record_outcome(self, rollout_id: str, attempt_id: str, status: AttemptStatus) -> str:
+        latest = await self.store.get_latest_attempt(rollout_id)
+        if latest is None or latest.attempt_id != attempt_id or latest.status not in ("preparing", "running"):
+            # Timed out, marked unresponsive or superseded meanwhile: the store's verdict stands.
+            logger.warning(
+                "rollout %s attempt %s ended as %s elsewhere; not overwritten", rollout_id, attempt_id, status
+            )
+            return "abandoned"
+        await self.store.update_attempt(rollout_id, attempt_id, status=status)
+        return status
+
+    async def close(self) -> None:
+        if self._owns_tracer:
+            self.tracer.shutdown()
+
+
+__all__ = ["Runner"]
