@@ -1,6 +1,10 @@
 """Names of our spans and attributes, in one place. Spans named by agent-lightning 0.3
 (`agentlightning.*`) are read too, so traces from agents written for it still count."""
 
+import array
+import base64
+import sys
+
 REWARD_SPAN = "lightning.reward"
 MESSAGE_SPAN = "lightning.message"
 OBJECT_SPAN = "lightning.object"
@@ -29,3 +33,53 @@ PEER_REWARD_SPAN = "agentlightning.reward"
 PEER_ROLLOUT_ID = "agentlightning.rollout_id"
 PEER_ATTEMPT_ID = "agentlightning.attempt_id"
 PEER_SPAN_SEQUENCE_ID = "agentlightning.span_sequence_id"
+
+# LLM call spans, written by the LLM proxy. They follow OpenTelemetry's GenAI conventions
+# (`gen_ai.*`: span name "{operation} {model}") and add the exact token ids.
+GEN_AI_OPERATION = "gen_ai.operation.name"
+""""chat" for /v1/chat/completions, "text_completion" for /v1/completions."""
+GEN_AI_PROVIDER = "gen_ai.provider.name"
+GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
+GEN_AI_RESPONSE_MODEL = "gen_ai.response.model"
+GEN_AI_RESPONSE_ID = "gen_ai.response.id"
+GEN_AI_FINISH_REASONS = "gen_ai.response.finish_reasons"
+GEN_AI_INPUT_TOKENS = "gen_ai.usage.input_tokens"
+GEN_AI_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+GEN_AI_INPUT_MESSAGES = "gen_ai.input.messages"
+"""The request's messages (chat) or prompt (completions), as JSON text."""
+GEN_AI_OUTPUT_MESSAGES = "gen_ai.output.messages"
+"""One output message per choice, as JSON text: role, content, tool_calls, finish_reason."""
+GEN_AI_REQUEST_PREFIX = "gen_ai.request."
+"""Sampling parameters as sent: `gen_ai.request.temperature`, `.top_p`, `.max_tokens`, `.seed`, ..."""
+
+LLM_PROMPT_TOKEN_IDS = "lightning.llm.prompt_token_ids"
+"""The prompt's token ids, encoded with `encode_token_ids`."""
+LLM_RESPONSE_TOKEN_IDS = "lightning.llm.response_token_ids"
+"""One encoded token-id string per choice, in choice order."""
+LLM_CHOICE_PROMPT_TOKEN_IDS = "lightning.llm.choice_prompt_token_ids"
+"""Only for a completions call with several prompts: one encoded prompt per choice."""
+LLM_BACKEND = "lightning.llm.backend"
+LLM_STREAM = "lightning.llm.stream"
+LLM_LATENCY_MS = "lightning.llm.latency_ms"
+LLM_TIME_TO_FIRST_CHUNK_MS = "lightning.llm.time_to_first_chunk_ms"
+LLM_TRIES = "lightning.llm.tries"
+"""Backends tried for this call (1 when the first answered)."""
+LLM_WEIGHT_VERSION = "lightning.llm.weight_version"
+LLM_HTTP_STATUS = "http.response.status_code"
+
+
+def encode_token_ids(token_ids: list[int]) -> str:
+    """Token ids as base64 of little-endian uint32: a third smaller than JSON and decoded in one call."""
+    packed = array.array("I", token_ids)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return base64.b64encode(packed.tobytes()).decode("ascii")
+
+
+def decode_token_ids(encoded: str) -> list[int]:
+    """The inverse of `encode_token_ids`."""
+    packed = array.array("I")
+    packed.frombytes(base64.b64decode(encoded))
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tolist()

@@ -181,8 +181,12 @@ class ProxyLLM(LLM):
 
     def with_attempted_rollout(self, rollout: AttemptedRollout) -> LLM:
         """A plain `LLM` whose endpoint already carries this rollout's route."""
+        return self.with_attempted_rollout_ids(rollout.rollout_id, rollout.attempt.attempt_id)
+
+    def with_attempted_rollout_ids(self, rollout_id: str, attempt_id: str) -> LLM:
+        """A plain `LLM` whose endpoint carries the route of this rollout and attempt."""
         return LLM(
-            endpoint=self.get_base_url(rollout.rollout_id, rollout.attempt.attempt_id),
+            endpoint=self.get_base_url(rollout_id, attempt_id),
             model=self.model,
             api_key=self.api_key,
             sampling_parameters=dict(self.sampling_parameters),

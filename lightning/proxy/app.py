@@ -1,0 +1,599 @@
+"""The LLM proxy: an OpenAI-compatible app that forwards agents' calls to the inference servers
+unchanged, asks them for the exact token ids, and stores one span per call under the call's
+rollout and attempt.
+
+Routes: `/rollout/{rollout_id}/attempt/{attempt_id}/v1/...` (what a runner hands its agent) and
+plain `/v1/...` (spans only when the `x-rollout-id` / `x-attempt-id` headers name an attempt).
+Admin: `POST /admin/pause`, `POST /admin/resume`, `GET /admin/status`, `PUT /admin/backends`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, Field
+
+from lightning import semconv
+from lightning.proxy.capture import Call, SseReader
+from lightning.proxy.writer import SpanWriter
+from lightning.store.base import LightningStore
+from lightning.types import LLM, OtelResource, ProxyLLM, Span, SpanContext, TraceStatus
+
+logger = logging.getLogger(__name__)
+
+# The OpenAI routes whose calls become spans, and the GenAI operation name of each.
+CAPTURED = {"chat/completions": "chat", "completions": "text_completion"}
+_RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+_STICKY_ROLLOUTS = 100_000
+_KNOWN_ATTEMPTS = 100_000
+
+
+class Backend(BaseModel):
+    """An inference server the proxy forwards to (vLLM or the embedded server)."""
+
+    url: str
+    """Its OpenAI base URL, e.g. http://127.0.0.1:8000/v1."""
+    api_key: str | None = Field(default=None, repr=False)
+    token_ids: bool = True
+    """The server takes vLLM's `return_token_ids`; the proxy then always asks for token ids."""
+    model: str | None = None
+    """If set, the `model` of every forwarded request is rewritten to this served model name."""
+    provider: str = "vllm"
+    """`gen_ai.provider.name` on the spans."""
+
+
+class ExternalModel(BaseModel):
+    """A model answered by a provider through LiteLLM's Router (spans, but no token ids)."""
+
+    model_name: str
+    """The name agents ask for."""
+    litellm_params: dict[str, Any] = Field(repr=False)
+    """LiteLLM's parameters, e.g. {"model": "openai/gpt-4o-mini", "api_key": "..."}."""
+
+
+class ProxyError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    """An error in OpenAI's shape, which the OpenAI SDKs turn into their typed exceptions."""
+    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError"}.get(status, "APIError")
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+class LLMProxy:
+    """Forwards OpenAI-style calls to `backends`, stores a span per call in `store`.
+
+    - `model_name`: what agents are told to ask for (`as_resource`); with `Backend.model` set the
+      proxy rewrites it to each server's own name.
+    - `external_models`: names answered through LiteLLM instead of the backends.
+    - `token`: bearer token every request must carry (the agents' `api_key`); required to listen
+      beyond loopback.
+    - `max_tries`: backends tried per call; connection errors and 5xx move on to the next one
+      after `retry_backoff` seconds (doubling).
+    """
+
+    def __init__(
+        self,
+        store: LightningStore,
+        backends: Sequence[Backend | str] = (),
+        *,
+        model_name: str = "policy",
+        external_models: Sequence[ExternalModel] = (),
+        token: str | None = None,
+        max_tries: int = 3,
+        retry_backoff: float = 0.05,
+        timeout: float = 600.0,
+        max_connections: int = 512,
+    ) -> None:
+        self.store = store
+        self.backends = [b if isinstance(b, Backend) else Backend(url=b) for b in backends]
+        self.model_name = model_name
+        self.external_models = {m.model_name: m for m in external_models}
+        self.token = token
+        self.max_tries = max_tries
+        self.retry_backoff = retry_backoff
+        self.timeout = timeout
+        self.max_connections = max_connections
+        self.weight_version: str | int | None = None
+        self.writer = SpanWriter(store)
+        self.calls = 0
+        self.retries = 0
+        self._in_flight = 0
+        self._sticky: OrderedDict[str, int] = OrderedDict()
+        self._known_attempts: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._next_backend = 0
+        self._client: httpx.AsyncClient | None = None
+        self._open: asyncio.Event | None = None
+        self._idle: asyncio.Event | None = None
+        self._router: Any = None
+        self._server: Any = None
+        self.url: str | None = None
+        self.app = self._build_app()
+
+    # --- Resources handed to agents ------------------------------------------------------------
+
+    def resource(self) -> ProxyLLM:
+        """The `ProxyLLM` to put in the store's resources; runners route it to each attempt."""
+        if self.url is None:
+            raise RuntimeError("the proxy is not serving yet: call start() first (or set proxy.url)")
+        return ProxyLLM(endpoint=f"{self.url}/v1", model=self.model_name, api_key=self.token)
+
+    def as_resource(self, rollout_id: str, attempt_id: str) -> LLM:
+        """The `LLM` an agent uses for this attempt: its calls land under the attempt's spans."""
+        return self.resource().with_attempted_rollout_ids(rollout_id, attempt_id)
+
+    # --- Pause and resume around weight updates ------------------------------------------------
+
+    async def pause(self, timeout: float | None = None) -> int:
+        """Hold new calls and wait until the calls in flight have finished (streams included).
+        Returns how many were drained; raises TimeoutError if they outlast `timeout`."""
+        self._events()
+        assert self._open is not None and self._idle is not None
+        self._open.clear()
+        draining = self._in_flight
+        await asyncio.wait_for(self._idle.wait(), timeout)
+        return draining
+
+    async def resume(self, weight_version: str | int | None = None) -> None:
+        """Let calls through again; `weight_version` is recorded on every span from now on."""
+        self._events()
+        assert self._open is not None
+        if weight_version is not None:
+            self.weight_version = weight_version
+        self._open.set()
+
+    def set_backends(self, backends: Sequence[Backend | str]) -> None:
+        """Replace the backends (e.g. vLLM servers started or restarted); rollouts re-stick."""
+        self.backends = [b if isinstance(b, Backend) else Backend(url=b) for b in backends]
+        self._sticky.clear()
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "paused": self._open is not None and not self._open.is_set(),
+            "in_flight": self._in_flight,
+            "backends": [b.url for b in self.backends],
+            "external_models": sorted(self.external_models),
+            "weight_version": self.weight_version,
+            "calls": self.calls,
+            "retries": self.retries,
+            **self.writer.stats(),
+        }
+
+    # --- The app --------------------------------------------------------------------------------
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="lightning LLM proxy", docs_url="/docs", redoc_url=None)
+        proxy = self
+
+        @app.middleware("http")
+        async def authenticate(request: Request, call_next: Any) -> Any:
+            if proxy.token is not None and request.url.path != "/health":
+                given = request.headers.get("authorization", "")
+                if not hmac.compare_digest(given.encode(), f"Bearer {proxy.token}".encode()):
+                    return error_response(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>'")
+            return await call_next(request)
+
+        @app.get("/health")
+        async def health() -> dict[str, str]:
+            return {"status": "ok"}
+
+        @app.post("/rollout/{rollout_id}/attempt/{attempt_id}/v1/{path:path}")
+        async def routed(rollout_id: str, attempt_id: str, path: str, request: Request) -> Response:
+            return await proxy._handle(request, path, rollout_id, attempt_id)
+
+        @app.post("/v1/{path:path}")
+        async def plain(path: str, request: Request) -> Response:
+            rollout_id = request.headers.get("x-rollout-id")
+            attempt_id = request.headers.get("x-attempt-id")
+            return await proxy._handle(request, path, rollout_id, attempt_id)
+
+        @app.get("/v1/models")
+        @app.get("/rollout/{rollout_id}/attempt/{attempt_id}/v1/models")
+        async def models(rollout_id: str | None = None, attempt_id: str | None = None) -> dict[str, Any]:
+            created = int(time.time())
+            names = [proxy.model_name, *proxy.external_models]
+            data = [{"id": name, "object": "model", "created": created, "owned_by": "lightning"} for name in names]
+            return {"object": "list", "data": data}
+
+        @app.post("/admin/pause")
+        async def admin_pause(timeout: float | None = None) -> dict[str, Any]:
+            try:
+                drained = await proxy.pause(timeout)
+            except TimeoutError:
+                await proxy.resume()
+                return error_response(409, f"calls still in flight after {timeout}s; the proxy stays open")
+            return {"paused": True, "drained": drained}
+
+        @app.post("/admin/resume")
+        async def admin_resume(request: Request) -> dict[str, Any]:
+            raw = await request.body()
+            body = json.loads(raw) if raw.strip() else {}
+            await proxy.resume(body.get("weight_version") if isinstance(body, dict) else None)
+            return {"paused": False, "weight_version": proxy.weight_version}
+
+        @app.get("/admin/status")
+        async def admin_status() -> dict[str, Any]:
+            return proxy.status()
+
+        @app.put("/admin/backends")
+        async def admin_backends(backends: list[Backend]) -> dict[str, Any]:
+            proxy.set_backends(backends)
+            return {"backends": [b.url for b in proxy.backends]}
+
+        @app.exception_handler(ProxyError)
+        async def proxy_error(request: Request, exc: ProxyError) -> JSONResponse:
+            return error_response(exc.status, exc.message, exc.param)
+
+        return app
+
+    # --- One call --------------------------------------------------------------------------------
+
+    async def _handle(self, request: Request, path: str, rollout_id: str | None, attempt_id: str | None) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ProxyError(400, "the request body is not JSON; send an OpenAI request as JSON") from None
+        if not isinstance(body, dict):
+            raise ProxyError(400, "the request body must be a JSON object")
+        operation = CAPTURED.get(path)
+        if rollout_id is not None and attempt_id is not None and operation is not None:
+            await self._check_attempt(rollout_id, attempt_id)
+        model = body.get("model")
+        if operation is not None and isinstance(model, str) and model in self.external_models:
+            return await self._guarded(self._external(body, operation, rollout_id, attempt_id, request))
+        if not self.backends:
+            raise ProxyError(503, "the proxy has no backends; register inference servers with PUT /admin/backends")
+        return await self._guarded(self._forward(raw, body, path, operation, rollout_id, attempt_id, request))
+
+    async def _guarded(self, handler: Any) -> Response:
+        """Run a call while counting it in flight (a stream stays in flight until its last byte)."""
+        await self._enter()
+        try:
+            response = await handler
+        except BaseException:
+            self._exit()
+            raise
+        if isinstance(response, StreamingResponse):
+            inner = response.body_iterator
+
+            async def counted() -> AsyncIterator[Any]:
+                try:
+                    async for piece in inner:
+                        yield piece
+                finally:
+                    self._exit()
+
+            response.body_iterator = counted()
+        else:
+            self._exit()
+        return response
+
+    async def _forward(
+        self,
+        raw: bytes,
+        body: dict[str, Any],
+        path: str,
+        operation: str | None,
+        rollout_id: str | None,
+        attempt_id: str | None,
+        request: Request,
+    ) -> Response:
+        started = time.time()
+        stream = bool(body.get("stream"))
+        upstream, backend, tries = await self._send(raw, body, path, operation, rollout_id)
+        if operation is None or rollout_id is None or attempt_id is None:
+            return await _pass_through(upstream)  # not an LLM call of an attempt: no span
+        call = Call(operation=operation, request=body, stream=stream, status_code=upstream.status_code)
+        context = (rollout_id, attempt_id, request.headers.get("traceparent"), backend, tries, started)
+        if not stream or upstream.status_code != 200:
+            content = await upstream.aread()
+            await upstream.aclose()
+            _read_whole(call, content, upstream.status_code)
+            await self._record(call, *context)
+            return Response(content, status_code=upstream.status_code, media_type=_media_type(upstream))
+
+        async def relay() -> AsyncIterator[bytes]:
+            reader = SseReader()
+            tail = b""
+            first_chunk_at = None
+            try:
+                async for data in upstream.aiter_raw():
+                    first_chunk_at = first_chunk_at or time.time()
+                    for event in reader.feed(data):
+                        call.read_chunk(event)
+                    done_at = data.find(b"data: [DONE]")
+                    if done_at >= 0:  # hold the end back until the span is stored
+                        data, tail = data[:done_at], data[done_at:]
+                    if data:
+                        yield data
+            except httpx.HTTPError as exc:
+                call.error = f"the backend's stream broke off: {exc!r}"
+            finally:
+                await upstream.aclose()
+            await self._record(call, *context, first_chunk_at=first_chunk_at)
+            if tail:
+                yield tail
+
+        return StreamingResponse(relay(), status_code=200, media_type="text/event-stream")
+
+    async def _send(
+        self, raw: bytes, body: dict[str, Any], path: str, operation: str | None, rollout_id: str | None
+    ) -> tuple[httpx.Response, Backend, int]:
+        """Send to the rollout's backend; on a connection error or a 5xx, try the next one."""
+        client = self._http()
+        order = self._backend_order(rollout_id)
+        delay = self.retry_backoff
+        failure = ""
+        for tries in range(1, self.max_tries + 1):
+            index = order[(tries - 1) % len(order)]
+            backend = self.backends[index]
+            # identity: the stream is relayed byte for byte, so it must not be compressed.
+            headers = {"content-type": "application/json", "accept-encoding": "identity"}
+            if backend.api_key:
+                headers["authorization"] = f"Bearer {backend.api_key}"
+            request = client.build_request(
+                "POST",
+                f"{backend.url.rstrip('/')}/{path}",
+                content=_payload(raw, body, backend, operation),
+                headers=headers,
+            )
+            try:
+                response = await client.send(request, stream=True)
+            except _RETRYABLE as exc:
+                failure = f"{backend.url}: {type(exc).__name__}: {exc}"
+            else:
+                if response.status_code < 500 or tries == self.max_tries:
+                    if rollout_id is not None:
+                        self._stick(rollout_id, index)
+                    return response, backend, tries
+                failure = f"{backend.url}: HTTP {response.status_code}"
+                await response.aclose()
+            self.retries += 1
+            logger.warning("LLM proxy: %s; trying the next backend in %.2fs", failure, delay)
+            await asyncio.sleep(delay)
+            delay *= 2
+        raise ProxyError(502, f"no backend answered after {self.max_tries} tries; last: {failure}")
+
+    async def _external(
+        self, body: dict[str, Any], operation: str, rollout_id: str | None, attempt_id: str | None, request: Request
+    ) -> Response:
+        """A call to a provider through LiteLLM's Router: same span, no token ids."""
+        from lightning.proxy.external import complete
+
+        started = time.time()
+        stream = bool(body.get("stream"))
+        call = Call(operation=operation, request=body, stream=stream)
+        context = (rollout_id, attempt_id, request.headers.get("traceparent"), None, 1, started)
+        status, result = await complete(self._litellm_router(), body, operation)
+        call.status_code = status
+        if status != 200 or not stream:
+            _read_whole(call, json.dumps(result).encode(), status)
+            if rollout_id and attempt_id:
+                await self._record(call, *context)
+            return JSONResponse(result, status_code=status)
+
+        async def relay() -> AsyncIterator[bytes]:
+            first_chunk_at = None
+            async for chunk in result:
+                first_chunk_at = first_chunk_at or time.time()
+                call.read_chunk(chunk)
+                yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+            if rollout_id and attempt_id:
+                await self._record(call, *context, first_chunk_at=first_chunk_at)
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(relay(), media_type="text/event-stream")
+
+    async def _record(
+        self,
+        call: Call,
+        rollout_id: str | None,
+        attempt_id: str | None,
+        traceparent: str | None,
+        backend: Backend | None,
+        tries: int,
+        started: float,
+        first_chunk_at: float | None = None,
+    ) -> None:
+        if rollout_id is None or attempt_id is None:
+            return
+        ended = time.time()
+        attributes = call.attributes()
+        attributes[semconv.LLM_BACKEND] = backend.url if backend else "litellm"
+        attributes[semconv.GEN_AI_PROVIDER] = backend.provider if backend else "litellm"
+        attributes[semconv.LLM_LATENCY_MS] = round((ended - started) * 1000, 3)
+        attributes[semconv.LLM_TRIES] = tries
+        if first_chunk_at is not None:
+            attributes[semconv.LLM_TIME_TO_FIRST_CHUNK_MS] = round((first_chunk_at - started) * 1000, 3)
+        if self.weight_version is not None:
+            attributes[semconv.LLM_WEIGHT_VERSION] = self.weight_version
+        trace_id, parent_id = _parse_traceparent(traceparent)
+        span_id = os.urandom(8).hex()
+        failed = call.error is not None or call.status_code != 200
+        model = call.request.get("model")
+        self.calls += 1
+        await self.writer.write(
+            Span(
+                rollout_id=rollout_id,
+                attempt_id=attempt_id,
+                sequence_id=0,  # allocated by the writer
+                trace_id=trace_id,
+                span_id=span_id,
+                parent_id=parent_id,
+                name=f"{call.operation} {model}" if isinstance(model, str) else call.operation,
+                status=TraceStatus(status_code="ERROR" if failed else "OK", description=call.error),
+                attributes=attributes,
+                start_time=started,
+                end_time=ended,
+                context=SpanContext(trace_id=trace_id, span_id=span_id),
+                parent=SpanContext(trace_id=trace_id, span_id=parent_id, is_remote=True) if parent_id else None,
+                resource=OtelResource(attributes={"service.name": "lightning.proxy"}),
+            )
+        )
+
+    # --- Helpers ---------------------------------------------------------------------------------
+
+    async def _check_attempt(self, rollout_id: str, attempt_id: str) -> None:
+        """A call for an attempt the store does not know would answer but leave no trace: refuse it."""
+        key = (rollout_id, attempt_id)
+        if key in self._known_attempts:
+            return
+        attempts = await self.store.query_attempts(rollout_id)
+        if not any(a.attempt_id == attempt_id for a in attempts):
+            raise ProxyError(
+                404,
+                f"the store has no attempt {attempt_id!r} of rollout {rollout_id!r}; use the endpoint the runner "
+                "handed the agent (proxy.as_resource(rollout_id, attempt_id))",
+                "attempt_id",
+            )
+        self._known_attempts[key] = None
+        if len(self._known_attempts) > _KNOWN_ATTEMPTS:
+            self._known_attempts.popitem(last=False)
+
+    def _backend_order(self, rollout_id: str | None) -> list[int]:
+        """The rollout's backend first (its prefix cache), then the others; new rollouts round-robin."""
+        count = len(self.backends)
+        first = self._sticky.get(rollout_id) if rollout_id is not None else None
+        if first is None or first >= count:
+            first = self._next_backend % count
+            self._next_backend += 1
+        return [(first + k) % count for k in range(count)]
+
+    def _stick(self, rollout_id: str, index: int) -> None:
+        self._sticky[rollout_id] = index
+        self._sticky.move_to_end(rollout_id)
+        if len(self._sticky) > _STICKY_ROLLOUTS:
+            self._sticky.popitem(last=False)
+
+    def _http(self) -> httpx.AsyncClient:
+        if self._client is None:
+            limits = httpx.Limits(max_connections=self.max_connections, max_keepalive_connections=self.max_connections)
+            self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout, connect=5.0), limits=limits)
+        return self._client
+
+    def _litellm_router(self) -> Any:
+        if self._router is None:
+            from lightning.proxy.external import make_router
+
+            self._router = make_router(list(self.external_models.values()))
+        return self._router
+
+    def _events(self) -> None:
+        if self._open is None:
+            self._open, self._idle = asyncio.Event(), asyncio.Event()
+            self._open.set()
+            self._idle.set()
+
+    async def _enter(self) -> None:
+        self._events()
+        assert self._open is not None and self._idle is not None
+        if not self._open.is_set():
+            await self._open.wait()
+        self._in_flight += 1
+        self._idle.clear()
+
+    def _exit(self) -> None:
+        assert self._idle is not None
+        self._in_flight -= 1
+        if self._in_flight == 0:
+            self._idle.set()
+
+    # --- Serving on a background thread -----------------------------------------------------------
+
+    def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Serve on a background thread; returns the proxy's URL (http://host:port)."""
+        from lightning.serving import ThreadedServer, is_loopback
+
+        if self.token is None and not is_loopback(host):
+            raise ValueError(
+                f"LLMProxy(token=None) refuses to listen on {host}: anyone who can reach it could use the models "
+                "and write spans. Pass token=..., or listen on 127.0.0.1."
+            )
+        self._server = ThreadedServer(self.app, host=host, port=port)
+        self.url = self._server.start()
+        return self.url
+
+    def stop(self) -> None:
+        """Stop serving: finish the span writes and close the HTTP client, then the server."""
+        if self._server is not None:
+            self._server.call(self.aclose(), timeout=30)
+            self._server.stop()
+            self._server = None
+
+    def pause_sync(self, timeout: float | None = None) -> int:
+        """`pause` from another thread while serving with `start()`."""
+        return self._server_loop().call(self.pause(timeout))
+
+    def resume_sync(self, weight_version: str | int | None = None) -> None:
+        """`resume` from another thread while serving with `start()`."""
+        self._server_loop().call(self.resume(weight_version))
+
+    def _server_loop(self) -> Any:
+        if self._server is None:
+            raise RuntimeError("the proxy is not serving on a thread: call start() first")
+        return self._server
+
+    async def aclose(self) -> None:
+        """Close the HTTP client and the span writer (the store stays open: it is the caller's)."""
+        await self.writer.close()
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+
+def _payload(raw: bytes, body: dict[str, Any], backend: Backend, operation: str | None) -> bytes:
+    """The request as the agent sent it, but asking for token ids (and the server's model name)."""
+    changes: dict[str, Any] = {}
+    if operation is not None and backend.token_ids and body.get("return_token_ids") is not True:
+        changes["return_token_ids"] = True
+    if backend.model is not None and body.get("model") != backend.model:
+        changes["model"] = backend.model
+    return json.dumps({**body, **changes}).encode() if changes else raw
+
+
+def _read_whole(call: Call, content: bytes, status: int) -> None:
+    try:
+        parsed = json.loads(content)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        parsed = None
+    if status == 200 and isinstance(parsed, dict):
+        call.read_body(parsed)
+        return
+    error = parsed.get("error") if isinstance(parsed, dict) else None
+    message = error.get("message") if isinstance(error, dict) else None
+    call.error = f"HTTP {status}: {message or content[:300].decode(errors='replace')}"
+
+
+def _parse_traceparent(header: str | None) -> tuple[str, str | None]:
+    """W3C trace context: join the agent's trace when its HTTP client sends one."""
+    if header:
+        parts = header.split("-")
+        if len(parts) == 4 and len(parts[1]) == 32 and len(parts[2]) == 16:
+            return parts[1], parts[2]
+    return os.urandom(16).hex(), None
+
+
+def _media_type(response: httpx.Response) -> str:
+    return response.headers.get("content-type", "application/json")
+
+
+async def _pass_through(upstream: httpx.Response) -> Response:
+    content = await upstream.aread()
+    await upstream.aclose()
+    return Response(content, status_code=upstream.status_code, media_type=_media_type(upstream))

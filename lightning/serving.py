@@ -1,0 +1,77 @@
+"""Serve an ASGI app with uvicorn on a background thread of this process (the proxy, the embedded
+inference server), and the loopback-or-token rule for every server we start."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import socket
+import threading
+import time
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost may resolve anywhere
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class ThreadedServer:
+    """uvicorn on its own thread and event loop. `start()` returns once it accepts connections;
+    `call(coro)` runs a coroutine on the server's loop from any other thread."""
+
+    def __init__(self, app: Any, *, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
+        import uvicorn
+
+        self.host = host
+        self.port = port or free_port(host)
+        config = uvicorn.Config(app, host=host, port=self.port, log_level=log_level, access_log=False, lifespan="on")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, name=f"uvicorn-{self.port}", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    def start(self, timeout: float = 30.0) -> str:
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError(f"the server on {self.url} stopped while starting (is the port taken?)")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the server on {self.url} did not start within {timeout}s")
+            time.sleep(0.01)
+        self._loop = self._find_loop()
+        return self.url
+
+    def _find_loop(self) -> asyncio.AbstractEventLoop:
+        # uvicorn runs its server under asyncio.run on our thread; its loop is where servers live.
+        for server in self._server.servers:
+            return server.get_loop()
+        raise RuntimeError("uvicorn started without a listening socket")
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._server.should_exit = True
+        if self._thread.is_alive():
+            self._thread.join(timeout)
