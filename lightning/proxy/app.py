@@ -121,6 +121,7 @@ class LLMProxy:
         self._open: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
         self._router: Any = None
+        self._background: set[asyncio.Task[None]] = set()
         self._server: Any = None
         self.url: str | None = None
         self.app = self._build_app()
@@ -312,6 +313,7 @@ class LLMProxy:
             reader = SseReader()
             tail = b""
             first_chunk_at = None
+            finished = False
             try:
                 async for data in upstream.aiter_raw():
                     first_chunk_at = first_chunk_at or time.time()
@@ -322,11 +324,17 @@ class LLMProxy:
                         data, tail = data[:done_at], data[done_at:]
                     if data:
                         yield data
+                finished = True
             except httpx.HTTPError as exc:
                 call.error = f"the backend's stream broke off: {exc!r}"
+                finished = True
             finally:
-                await upstream.aclose()
-            await self._record(call, *context, first_chunk_at=first_chunk_at)
+                if not finished:
+                    # The agent went away mid-stream (this generator is being cancelled): what the
+                    # backend sent so far is still the attempt's, so store it from a task of its own.
+                    call.error = "the agent stopped reading the stream"
+                    self._spawn(self._close_and_record(upstream, call, context, first_chunk_at))
+            await self._close_and_record(upstream, call, context, first_chunk_at)
             if tail:
                 yield tail
 
@@ -447,6 +455,17 @@ class LLMProxy:
             )
         )
 
+    async def _close_and_record(
+        self, upstream: httpx.Response, call: Call, context: tuple[Any, ...], first_chunk_at: float | None
+    ) -> None:
+        await upstream.aclose()
+        await self._record(call, *context, first_chunk_at=first_chunk_at)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)  # held here, or the loop may drop the task half-way
+        task.add_done_callback(self._background.discard)
+
     # --- Helpers ---------------------------------------------------------------------------------
 
     async def _check_attempt(self, rollout_id: str, attempt_id: str) -> None:
@@ -551,6 +570,8 @@ class LLMProxy:
 
     async def aclose(self) -> None:
         """Close the HTTP client and the span writer (the store stays open: it is the caller's)."""
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
         await self.writer.close()
         if self._client is not None:
             await self._client.aclose()

@@ -124,9 +124,8 @@ class Call:
             attrs[semconv.GEN_AI_REQUEST_MODEL] = request["model"]
         for name in _REQUEST_PARAMETERS:
             value = request.get(name)
-            if isinstance(value, bool | int | float | str):
-                attrs[semconv.GEN_AI_REQUEST_PREFIX + name] = value
-            elif isinstance(value, list) and all(isinstance(v, str) for v in value):
+            scalar = isinstance(value, bool | int | float | str)
+            if scalar or (isinstance(value, list) and all(isinstance(v, str) for v in value)):
                 attrs[semconv.GEN_AI_REQUEST_PREFIX + name] = value
         prompt = request.get("messages") if self.operation == "chat" else request.get("prompt")
         attrs[semconv.GEN_AI_INPUT_MESSAGES] = json.dumps(prompt, ensure_ascii=False)

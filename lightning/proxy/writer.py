@@ -12,6 +12,7 @@ from lightning.store.errors import NotFoundError
 from lightning.types import Span
 
 logger = logging.getLogger(__name__)
+_CLOSE: Any = object()
 
 
 class SpanWriter:
@@ -24,7 +25,7 @@ class SpanWriter:
         self.retries = retries
         self.written = 0
         self.failed = 0
-        self._queue: asyncio.Queue[tuple[Span, asyncio.Future[None]]] | None = None
+        self._queue: asyncio.Queue[Any] | None = None
         self._task: asyncio.Task[None] | None = None
 
     async def write(self, span: Span) -> None:
@@ -37,22 +38,26 @@ class SpanWriter:
         await done
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        """Store what is queued, then stop."""
+        if self._task is not None and not self._task.done():
+            assert self._queue is not None
+            self._queue.put_nowait(_CLOSE)
+            await self._task
+        self._task = None
 
-    async def _run(self, queue: asyncio.Queue[tuple[Span, asyncio.Future[None]]]) -> None:
+    async def _run(self, queue: asyncio.Queue[Any]) -> None:
         while True:
             batch = [await queue.get()]
             while not queue.empty():
                 batch.append(queue.get_nowait())
-            await self._commit(batch)
+            closing = _CLOSE in batch
+            await self._commit([item for item in batch if item is not _CLOSE])
+            if closing:
+                return
 
     async def _commit(self, batch: list[tuple[Span, asyncio.Future[None]]]) -> None:
+        if not batch:
+            return
         try:
             await self._store([span for span, _ in batch])
         except NotFoundError:

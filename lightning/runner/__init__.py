@@ -21,7 +21,16 @@ from typing import Any
 from lightning.agent import Hook, LitAgent, RolloutResult
 from lightning.store.base import LightningStore
 from lightning.store.errors import StoreError
-from lightning.types import AttemptedRollout, AttemptStatus, NamedResources, Rollout, RolloutConfig, RolloutMode, Span
+from lightning.types import (
+    AttemptedRollout,
+    AttemptStatus,
+    NamedResources,
+    ProxyLLM,
+    Rollout,
+    RolloutConfig,
+    RolloutMode,
+    Span,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +165,12 @@ class Runner:
         found = await self.store.get_resources_by_id(claimed.resources_id)
         if found is None:
             raise LookupError(f"rollout {claimed.rollout_id} names resources {claimed.resources_id!r}, which are gone")
-        return found.resources
+        # An LLM behind the proxy reaches the agent already routed to this attempt, so its calls
+        # are stored as this attempt's spans whatever kind of agent makes them.
+        return {
+            name: resource.with_attempted_rollout(claimed) if isinstance(resource, ProxyLLM) else resource
+            for name, resource in found.resources.items()
+        }
 
     async def _store_result(self, claimed: AttemptedRollout, result: RolloutResult, emit_reward: Any) -> None:
         if result is None:

@@ -46,8 +46,8 @@ class FixedBackend:
             self.fail_next -= 1
             await _send(send, 500, b'{"error":{"message":"injected failure","type":"APIError","code":500}}')
             return
-        chat = path.endswith("/chat/completions")
-        if not chat and not path.endswith("/completions"):
+        chat = path == "/v1/chat/completions"
+        if not chat and path != "/v1/completions":
             await _send(send, 404, b'{"error":{"message":"no such route","code":404}}')
             return
         token_ids = bool(body.get("return_token_ids"))

@@ -1,0 +1,382 @@
+"""The LLM proxy over real HTTP on 127.0.0.1: a SQLite store, the proxy on its own thread, and fast
+OpenAI-shaped backends (tests/support/fixed_backend.py) called with the OpenAI SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from support.fixed_backend import ANSWER, ANSWER_IDS, PROMPT_IDS, FixedBackend
+from support.servers import free_port, serving
+
+from lightning import semconv
+from lightning.agent import LitAgent
+from lightning.proxy import Backend, ExternalModel, LLMProxy
+from lightning.runner import Runner
+from lightning.store import SqlLightningStore
+from lightning.types import LLM, AttemptedRollout, Span
+
+MESSAGES = [{"role": "user", "content": "What is 2+2?"}]
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[SqlLightningStore]:
+    store = SqlLightningStore(f"sqlite:///{tmp_path}/store.db", watchdog_interval=None)
+    yield store
+    await store.close()
+
+
+@contextlib.contextmanager
+def backends(count: int = 1) -> Iterator[list[tuple[FixedBackend, str]]]:
+    with contextlib.ExitStack() as stack:
+        apps = [FixedBackend() for _ in range(count)]
+        yield [(app, stack.enter_context(serving(app)) + "/v1") for app in apps]
+
+
+@contextlib.contextmanager
+def running(proxy: LLMProxy) -> Iterator[LLMProxy]:
+    proxy.start()
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
+
+
+async def attempt_llm(store: SqlLightningStore, proxy: LLMProxy) -> tuple[AttemptedRollout, LLM]:
+    rollout = await store.start_rollout({"question": "2+2"})
+    return rollout, proxy.as_resource(rollout.rollout_id, rollout.attempt.attempt_id)
+
+
+def client(llm: LLM) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key or "unused", max_retries=0)
+
+
+def token_ids(span: Span) -> tuple[list[int], list[list[int]]]:
+    prompt = semconv.decode_token_ids(span.attributes[semconv.LLM_PROMPT_TOKEN_IDS])
+    responses = [semconv.decode_token_ids(s) for s in span.attributes[semconv.LLM_RESPONSE_TOKEN_IDS]]
+    return prompt, responses
+
+
+async def test_a_chat_call_is_forwarded_with_token_ids_on_and_stored_as_one_span(store: SqlLightningStore) -> None:
+    with backends() as [(backend, url)], running(LLMProxy(store, [url], model_name="policy")) as proxy:
+        rollout, llm = await attempt_llm(store, proxy)
+        assert llm.endpoint == f"{proxy.url}/rollout/{rollout.rollout_id}/attempt/{rollout.attempt.attempt_id}/v1"
+        response = await client(llm).chat.completions.create(model="policy", messages=MESSAGES, temperature=0.5)
+        # The span is in the store when the agent gets its answer: no waiting.
+        [span] = await store.query_spans(rollout.rollout_id)
+
+    assert response.choices[0].message.content == "".join(ANSWER)
+    assert backend.requests == [{"model": "policy", "messages": MESSAGES, "temperature": 0.5, "return_token_ids": True}]
+    assert span.attempt_id == rollout.attempt.attempt_id and span.name == "chat policy"
+    assert span.status.status_code == "OK"
+    assert token_ids(span) == (PROMPT_IDS, [ANSWER_IDS])
+    attrs = span.attributes
+    assert attrs[semconv.GEN_AI_OPERATION] == "chat"
+    assert attrs[semconv.GEN_AI_REQUEST_MODEL] == "policy"
+    assert attrs[semconv.GEN_AI_REQUEST_PREFIX + "temperature"] == 0.5
+    assert attrs[semconv.GEN_AI_INPUT_TOKENS] == len(PROMPT_IDS)
+    assert attrs[semconv.GEN_AI_OUTPUT_TOKENS] == len(ANSWER_IDS)
+    assert attrs[semconv.GEN_AI_FINISH_REASONS] == ["stop"]
+    assert json.loads(attrs[semconv.GEN_AI_INPUT_MESSAGES]) == MESSAGES
+    assert json.loads(attrs[semconv.GEN_AI_OUTPUT_MESSAGES])[0]["content"] == "".join(ANSWER)
+    assert attrs[semconv.LLM_BACKEND] == url and attrs[semconv.LLM_TRIES] == 1
+    assert attrs[semconv.LLM_LATENCY_MS] > 0
+
+
+@pytest.mark.parametrize("operation", ["chat", "text_completion"])
+async def test_a_stream_passes_through_unchanged_and_its_token_ids_are_stored(
+    store: SqlLightningStore, operation: str
+) -> None:
+    with backends() as [(_, url)], running(LLMProxy(store, [url])) as proxy:
+        rollout, llm = await attempt_llm(store, proxy)
+        if operation == "chat":
+            stream = await client(llm).chat.completions.create(model="policy", messages=MESSAGES, stream=True)
+            texts = [chunk.choices[0].delta.content async for chunk in stream]
+        else:
+            stream = await client(llm).completions.create(model="policy", prompt="2+2=", stream=True)
+            texts = [chunk.choices[0].text async for chunk in stream]
+        [span] = await store.query_spans(rollout.rollout_id)
+        # The same call through the proxy, raw: the bytes the agent reads are the backend's bytes.
+        path = "chat/completions" if operation == "chat" else "completions"
+        body = {"model": "policy", "stream": True, "return_token_ids": True}
+        body.update({"messages": MESSAGES} if operation == "chat" else {"prompt": "2+2="})
+        async with httpx.AsyncClient() as http:
+            direct = await http.post(f"{url}/{path}", json=body)
+            proxied = await http.post(f"{llm.endpoint}/{path}", json=body)
+
+    assert texts == ANSWER
+    assert proxied.content == direct.content
+    assert span.attributes[semconv.LLM_STREAM] is True
+    assert token_ids(span) == (PROMPT_IDS, [ANSWER_IDS])
+    assert json.loads(span.attributes[semconv.GEN_AI_OUTPUT_MESSAGES])[0]["content"] == "".join(ANSWER)
+    assert span.attributes[semconv.LLM_TIME_TO_FIRST_CHUNK_MS] > 0
+
+
+async def test_a_stream_the_agent_abandons_is_still_stored_as_far_as_it_went(store: SqlLightningStore) -> None:
+    with backends() as [(backend, url)], running(LLMProxy(store, [url])) as proxy:
+        backend.stream_delay = 0.2
+        rollout, llm = await attempt_llm(store, proxy)
+        stream = await client(llm).chat.completions.create(model="policy", messages=MESSAGES, stream=True)
+        first = await stream.__anext__()
+        await stream.close()
+        for _ in range(100):
+            spans = await store.query_spans(rollout.rollout_id)
+            if spans:
+                break
+            await asyncio.sleep(0.05)
+    assert first.choices[0].delta.content == ANSWER[0]
+    [span] = spans
+    assert span.status.status_code == "ERROR" and "stopped reading" in (span.status.description or "")
+    prompt, [response] = token_ids(span)
+    assert prompt == PROMPT_IDS and response == ANSWER_IDS[: len(response)] and 1 <= len(response) < len(ANSWER_IDS)
+
+
+async def test_completions_read_prompt_token_ids_from_the_choice(store: SqlLightningStore) -> None:
+    with backends() as [(_, url)], running(LLMProxy(store, [url])) as proxy:
+        rollout, llm = await attempt_llm(store, proxy)
+        response = await client(llm).completions.create(model="policy", prompt="2+2=", max_tokens=5)
+        [span] = await store.query_spans(rollout.rollout_id)
+    assert response.choices[0].text == "".join(ANSWER)
+    assert span.name == "text_completion policy"
+    assert token_ids(span) == (PROMPT_IDS, [ANSWER_IDS])
+    assert json.loads(span.attributes[semconv.GEN_AI_INPUT_MESSAGES]) == "2+2="
+
+
+async def test_a_backend_without_token_ids_is_not_asked_for_them(store: SqlLightningStore) -> None:
+    with backends() as [(backend, url)], running(LLMProxy(store, [Backend(url=url, token_ids=False)])) as proxy:
+        rollout, llm = await attempt_llm(store, proxy)
+        await client(llm).chat.completions.create(model="policy", messages=MESSAGES)
+        [span] = await store.query_spans(rollout.rollout_id)
+    assert "return_token_ids" not in backend.requests[0]
+    assert semconv.LLM_PROMPT_TOKEN_IDS not in span.attributes
+    assert semconv.LLM_RESPONSE_TOKEN_IDS not in span.attributes
+
+
+async def test_the_model_name_is_rewritten_for_backends_that_serve_another_name(store: SqlLightningStore) -> None:
+    with backends() as [(backend, url)], running(LLMProxy(store, [Backend(url=url, model="/ckpt/step-3")])) as proxy:
+        _, llm = await attempt_llm(store, proxy)
+        await client(llm).chat.completions.create(model="policy", messages=MESSAGES)
+    assert backend.requests[0]["model"] == "/ckpt/step-3"
+
+
+async def test_connection_errors_and_5xx_move_on_to_the_next_backend(store: SqlLightningStore) -> None:
+    dead = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
+    with backends(2) as [(first, first_url), (second, second_url)]:
+        proxy = LLMProxy(store, [dead, first_url, second_url], retry_backoff=0.01)
+        with running(proxy):
+            rollout, llm = await attempt_llm(store, proxy)
+            first.fail_next = 1
+            response = await client(llm).chat.completions.create(model="policy", messages=MESSAGES)
+            [span] = await store.query_spans(rollout.rollout_id)
+            # The rollout now sticks to the backend that answered.
+            await client(llm).chat.completions.create(model="policy", messages=MESSAGES)
+            first.fail_next = second.fail_next = 10
+            with pytest.raises(openai.InternalServerError) as failed:
+                await client(llm).chat.completions.create(model="policy", messages=MESSAGES)
+    assert response.choices[0].message.content == "".join(ANSWER)
+    assert span.attributes[semconv.LLM_TRIES] == 3
+    assert span.attributes[semconv.LLM_BACKEND] == second_url
+    assert len(first.requests) == 2 and len(second.requests) == 3
+    assert failed.value.status_code == 500  # the last backend's own answer, after max_tries
+
+
+async def test_a_rollout_sticks_to_one_backend_and_rollouts_spread(store: SqlLightningStore) -> None:
+    with backends(2) as [(first, first_url), (second, second_url)]:
+        proxy = LLMProxy(store, [first_url, second_url])
+        with running(proxy):
+            for _ in range(4):
+                rollout, llm = await attempt_llm(store, proxy)
+                for _ in range(3):
+                    await client(llm).chat.completions.create(
+                        model="policy", messages=MESSAGES, user=rollout.rollout_id
+                    )
+    by_rollout: dict[str, set[int]] = {}
+    for which, backend in enumerate((first, second)):
+        for request in backend.requests:
+            by_rollout.setdefault(request["user"], set()).add(which)
+    assert all(len(used) == 1 for used in by_rollout.values())
+    assert len(first.requests) == len(second.requests) == 6
+
+
+async def test_pause_drains_calls_in_flight_and_holds_new_ones_until_resume(store: SqlLightningStore) -> None:
+    with backends() as [(backend, url)], running(LLMProxy(store, [url])) as proxy:
+        backend.stream_delay = 0.1  # a stream of 5 chunks takes 0.5 s
+        rollout, llm = await attempt_llm(store, proxy)
+
+        async def streamed() -> str:
+            stream = await client(llm).chat.completions.create(model="policy", messages=MESSAGES, stream=True)
+            return "".join([chunk.choices[0].delta.content async for chunk in stream])
+
+        in_flight = asyncio.create_task(streamed())
+        await asyncio.sleep(0.15)
+        drained = await asyncio.to_thread(proxy.pause_sync, 5.0)
+        assert in_flight.done() and drained == 1  # pause returned only after the stream ended
+        held = asyncio.create_task(client(llm).chat.completions.create(model="policy", messages=MESSAGES))
+        await asyncio.sleep(0.3)
+        assert not held.done() and len(backend.requests) == 1
+        await asyncio.to_thread(proxy.resume_sync, 7)
+        await held
+        spans = await store.query_spans(rollout.rollout_id)
+        async with httpx.AsyncClient() as http:
+            status = (await http.get(f"{proxy.url}/admin/status")).json()
+    assert await in_flight == "".join(ANSWER)
+    assert [s.attributes.get(semconv.LLM_WEIGHT_VERSION) for s in spans] == [None, 7]
+    assert status["paused"] is False and status["in_flight"] == 0 and status["spans_written"] == 2
+
+
+async def test_admin_routes_pause_and_resume_over_http(store: SqlLightningStore) -> None:
+    with backends() as [(_, url)], running(LLMProxy(store, [url])) as proxy:
+        async with httpx.AsyncClient(base_url=proxy.url) as http:
+            assert (await http.post("/admin/pause")).json() == {"paused": True, "drained": 0}
+            assert (await http.get("/admin/status")).json()["paused"] is True
+            resumed = await http.post("/admin/resume", json={"weight_version": "step-2"})
+            assert resumed.json() == {"paused": False, "weight_version": "step-2"}
+            replaced = await http.put("/admin/backends", json=[{"url": url}, {"url": url, "token_ids": False}])
+            assert replaced.json() == {"backends": [url, url]}
+
+
+async def test_a_token_is_required_when_set_and_the_agent_gets_it_as_its_api_key(store: SqlLightningStore) -> None:
+    with (
+        backends() as [(backend, url)],
+        running(LLMProxy(store, [Backend(url=url, api_key="backend-key")], token="s3cret")) as proxy,
+    ):
+        rollout, llm = await attempt_llm(store, proxy)
+        assert llm.api_key == "s3cret"
+        await client(llm).chat.completions.create(model="policy", messages=MESSAGES)
+        async with httpx.AsyncClient() as http:
+            refused = await http.post(
+                f"{llm.endpoint}/chat/completions", json={"model": "policy", "messages": MESSAGES}
+            )
+            health = await http.get(f"{proxy.url}/health")
+        [span] = await store.query_spans(rollout.rollout_id)
+    assert refused.status_code == 401 and refused.json()["error"]["type"] == "AuthenticationError"
+    assert health.status_code == 200
+    assert len(backend.requests) == 1
+    assert "s3cret" not in span.model_dump_json() and "backend-key" not in span.model_dump_json()
+
+
+def test_the_proxy_refuses_to_listen_beyond_loopback_without_a_token(tmp_path: Path) -> None:
+    proxy = LLMProxy(SqlLightningStore(f"sqlite:///{tmp_path}/s.db", watchdog_interval=None), ["http://127.0.0.1:1/v1"])
+    with pytest.raises(ValueError, match="token"):
+        proxy.start(host="0.0.0.0")
+
+
+async def test_bad_requests_get_4xx_in_openai_shape(store: SqlLightningStore) -> None:
+    with backends() as [(backend, url)], running(LLMProxy(store, [url])) as proxy:
+        rollout, llm = await attempt_llm(store, proxy)
+        async with httpx.AsyncClient() as http:
+            not_json = await http.post(f"{llm.endpoint}/chat/completions", content=b"{nope")
+            not_object = await http.post(f"{llm.endpoint}/chat/completions", json=[1, 2])
+            unknown = await http.post(
+                f"{proxy.url}/rollout/{rollout.rollout_id}/attempt/at-unknown/v1/chat/completions",
+                json={"model": "policy", "messages": MESSAGES},
+            )
+        assert await store.query_spans(rollout.rollout_id) == []
+    assert not_json.status_code == 400 and "JSON" in not_json.json()["error"]["message"]
+    assert not_object.status_code == 400
+    assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "attempt_id"
+    assert backend.requests == []
+
+
+async def test_backend_errors_pass_through_and_are_stored_as_error_spans(store: SqlLightningStore) -> None:
+    with backends() as [(_, url)], running(LLMProxy(store, [url])) as proxy:
+        rollout, llm = await attempt_llm(store, proxy)
+        async with httpx.AsyncClient() as http:
+            missing = await http.post(f"{llm.endpoint}/chat/completions/nothing", json={"model": "policy"})
+        async with httpx.AsyncClient() as http:
+            # A 4xx from the backend on a captured route reaches the agent as is, and leaves an error span.
+            proxy.set_backends([Backend(url=url.replace("/v1", "/nowhere"))])
+            refused = await http.post(
+                f"{llm.endpoint}/chat/completions", json={"model": "policy", "messages": MESSAGES}
+            )
+        [span] = await store.query_spans(rollout.rollout_id)
+    assert missing.status_code == 404
+    assert refused.status_code == 404
+    assert span.status.status_code == "ERROR" and "HTTP 404" in (span.status.description or "")
+    assert span.attributes[semconv.LLM_HTTP_STATUS] == 404
+
+
+async def test_plain_v1_routes_record_spans_when_headers_name_the_attempt(store: SqlLightningStore) -> None:
+    with backends() as [(_, url)], running(LLMProxy(store, [url])) as proxy:
+        rollout, _ = await attempt_llm(store, proxy)
+        plain = openai.AsyncOpenAI(base_url=f"{proxy.url}/v1", api_key="unused", max_retries=0)
+        await plain.chat.completions.create(model="policy", messages=MESSAGES)  # no span: no attempt named
+        headers = {"x-rollout-id": rollout.rollout_id, "x-attempt-id": rollout.attempt.attempt_id}
+        await plain.chat.completions.create(model="policy", messages=MESSAGES, extra_headers=headers)
+        models = await plain.models.list()
+        [span] = await store.query_spans(rollout.rollout_id)
+    assert span.attempt_id == rollout.attempt.attempt_id
+    assert [m.id for m in models.data] == ["policy"]
+
+
+async def test_concurrent_calls_of_many_attempts_each_leave_their_span(store: SqlLightningStore) -> None:
+    with backends() as [(_, url)], running(LLMProxy(store, [url])) as proxy:
+        attempts = [await attempt_llm(store, proxy) for _ in range(8)]
+
+        async def calls(llm: LLM) -> None:
+            for i in range(4):
+                if i % 2:
+                    stream = await client(llm).chat.completions.create(model="policy", messages=MESSAGES, stream=True)
+                    assert "".join([chunk.choices[0].delta.content async for chunk in stream]) == "".join(ANSWER)
+                else:
+                    await client(llm).chat.completions.create(model="policy", messages=MESSAGES)
+
+        await asyncio.gather(*(calls(llm) for _, llm in attempts))
+        for rollout, _ in attempts:
+            spans = await store.query_spans(rollout.rollout_id)
+            assert sorted(s.sequence_id for s in spans) == [1, 2, 3, 4]
+            assert all(token_ids(s) == (PROMPT_IDS, [ANSWER_IDS]) for s in spans)
+        assert proxy.writer.written == 32 and proxy.writer.failed == 0
+
+
+async def test_external_models_go_through_litellm_with_spans_but_no_token_ids(store: SqlLightningStore) -> None:
+    with backends() as [(backend, url)]:
+        external = ExternalModel(
+            model_name="frozen-judge",
+            litellm_params={"model": "openai/judge-v1", "api_base": url, "api_key": "sk-provider-secret"},
+        )
+        with running(LLMProxy(store, [url], external_models=[external])) as proxy:
+            rollout, llm = await attempt_llm(store, proxy)
+            response = await client(llm).chat.completions.create(model="frozen-judge", messages=MESSAGES)
+            stream = await client(llm).chat.completions.create(model="frozen-judge", messages=MESSAGES, stream=True)
+            streamed = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+            spans = await store.query_spans(rollout.rollout_id)
+    assert response.choices[0].message.content == "".join(ANSWER)
+    assert streamed == "".join(ANSWER)
+    assert [r["model"] for r in backend.requests] == ["judge-v1", "judge-v1"]
+    assert all("return_token_ids" not in r for r in backend.requests)
+    assert [s.attributes[semconv.GEN_AI_PROVIDER] for s in spans] == ["litellm", "litellm"]
+    assert all(semconv.LLM_RESPONSE_TOKEN_IDS not in s.attributes for s in spans)
+    assert all("sk-provider-secret" not in s.model_dump_json() for s in spans)
+
+
+class _SubclassAgent(LitAgent[dict[str, Any]]):
+    """A 0.3-style agent that reads its LLM from the resources dict itself."""
+
+    async def rollout_async(self, task: dict[str, Any], resources: dict[str, Any], rollout: AttemptedRollout) -> float:
+        llm = resources["main_llm"]
+        base_url = llm.get_base_url(rollout.rollout_id, rollout.attempt.attempt_id)
+        oai = openai.AsyncOpenAI(base_url=base_url, api_key=llm.api_key or "unused", max_retries=0)
+        response = await oai.chat.completions.create(model=llm.model, messages=MESSAGES)
+        return 1.0 if response.choices[0].message.content == "".join(ANSWER) else 0.0
+
+
+async def test_runners_hand_agents_the_proxy_routed_to_their_attempt(store: SqlLightningStore) -> None:
+    with backends() as [(_, url)], running(LLMProxy(store, [url])) as proxy:
+        await store.add_resources({"main_llm": proxy.resource()})
+        queued = await store.enqueue_many_rollouts([{"input": {"n": i}} for i in range(3)])
+        runner = Runner(_SubclassAgent(), store, idle_wait=0.05)
+        assert await runner.iter(max_rollouts=3) == 3
+        await runner.close()
+        for rollout in queued:
+            spans = await store.query_spans(rollout.rollout_id)
+            llm_spans = [s for s in spans if s.attributes.get(semconv.GEN_AI_OPERATION) == "chat"]
+            assert len(llm_spans) == 1
+            assert token_ids(llm_spans[0]) == (PROMPT_IDS, [ANSWER_IDS])
