@@ -1,18 +1,21 @@
-"""The `lightning` command line: `lightning store serve` runs the store's HTTP server."""
+"""The `lightning` command line: `lightning store serve` runs the store's HTTP server, `lightning proxy
+serve` the LLM proxy."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
+from lightning.serving import is_loopback
 from lightning.store.sql import DEFAULT_URL
 
 TOKEN_ENV = "LIGHTNING_STORE_TOKEN"
+PROXY_TOKEN_ENV = "LIGHTNING_PROXY_TOKEN"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
@@ -75,7 +78,94 @@ def _parser() -> argparse.ArgumentParser:
         help="log one line per request (off by default: runners and tracers make thousands a second)",
     )
     serve.set_defaults(run=_serve, help_parser=serve)
+
+    proxy = commands.add_parser(
+        "proxy",
+        help="the LLM proxy between agents and inference servers",
+        description="The LLM proxy: forwards agents' OpenAI calls and stores each, with its token ids, as a span.",
+    )
+    proxy.set_defaults(help_parser=proxy)
+    proxy_commands = proxy.add_subparsers(title="commands", metavar="COMMAND")
+    proxy_serve = proxy_commands.add_parser(
+        "serve",
+        help="serve the LLM proxy over HTTP",
+        description=(
+            "Serve the LLM proxy: agents call /rollout/{rollout_id}/attempt/{attempt_id}/v1/chat/completions "
+            "(or /completions); the call goes to a backend with return_token_ids on, and its span goes to the store. "
+            "Admin: POST /admin/pause, POST /admin/resume, GET /admin/status, PUT /admin/backends."
+        ),
+        epilog=f"The token can also come from ${PROXY_TOKEN_ENV}. Backends' API keys: --backend-api-key.",
+    )
+    proxy_serve.add_argument("--store", default=DEFAULT_URL, metavar="URL", help="store database or store server URL")
+    proxy_serve.add_argument(
+        "--backend",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="an inference server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1 (repeat for several)",
+    )
+    proxy_serve.add_argument(
+        "--no-token-ids",
+        action="store_true",
+        help="the backends do not take vLLM's return_token_ids (spans then hold no token ids)",
+    )
+    proxy_serve.add_argument("--backend-api-key", default=None, help="API key the backends require")
+    proxy_serve.add_argument("--model-name", default="policy", help="model name agents ask for (default: %(default)s)")
+    proxy_serve.add_argument(
+        "--external-models",
+        default=None,
+        metavar="FILE",
+        help='JSON list of {"model_name": ..., "litellm_params": {...}} answered through LiteLLM',
+    )
+    proxy_serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    proxy_serve.add_argument("--port", type=int, default=4748, help="port to listen on (default: %(default)s)")
+    proxy_serve.add_argument(
+        "--token",
+        default=None,
+        help=f"require 'Authorization: Bearer TOKEN' (default: ${PROXY_TOKEN_ENV}, else none); "
+        "required when --host is not a loopback address",
+    )
+    proxy_serve.add_argument("--log-level", default="warning", choices=LOG_LEVELS, help="(default: %(default)s)")
+    proxy_serve.set_defaults(run=_proxy_serve, help_parser=proxy_serve)
     return parser
+
+
+def _proxy_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import json
+
+    import uvicorn
+
+    from lightning.proxy import Backend, ExternalModel, LLMProxy
+    from lightning.store import open_store
+
+    token = args.token or os.environ.get(PROXY_TOKEN_ENV) or None
+    if token is None and not is_loopback(args.host):
+        parser.error(
+            f"refusing to serve on {args.host} without a token: anyone who can reach it could use the models and "
+            f"write spans. Pass --token (or set ${PROXY_TOKEN_ENV}), or listen on 127.0.0.1."
+        )
+    external: list[ExternalModel] = []
+    if args.external_models:
+        try:
+            external = [ExternalModel.model_validate(m) for m in json.loads(Path(args.external_models).read_text())]
+        except (OSError, ValueError) as exc:
+            parser.error(f"--external-models {args.external_models}: {exc}")
+    if not args.backend and not external:
+        parser.error("give at least one --backend URL (or --external-models)")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    store = open_store(args.store, watchdog_interval=None)
+    backends = [Backend(url=url, token_ids=not args.no_token_ids, api_key=args.backend_api_key) for url in args.backend]
+    proxy = LLMProxy(store, backends, model_name=args.model_name, external_models=external, token=token)
+    proxy.url = f"http://{args.host}:{args.port}"
+    try:
+        auth = "bearer token required" if token else "no token"
+        print(
+            f"lightning proxy: {proxy.url} -> {args.backend}, spans to {store!r} ({auth})", file=sys.stderr, flush=True
+        )
+        uvicorn.run(proxy.app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    finally:
+        asyncio.run(store.close())
+    return 0
 
 
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -85,7 +175,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from lightning.store.sql import SqlLightningStore
 
     token = args.token or os.environ.get(TOKEN_ENV) or None
-    if token is None and not _is_loopback(args.host):
+    if token is None and not is_loopback(args.host):
         parser.error(
             f"refusing to serve on {args.host} without a token: anyone who can reach it could read and change "
             f"the store. Pass --token (or set ${TOKEN_ENV}), or listen on 127.0.0.1."
@@ -100,15 +190,6 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     finally:
         asyncio.run(store.close())
     return 0
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a host name other than localhost may resolve anywhere
 
 
 if __name__ == "__main__":

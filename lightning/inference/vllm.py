@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import logging
 import os
 import signal
@@ -16,6 +15,8 @@ from typing import Any
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+from lightning.serving import is_loopback
 
 # Routes of the vLLM server this module relies on (read from vLLM's source of 2025-2026, not run against 0.33):
 #
@@ -86,17 +87,8 @@ class VllmConfig(BaseModel):
         return self.enable_sleep_mode or self.enable_weight_reload
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _check_exposure(config: VllmConfig) -> None:
-    if _is_loopback(config.host):
+    if is_loopback(config.host):
         return
     if config.api_key is None:
         raise ValueError(
