@@ -3,6 +3,9 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+TORCH ?= torch==2.13.0
+# LiteLLM would fetch its model price list from the internet at import.
+export LITELLM_LOCAL_MODEL_COST_MAP := True
 
 .PHONY: venv test test-fast lint format bench clean
 
@@ -11,6 +14,8 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or: make PYTHON=python3 ...)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
+	@# torch's CPU build first: with no torch installed, the plain requirement pulls several GB of CUDA.
+	$(PY) -m pip install --quiet --disable-pip-version-check $(TORCH)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
 	touch $(STAMP)
 
