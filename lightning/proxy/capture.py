@@ -154,6 +154,10 @@ class Call:
             attrs[semconv.LLM_CHOICE_PROMPT_TOKEN_IDS] = [semconv.encode_token_ids(p) for p in choice_prompts]
         if choices and all(c.token_ids is not None for c in choices):
             attrs[semconv.LLM_RESPONSE_TOKEN_IDS] = [semconv.encode_token_ids(c.token_ids or []) for c in choices]
+            # A stream without `stream_options.include_usage` has no usage: the token ids tell it.
+            attrs.setdefault(semconv.GEN_AI_OUTPUT_TOKENS, sum(len(c.token_ids or []) for c in choices))
+            if prompt_ids is not None:
+                attrs.setdefault(semconv.GEN_AI_INPUT_TOKENS, len(prompt_ids))
         return attrs
 
 
