@@ -1,0 +1,53 @@
+"""Serve a Hugging Face model directory with the embedded OpenAI-compatible server: `python -m lightning.inference`."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+
+import torch
+import uvicorn
+
+from lightning.inference.server import create_inference_app
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m lightning.inference", description=__doc__)
+    parser.add_argument("--model", required=True, help="a Hugging Face model directory")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None, help="the model name clients send (default: dir name)")
+    parser.add_argument("--api-key", default=os.environ.get("LIGHTNING_INFERENCE_API_KEY"))
+    parser.add_argument("--max-batch-size", type=int, default=32)
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores but one)")
+    args = parser.parse_args(argv)
+    if not is_loopback(args.host) and not args.api_key:
+        # Anyone who can reach the port could otherwise generate on, and reload, this model.
+        parser.error(
+            f"--host {args.host} is reachable from other machines; give --api-key (or LIGHTNING_INFERENCE_API_KEY)"
+        )
+    # One core is left to the HTTP event loop, which tokenizes prompts and streams responses.
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) - 1))
+    app = create_inference_app(
+        args.model,
+        served_model_name=args.served_model_name,
+        device=args.device,
+        max_batch_size=args.max_batch_size,
+        api_key=args.api_key,
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+
+
+if __name__ == "__main__":
+    main()

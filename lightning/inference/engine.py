@@ -1,0 +1,453 @@
+"""Batched text generation on transformers + torch: one background thread decodes all running requests together."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import logging
+import random
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.cache_utils import DynamicLayer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0
+    """0 means greedy (argmax)."""
+    top_p: float = 1.0
+    n: int = 1
+    seed: int | None = None
+    """Choice i samples from a generator seeded with seed + i, so the same request gives the same output."""
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    logprobs: int | None = None
+    """None: no logprobs; k >= 0: the sampled token's logprob and the k most likely tokens' logprobs."""
+
+
+@dataclass
+class TokenLogprob:
+    """Logprobs of one generated token under the model's raw distribution (before temperature and top_p)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class Output:
+    """What one choice generated since its previous Output."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None = None
+
+
+@dataclass
+class GenerationRecord:
+    """What one finished request was given and generated, kept in `InferenceEngine.recent`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[list[int]]
+    finish_reasons: list[str]
+    model_version: int | str
+
+
+class _Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.model_version: int | str = 0
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[list[Output | None] | BaseException] = asyncio.Queue()
+        self.output_token_ids: list[list[int]] = [[] for _ in range(params.n)]
+        self.finish_reasons = [""] * params.n
+        self.unfinished = params.n
+        self.cancelled = False
+
+    def send(self, item: list[Output | None] | BaseException) -> None:
+        # Called from the engine thread; asyncio queues may only be touched from their loop's thread.
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class _Row:
+    """One choice of one request while it decodes."""
+
+    def __init__(self, request: _Request, index: int):
+        self.request = request
+        self.index = index
+        self.params = request.params
+        self.seed = self.params.seed + index if self.params.seed is not None else random.randrange(2**63)
+        self.generator: torch.Generator | None = None
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.sent_text = ""
+        self.unsent_ids: list[int] = []
+        self.unsent_logprobs: list[TokenLogprob] = []
+        self.finish_reason: str | None = None
+
+
+def _fail(rows: list[_Row], exc: BaseException) -> None:
+    """Raise `exc` in the consumers of these rows' requests (once per request)."""
+    for request in {row.request: None for row in rows}:
+        request.send(exc)
+
+
+@dataclass
+class _Batch:
+    """The rows decoding together and their shared state: the KV cache, the attention mask over it, each row's
+    next position, and the logits for each row's next token."""
+
+    rows: list[_Row]
+    cache: Any
+    attention_mask: torch.Tensor
+    positions: torch.Tensor
+    logits: torch.Tensor
+
+
+class InferenceEngine:
+    """Loads a Hugging Face model directory and generates for many requests at once (continuous batching).
+
+    `generate` may be called from any asyncio loop; the decoding runs in one background thread. New requests join
+    the running batch between decode steps; finished rows leave it. `reload` swaps in new weights between batches.
+    """
+
+    def __init__(self, model_path: str | Path, *, device: str | None = None, max_batch_size: int = 32):
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.max_batch_size = max_batch_size
+        self.model_path = str(model_path)
+        # Two tokenizers: the server encodes on the event loop thread while the engine thread decodes, and a Rust
+        # tokenizer used from two threads at once can fail with "Already borrowed".
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self._detokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.model = self._load_model(model_path)
+        self.context_length: int = self.model.config.max_position_embeddings
+        self.eos_token_ids = self._eos_token_ids()
+        self.pad_token_id = self.tokenizer.pad_token_id
+        if self.pad_token_id is None:
+            self.pad_token_id = min(self.eos_token_ids) if self.eos_token_ids else 0
+        self.version: int | str = 0
+        self.reloads = 0
+        self.recent: collections.deque[GenerationRecord] = collections.deque(maxlen=1000)
+        self.batches_run = 0
+        """Prefills run; requests arriving together share one."""
+        self.steps_run = 0
+        self.max_rows_seen = 0
+        """The most rows that one decode step has run together."""
+        self._waiting: collections.deque[_Row] = collections.deque()
+        self._swaps: list[tuple[Any, str, int | str | None, concurrent.futures.Future]] = []
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    def _load_model(self, path: str | Path) -> Any:
+        # float32 on CPU: bfloat16 matmuls are slow there and their logprobs too coarse to compare with training.
+        dtype = torch.float32 if self.device.type == "cpu" else "auto"
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        return model.to(self.device).eval()
+
+    def _eos_token_ids(self) -> set[int]:
+        ids = self.model.generation_config.eos_token_id if self.model.generation_config is not None else None
+        ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+        if self.tokenizer.eos_token_id is not None:
+            ids.append(self.tokenizer.eos_token_id)
+        return set(ids)
+
+    # ---- lifecycle ---------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the decoding thread (idempotent; `generate` and `reload` call it too)."""
+        with self._cond:
+            if self._thread is None or not self._thread.is_alive():
+                self._stopping = False
+                self._thread = threading.Thread(target=self._run, name="inference-engine", daemon=True)
+                self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout=30)
+
+    # ---- the asyncio side ----------------------------------------------------------------------------------------
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[Output]:
+        """Yields each choice's new tokens and text as they are decoded; the last Output of a choice has its
+        finish_reason ("stop" or "length")."""
+        request = _Request(request_id, list(prompt_token_ids), params)
+        self.start()
+        with self._cond:
+            self._waiting.extend(_Row(request, index) for index in range(params.n))
+            self._cond.notify()
+        try:
+            while True:
+                item = await request.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                for output in item:
+                    if output is None:
+                        return
+                    yield output
+        finally:
+            # A consumer that stops early (client gone) frees its rows; after a normal finish this changes nothing.
+            request.cancelled = True
+
+    async def reload(self, path: str | Path, version: int | str | None = None) -> dict[str, Any]:
+        """Load new weights from a Hugging Face directory and swap them in between batches; {"version", "path"}.
+
+        The tokenizer stays the same: a checkpoint of the same model shares it.
+        """
+        model = await asyncio.to_thread(self._load_model, path)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            self._swaps.append((model, str(path), version, future))
+            self._cond.notify()
+        self.start()
+        return await asyncio.wrap_future(future)
+
+    # ---- the engine thread ---------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        batch: _Batch | None = None
+        while True:
+            with self._cond:
+                while batch is None and not self._waiting and not self._swaps and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    rows = (batch.rows if batch else []) + list(self._waiting)
+                    self._waiting.clear()
+                    _fail(rows, RuntimeError("the inference engine stopped"))
+                    return
+                swaps = []
+                new_rows: list[_Row] = []
+                if self._swaps:
+                    # Weights change only when no batch runs, so no sequence mixes two models; new requests wait
+                    # for the swap so that a reload cannot starve under steady traffic.
+                    if batch is None:
+                        swaps, self._swaps = self._swaps, []
+                else:
+                    room = self.max_batch_size - (len(batch.rows) if batch else 0)
+                    if batch is not None and not self._can_join(batch):
+                        room = 0
+                    while self._waiting and room > 0:
+                        row = self._waiting.popleft()
+                        if not row.request.cancelled:
+                            new_rows.append(row)
+                            room -= 1
+            for swap in swaps:
+                self._apply_swap(*swap)
+            try:
+                with torch.inference_mode():
+                    if new_rows:
+                        batch = self._admit(batch, new_rows)
+                    if batch is not None:
+                        batch = self._step(batch)
+            except Exception as exc:
+                logger.exception("generation failed")
+                _fail((batch.rows if batch else []) + new_rows, exc)
+                batch = None
+
+    def _apply_swap(self, model: Any, path: str, version: int | str | None, future: concurrent.futures.Future) -> None:
+        self.reloads += 1
+        self.model = model
+        self.model_path = path
+        self.version = version if version is not None else self.reloads
+        # The caller may have gone (its future cancelled); the new weights stay.
+        with contextlib.suppress(concurrent.futures.InvalidStateError):
+            future.set_result({"version": self.version, "path": path})
+
+    @staticmethod
+    def _can_join(batch: _Batch) -> bool:
+        # Joining pads the KV cache on the left; only plain full-attention caches (Llama, Qwen, ...) allow that.
+        return all(type(layer) is DynamicLayer for layer in getattr(batch.cache, "layers", [None]))
+
+    def _admit(self, batch: _Batch | None, rows: list[_Row]) -> _Batch:
+        """Prefill the new rows' prompts (left-padded to one length) and add them to the running batch."""
+        for row in rows:
+            row.generator = torch.Generator(device=self.device).manual_seed(row.seed)
+            row.request.model_version = self.version
+        prompts = [row.request.prompt_token_ids for row in rows]
+        length = max(len(prompt) for prompt in prompts)
+        input_ids = torch.full((len(rows), length), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), length), dtype=torch.long)
+        for i, prompt in enumerate(prompts):
+            input_ids[i, length - len(prompt) :] = torch.tensor(prompt)
+            attention_mask[i, length - len(prompt) :] = 1
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+        # Positions count real tokens only, so a left-padded row sees the same positions as it would alone.
+        positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True, logits_to_keep=1
+        )
+        self.batches_run += 1
+        new = _Batch(rows, out.past_key_values, attention_mask, positions[:, -1:], out.logits[:, -1].float())
+        return new if batch is None else self._merge(batch, new)
+
+    @staticmethod
+    def _merge(a: _Batch, b: _Batch) -> _Batch:
+        """One batch from two: the shorter cache is left-padded (masked out) to the longer one's length."""
+        length = max(a.attention_mask.shape[1], b.attention_mask.shape[1])
+        for part in (a, b):
+            pad = length - part.attention_mask.shape[1]
+            if pad:
+                part.attention_mask = F.pad(part.attention_mask, (pad, 0))
+                for layer in part.cache.layers:
+                    layer.keys = F.pad(layer.keys, (0, 0, pad, 0))
+                    layer.values = F.pad(layer.values, (0, 0, pad, 0))
+        for layer_a, layer_b in zip(a.cache.layers, b.cache.layers, strict=True):
+            layer_a.keys = torch.cat([layer_a.keys, layer_b.keys])
+            layer_a.values = torch.cat([layer_a.values, layer_b.values])
+        return _Batch(
+            a.rows + b.rows,
+            a.cache,
+            torch.cat([a.attention_mask, b.attention_mask]),
+            torch.cat([a.positions, b.positions]),
+            torch.cat([a.logits, b.logits]),
+        )
+
+    def _step(self, batch: _Batch) -> _Batch | None:
+        """Sample one token for every row, send what is new, drop finished rows, and run the model one step."""
+        rows = batch.rows
+        self.steps_run += 1
+        self.max_rows_seen = max(self.max_rows_seen, len(rows))
+        logprobs = torch.log_softmax(batch.logits, -1) if any(r.params.logprobs is not None for r in rows) else None
+        next_ids = []
+        for i, row in enumerate(rows):
+            if row.request.cancelled:
+                row.finish_reason = "abort"
+                next_ids.append(self.pad_token_id)
+                continue
+            token = self._sample(batch.logits[i], row)
+            row.token_ids.append(token)
+            row.unsent_ids.append(token)
+            if row.params.logprobs is not None:
+                row.unsent_logprobs.append(self._token_logprob(logprobs[i], token, row.params.logprobs))
+            self._update_text_and_finish(row, token)
+            next_ids.append(token)
+        self._send(rows)
+
+        keep = [i for i, row in enumerate(rows) if row.finish_reason is None]
+        if not keep:
+            return None
+        cache, attention_mask, positions = batch.cache, batch.attention_mask, batch.positions
+        if len(keep) < len(rows):
+            index = torch.tensor(keep, device=self.device)
+            cache.batch_select_indices(index)
+            attention_mask, positions = attention_mask[index], positions[index]
+        attention_mask = F.pad(attention_mask, (0, 1), value=1)
+        positions = positions + 1
+        input_ids = torch.tensor([[next_ids[i]] for i in keep], device=self.device)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        return _Batch(
+            [rows[i] for i in keep], out.past_key_values, attention_mask, positions, out.logits[:, -1].float()
+        )
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, row: _Row) -> int:
+        temperature, top_p = row.params.temperature, row.params.top_p
+        if temperature == 0:
+            return int(logits.argmax())
+        probs = torch.softmax(logits / temperature, -1)
+        if top_p < 1:
+            sorted_probs, order = probs.sort(descending=True)
+            # Keep the smallest set of most likely tokens whose mass reaches top_p (always the top token).
+            sorted_probs[sorted_probs.cumsum(-1) - sorted_probs >= top_p] = 0
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        return int(torch.multinomial(probs, 1, generator=row.generator))
+
+    @staticmethod
+    def _token_logprob(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprob:
+        top: list[tuple[int, float]] = []
+        if k > 0:
+            values, ids = logprobs.topk(k)
+            top = list(zip(ids.tolist(), values.tolist(), strict=True))
+        return TokenLogprob(token, float(logprobs[token]), top)
+
+    def _update_text_and_finish(self, row: _Row, token: int) -> None:
+        params = row.params
+        if token in self.eos_token_ids or token in params.stop_token_ids:
+            row.finish_reason = "stop"
+            row.text = self._detokenizer.decode(row.token_ids[:-1], skip_special_tokens=True)
+            return
+        # Decoding the whole list (not token by token) keeps multi-byte characters and merges right.
+        row.text = self._detokenizer.decode(row.token_ids, skip_special_tokens=True)
+        found = [i for i in (row.text.find(stop) for stop in params.stop) if i >= 0]
+        if found:
+            row.finish_reason = "stop"
+            row.text = row.text[: min(found)]
+        else:
+            total = len(row.request.prompt_token_ids) + len(row.token_ids)
+            if len(row.token_ids) >= params.max_tokens or total >= self.context_length:
+                row.finish_reason = "length"
+
+    @staticmethod
+    def _sendable_text_end(text: str, stops: list[str]) -> int:
+        """How much of an unfinished row's text is final: not an incomplete UTF-8 character (decoded as U+FFFD,
+        which the next byte may complete) and not the start of a stop string (which would be cut)."""
+        end = len(text.rstrip("\ufffd"))
+        for stop in stops:
+            for k in range(min(len(stop) - 1, len(text)), 0, -1):
+                if text.endswith(stop[:k]):
+                    end = min(end, len(text) - k)
+                    break
+        return end
+
+    def _send(self, rows: list[_Row]) -> None:
+        outputs: dict[_Request, list[Output | None]] = {}
+        for row in rows:
+            if row.finish_reason == "abort":
+                continue
+            request = row.request
+            end = len(row.text) if row.finish_reason else self._sendable_text_end(row.text, row.params.stop)
+            delta = ""
+            # Text already sent cannot be taken back; if decoding changed it (rare), hold until it agrees again.
+            if end > len(row.sent_text) and row.text.startswith(row.sent_text):
+                delta = row.text[len(row.sent_text) : end]
+                row.sent_text += delta
+            outputs.setdefault(request, []).append(
+                Output(row.index, row.unsent_ids, delta, row.unsent_logprobs, row.finish_reason)
+            )
+            row.unsent_ids, row.unsent_logprobs = [], []
+            if row.finish_reason:
+                request.output_token_ids[row.index] = row.token_ids
+                request.finish_reasons[row.index] = row.finish_reason
+                request.unfinished -= 1
+        for request, items in outputs.items():
+            if request.unfinished == 0:
+                self.recent.append(
+                    GenerationRecord(
+                        request.request_id,
+                        request.prompt_token_ids,
+                        request.output_token_ids,
+                        request.finish_reasons,
+                        request.model_version,
+                    )
+                )
+                items.append(None)
+            request.send(items)

@@ -1,0 +1,503 @@
+"""The embedded OpenAI-compatible inference server on transformers, answering with the same token-id fields as vLLM."""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, Literal
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from lightning.inference.engine import InferenceEngine, Output, SamplingParams, TokenLogprob
+
+
+class OpenAIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status_code: int, message: str, param: str | None = None, type: str = "BadRequestError"):
+        super().__init__(message)
+        self.status_code, self.message, self.param, self.type = status_code, message, param, type
+
+    def response(self) -> JSONResponse:
+        error = {"message": self.message, "type": self.type, "param": self.param, "code": self.status_code}
+        return JSONResponse({"error": error}, status_code=self.status_code)
+
+
+# ---- request schemas (unknown fields are accepted and ignored, as OpenAI clients send many) ----------------------
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int = Field(1, ge=1, le=128)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool = False
+    """vLLM's field: answer with the prompt's and each choice's token ids."""
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[int]
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+
+
+class ReloadRequest(BaseModel):
+    path: str
+    version: int | str | None = None
+
+
+# ---- the app --------------------------------------------------------------------------------------------------------
+
+
+def create_inference_app(
+    model_path: str | Path,
+    *,
+    served_model_name: str | None = None,
+    device: str | None = None,
+    max_batch_size: int = 32,
+    api_key: str | None = None,
+) -> FastAPI:
+    """The server for the model in the Hugging Face directory `model_path`; `app.state.engine` is its engine.
+
+    The engine thread starts with the app's lifespan, or on the first request when served with lifespan off.
+    With `api_key`, every route but /health needs `Authorization: Bearer <api_key>`.
+    """
+    engine = InferenceEngine(model_path, device=device, max_batch_size=max_batch_size)
+    model_name = served_model_name or Path(model_path).resolve().name
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        engine.stop()
+
+    app = FastAPI(title="lightning inference", lifespan=lifespan)
+    app.state.engine = engine
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        messages, params = [], []
+        for error in exc.errors():
+            loc = [str(part) for part in error["loc"] if part != "body"]
+            param = ".".join(loc) or "body"
+            params.append(param)
+            if error["type"] == "json_invalid":
+                messages.append("the request body is not valid JSON")
+            else:
+                messages.append(f"{param}: {error['msg']}")
+        return OpenAIError(400, "; ".join(messages), params[0] if params else None).response()
+
+    def check_api_key(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise OpenAIError(
+                401, "missing or wrong API key: send 'Authorization: Bearer <key>'", None, "AuthenticationError"
+            )
+
+    authorized = [Depends(check_api_key)]
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise OpenAIError(
+                404, f"The model `{name}` does not exist; this server serves `{model_name}`.", "model", "NotFoundError"
+            )
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models", dependencies=authorized)
+    async def list_models() -> dict[str, Any]:
+        model = {
+            "id": model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "lightning",
+            "root": engine.model_path,
+            "max_model_len": engine.context_length,
+        }
+        return {"object": "list", "data": [model]}
+
+    @app.get("/admin/version", dependencies=authorized)
+    async def version() -> dict[str, Any]:
+        return {"version": engine.version, "path": engine.model_path}
+
+    @app.post("/admin/reload", dependencies=authorized)
+    async def reload(body: ReloadRequest) -> dict[str, Any]:
+        if not Path(body.path).is_dir():
+            raise OpenAIError(
+                400, f"path: {body.path!r} is not a directory; give a Hugging Face model directory", "path"
+            )
+        try:
+            return await engine.reload(body.path, body.version)
+        except (OSError, ValueError) as exc:
+            raise OpenAIError(400, f"path: could not load a model from {body.path!r}: {exc}", "path") from exc
+
+    @app.post("/v1/chat/completions", dependencies=authorized)
+    async def chat_completions(body: ChatCompletionRequest) -> Any:
+        check_model(body.model)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise OpenAIError(400, "top_logprobs: needs logprobs set to true", "top_logprobs")
+        prompt_ids = chat_prompt_token_ids(engine, body)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        params = sampling_params(
+            engine, body, prompt_ids, max_tokens, (body.top_logprobs or 0) if body.logprobs else None
+        )
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        outputs = engine.generate(request_id, prompt_ids, params)
+        if body.stream:
+            return StreamingResponse(
+                chat_stream(engine, body, model_name, request_id, prompt_ids, outputs), media_type="text/event-stream"
+            )
+        choices = await collect(outputs, params.n)
+        response: dict[str, Any] = {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": model_name,
+            "choices": [],
+            "usage": usage(len(prompt_ids), sum(len(choice.token_ids) for choice in choices)),
+        }
+        for index, choice in enumerate(choices):
+            item: dict[str, Any] = {
+                "index": index,
+                "message": {"role": "assistant", "content": choice.text},
+                "logprobs": chat_logprobs(engine, choice.logprobs) if body.logprobs else None,
+                "finish_reason": choice.finish_reason,
+            }
+            if body.return_token_ids:
+                item["token_ids"] = choice.token_ids
+            response["choices"].append(item)
+        if body.return_token_ids:
+            response["prompt_token_ids"] = prompt_ids
+        return response
+
+    @app.post("/v1/completions", dependencies=authorized)
+    async def completions(body: CompletionRequest) -> Any:
+        check_model(body.model)
+        if body.echo:
+            raise OpenAIError(400, "echo: not supported by this server; leave it false", "echo")
+        prompt_ids = completion_prompt_token_ids(engine, body.prompt)
+        params = sampling_params(engine, body, prompt_ids, body.max_tokens, body.logprobs, default_max_tokens=16)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        outputs = engine.generate(request_id, prompt_ids, params)
+        if body.stream:
+            return StreamingResponse(
+                completion_stream(engine, body, model_name, request_id, prompt_ids, outputs),
+                media_type="text/event-stream",
+            )
+        choices = await collect(outputs, params.n)
+        response: dict[str, Any] = {
+            "id": request_id,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": model_name,
+            "choices": [],
+            "usage": usage(len(prompt_ids), sum(len(choice.token_ids) for choice in choices)),
+        }
+        for index, choice in enumerate(choices):
+            item: dict[str, Any] = {
+                "index": index,
+                "text": choice.text,
+                "logprobs": completion_logprobs(engine, choice.logprobs, 0) if body.logprobs is not None else None,
+                "finish_reason": choice.finish_reason,
+            }
+            if body.return_token_ids:
+                item["prompt_token_ids"] = prompt_ids
+                item["token_ids"] = choice.token_ids
+            response["choices"].append(item)
+        return response
+
+    return app
+
+
+# ---- prompts and sampling parameters --------------------------------------------------------------------------------
+
+
+def chat_prompt_token_ids(engine: InferenceEngine, body: ChatCompletionRequest) -> list[int]:
+    messages = [message.model_dump(exclude_unset=True) for message in body.messages]
+    for message in messages:
+        message.setdefault("content", None)
+    try:
+        text = engine.tokenizer.apply_chat_template(
+            messages, tools=body.tools, add_generation_prompt=body.add_generation_prompt, tokenize=False
+        )
+    except Exception as exc:  # the template is user data (jinja); its errors are the request's fault
+        raise OpenAIError(400, f"messages: the chat template could not render them: {exc}", "messages") from exc
+    return engine.tokenizer.encode(text, add_special_tokens=False)
+
+
+def completion_prompt_token_ids(engine: InferenceEngine, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, str):
+        ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
+    else:
+        vocab_size = len(engine.tokenizer)
+        bad = [token for token in prompt if not 0 <= token < vocab_size]
+        if bad:
+            raise OpenAIError(
+                400, f"prompt: token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})", "prompt"
+            )
+        ids = list(prompt)
+    if not ids:
+        raise OpenAIError(400, "prompt: is empty; give at least one token", "prompt")
+    return ids
+
+
+def sampling_params(
+    engine: InferenceEngine,
+    body: _GenerationRequest,
+    prompt_ids: list[int],
+    max_tokens: int | None,
+    logprobs: int | None,
+    default_max_tokens: int | None = None,
+) -> SamplingParams:
+    """The request's sampling parameters, after checking that prompt and output fit the model's context."""
+    param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+    room = engine.context_length - len(prompt_ids)
+    if room < 1:
+        raise OpenAIError(
+            400,
+            f"{param}: the prompt is {len(prompt_ids)} tokens but the model's context is {engine.context_length}; "
+            "shorten the prompt",
+            param,
+        )
+    if max_tokens is None:
+        max_tokens = min(default_max_tokens or room, room)
+    elif max_tokens > room:
+        raise OpenAIError(
+            400,
+            f"max_tokens: {max_tokens} new tokens after a {len(prompt_ids)}-token prompt exceed the model's context "
+            f"of {engine.context_length}; ask for at most {room}",
+            "max_tokens",
+        )
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        n=body.n,
+        seed=body.seed,
+        stop=[s for s in stop if s],
+        stop_token_ids=list(body.stop_token_ids or []),
+        logprobs=logprobs,
+    )
+
+
+# ---- responses ------------------------------------------------------------------------------------------------------
+
+
+class Choice:
+    """One choice's outputs, concatenated."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.finish_reason: str | None = None
+
+
+async def collect(outputs: AsyncIterator[Output], n: int) -> list[Choice]:
+    choices = [Choice() for _ in range(n)]
+    try:
+        async for output in outputs:
+            choice = choices[output.index]
+            choice.text += output.text
+            choice.token_ids += output.token_ids
+            choice.logprobs += output.logprobs
+            choice.finish_reason = output.finish_reason or choice.finish_reason
+    except Exception as exc:
+        raise OpenAIError(500, f"generation failed: {exc}", None, "InternalServerError") from exc
+    return choices
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def token_text(engine: InferenceEngine, token_id: int) -> str:
+    return engine.tokenizer.decode([token_id])
+
+
+def token_bytes(engine: InferenceEngine, token_id: int) -> list[int]:
+    """The token's bytes; for a byte-level BPE token (GPT-2 style) these may be part of a UTF-8 character."""
+    piece = engine.tokenizer.convert_ids_to_tokens(token_id)
+    if piece is not None and all(char in _BYTE_OF_CHAR for char in piece):
+        return [_BYTE_OF_CHAR[char] for char in piece]
+    return list(token_text(engine, token_id).encode())
+
+
+def _byte_of_char() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: each byte is shown as a printable character; this maps it back."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
+
+
+_BYTE_OF_CHAR = _byte_of_char()
+
+
+def chat_logprobs(engine: InferenceEngine, logprobs: list[TokenLogprob]) -> dict[str, Any]:
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        return {"token": token_text(engine, token_id), "logprob": logprob, "bytes": token_bytes(engine, token_id)}
+
+    content = [
+        {**entry(item.token_id, item.logprob), "top_logprobs": [entry(i, lp) for i, lp in item.top]}
+        for item in logprobs
+    ]
+    return {"content": content}
+
+
+def completion_logprobs(engine: InferenceEngine, logprobs: list[TokenLogprob], text_offset: int) -> dict[str, Any]:
+    tokens = [token_text(engine, item.token_id) for item in logprobs]
+    offsets = []
+    for token in tokens:
+        offsets.append(text_offset)
+        text_offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [item.logprob for item in logprobs],
+        "top_logprobs": [{token_text(engine, i): lp for i, lp in item.top} for item in logprobs],
+        "text_offset": offsets,
+    }
+
+
+def sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+def sse_error(exc: Exception) -> str:
+    # Headers are gone once a stream has started; the error travels as an event, as OpenAI and vLLM do.
+    return sse({"error": {"message": str(exc), "type": "InternalServerError", "param": None, "code": 500}})
+
+
+async def chat_stream(
+    engine: InferenceEngine,
+    body: ChatCompletionRequest,
+    model_name: str,
+    request_id: str,
+    prompt_ids: list[int],
+    outputs: AsyncIterator[Output],
+) -> AsyncIterator[str]:
+    created = int(time.time())
+
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+        data = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model_name}
+        return sse({**data, "choices": choices, **extra})
+
+    first = [
+        {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        for i in range(body.n)
+    ]
+    yield chunk(first, **({"prompt_token_ids": prompt_ids} if body.return_token_ids else {}))
+    completion_tokens = 0
+    try:
+        async for output in outputs:
+            completion_tokens += len(output.token_ids)
+            choice: dict[str, Any] = {
+                "index": output.index,
+                "delta": {"content": output.text},
+                "logprobs": chat_logprobs(engine, output.logprobs) if body.logprobs else None,
+                "finish_reason": output.finish_reason,
+            }
+            if body.return_token_ids:
+                choice["token_ids"] = output.token_ids
+            yield chunk([choice])
+    except Exception as exc:
+        yield sse_error(exc)
+        return
+    if body.stream_options and body.stream_options.include_usage:
+        yield chunk([], usage=usage(len(prompt_ids), completion_tokens))
+    yield "data: [DONE]\n\n"
+
+
+async def completion_stream(
+    engine: InferenceEngine,
+    body: CompletionRequest,
+    model_name: str,
+    request_id: str,
+    prompt_ids: list[int],
+    outputs: AsyncIterator[Output],
+) -> AsyncIterator[str]:
+    created = int(time.time())
+    text_offsets = [0] * body.n
+    started: set[int] = set()
+    completion_tokens = 0
+    try:
+        async for output in outputs:
+            completion_tokens += len(output.token_ids)
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = completion_logprobs(engine, output.logprobs, text_offsets[output.index])
+                text_offsets[output.index] += sum(len(token) for token in logprobs["tokens"])
+            choice: dict[str, Any] = {
+                "index": output.index,
+                "text": output.text,
+                "logprobs": logprobs,
+                "finish_reason": output.finish_reason,
+            }
+            if body.return_token_ids:
+                if output.index not in started:
+                    choice["prompt_token_ids"] = prompt_ids
+                choice["token_ids"] = output.token_ids
+            started.add(output.index)
+            data = {"id": request_id, "object": "text_completion", "created": created, "model": model_name}
+            yield sse({**data, "choices": [choice]})
+    except Exception as exc:
+        yield sse_error(exc)
+        return
+    if body.stream_options and body.stream_options.include_usage:
+        data = {"id": request_id, "object": "text_completion", "created": created, "model": model_name}
+        yield sse({**data, "choices": [], "usage": usage(len(prompt_ids), completion_tokens)})
+    yield "data: [DONE]\n\n"
