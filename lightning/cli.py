@@ -20,6 +20,18 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # These two have their own argument parsers (also reachable as `python -m lightning.models|inference`).
+    if argv[:1] == ["models"] and argv[1:2] != []:
+        from lightning.models.__main__ import main as models_main
+
+        models_main(argv[1:])
+        return 0
+    if argv[:2] == ["inference", "serve"]:
+        from lightning.inference.__main__ import main as inference_main
+
+        inference_main(argv[2:])
+        return 0
     parser = _parser()
     args = parser.parse_args(argv)
     run: Callable[[argparse.Namespace, argparse.ArgumentParser], int] | None = getattr(args, "run", None)
@@ -78,6 +90,21 @@ def _parser() -> argparse.ArgumentParser:
         help="log one line per request (off by default: runners and tracers make thousands a second)",
     )
     serve.set_defaults(run=_serve, help_parser=serve)
+
+    models = commands.add_parser(
+        "models",
+        help="local models: `lightning models build-tiny DIR` writes a tiny random-init model and tokenizer",
+        description="`lightning models build-tiny DIR [--seed N]`: a tiny Llama and a tokenizer trained on the fly, "
+        "as a Hugging Face directory (nothing is downloaded). See `lightning models build-tiny --help`.",
+    )
+    models.set_defaults(help_parser=models)
+    inference = commands.add_parser(
+        "inference",
+        help="`lightning inference serve --model DIR`: the embedded OpenAI-compatible inference server",
+        description="`lightning inference serve --model DIR [--port 8000]`: serve a Hugging Face model directory on "
+        "transformers + torch. See `lightning inference serve --help`.",
+    )
+    inference.set_defaults(help_parser=inference)
 
     proxy = commands.add_parser(
         "proxy",
