@@ -3,22 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 
 import torch
 import uvicorn
 
 from lightning.inference.server import create_inference_app
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+from lightning.serving import is_loopback
 
 
 def main(argv: list[str] | None = None) -> None:
