@@ -369,3 +369,19 @@ class Triplet(BaseModel):
     reward: float | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
     """rollout_id, turn index, group id for group-relative advantages, and anything else."""
+    response_mask: list[int] | None = None
+    """One 0 or 1 per response token: 1 where the model generated the token (trained on), 0 where it came
+    from elsewhere (tool results, user turns appended between calls of a multi-turn trajectory).
+    None: every response token is the model's."""
+
+    @model_validator(mode="after")
+    def _mask_fits_response(self) -> Triplet:
+        if self.response_mask is None:
+            return self
+        if any(bit not in (0, 1) for bit in self.response_mask):
+            raise ValueError("response_mask holds only 0 and 1")
+        if isinstance(self.response, list) and len(self.response_mask) != len(self.response):
+            raise ValueError(
+                f"response_mask has {len(self.response_mask)} entries for {len(self.response)} response tokens"
+            )
+        return self

@@ -1,0 +1,28 @@
+"""Adapters: the spans of rollout attempts -> training data (token triplets, chat transcripts)."""
+
+from lightning.adapter.messages import Transcript, spans_to_messages
+from lightning.adapter.tree import SpanNode, build_forest, iter_forest
+from lightning.adapter.triplets import (
+    DEFAULT_LLM_SPAN_NAME,
+    AdaptReport,
+    AdaptResult,
+    RewardMatch,
+    Shape,
+    adapt_rollouts,
+    spans_to_triplets,
+)
+
+__all__ = [
+    "DEFAULT_LLM_SPAN_NAME",
+    "AdaptReport",
+    "AdaptResult",
+    "RewardMatch",
+    "Shape",
+    "SpanNode",
+    "Transcript",
+    "adapt_rollouts",
+    "build_forest",
+    "iter_forest",
+    "spans_to_messages",
+    "spans_to_triplets",
+]
