@@ -1,0 +1,358 @@
+"""Training checkpoints: a Hugging Face model directory plus trainer state, written atomically so a run resumes exactly.
+
+Layout of one checkpoint, `<root>/step-000042/`:
+
+    config.json, generation_config.json, model.safetensors   the model, as transformers and vLLM load it
+    tokenizer.json, tokenizer_config.json, ...               the tokenizer
+    trainer_state/state.pt                                   the caller's `trainer_state` (torch.save)
+    trainer_state/rng.json                                   torch, CUDA, Python and NumPy RNG states
+    meta.json                                                step, save time and the caller's `meta`
+
+A checkpoint is written into `<root>/.tmp-step-000042-<random>/`, every file fsynced, then renamed to its final
+name: a `step-*` directory is complete or absent, never half written. `<root>/latest` names the newest one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import secrets
+import shutil
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+STEP_DIR = re.compile(r"^step-(\d{6,})$")
+TMP_PREFIX = ".tmp-"
+LATEST = "latest"
+META = "meta.json"
+TRAINER_STATE = "trainer_state"
+STATE_FILE = "state.pt"
+RNG_FILE = "rng.json"
+
+# What torch.load(weights_only=True) accepts (checked against torch 2.13); anything else fails only at resume time.
+_WEIGHTS_ONLY_CONTAINERS = (dict, OrderedDict, list, tuple, set)
+_WEIGHTS_ONLY_LEAVES = (
+    str,
+    bytes,
+    bytearray,
+    int,
+    float,
+    complex,
+    bool,
+    type(None),
+    torch.Size,
+    torch.dtype,
+    torch.device,
+)
+
+
+class CheckpointError(Exception):
+    """A checkpoint directory is missing files or cannot be read."""
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    step: int
+    model_dir: Path
+    """The Hugging Face model directory: from_pretrained(model_dir) and vLLM load it as is. The checkpoint itself."""
+    trainer_state: dict[str, Any] | None
+    meta: dict[str, Any]
+    rng_state: dict[str, Any] | None
+    """RNG states captured when the checkpoint was saved; `restore_rng_state(ckpt.rng_state)` to continue them."""
+
+
+def checkpoint_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"step-{step:06d}"
+
+
+def save_checkpoint(
+    root: str | Path,
+    step: int,
+    model: Any,
+    tokenizer: Any,
+    trainer_state: dict[str, Any] | None = None,
+    meta: dict[str, Any] | None = None,
+    keep_last: int | None = 3,
+) -> Path:
+    """Write checkpoint `step` under `root` atomically, point `latest` at it, prune to `keep_last`; its path.
+
+    `trainer_state` (optimizer and scheduler state dicts, tensors, plain values) is saved with torch.save and must
+    load under torch.load(weights_only=True). `meta` must be JSON (iteration, data position, weight version, ...).
+    The current RNG states are saved too. Saving a step that exists replaces it.
+    """
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    root = Path(root)
+    # Fail before writing anything on what would otherwise only fail at resume time.
+    meta_text = json.dumps({**(meta or {}), "step": step, "saved_at": time.time()}, indent=2) + "\n"
+    if trainer_state is not None:
+        _check_weights_only(trainer_state, "trainer_state")
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_temp_dirs(root)
+
+    tmp = root / f"{TMP_PREFIX}step-{step:06d}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        _make_tokenizer_config_portable(tmp / "tokenizer_config.json")
+        state_dir = tmp / TRAINER_STATE
+        state_dir.mkdir()
+        (state_dir / RNG_FILE).write_text(json.dumps(capture_rng_state()) + "\n")
+        if trainer_state is not None:
+            torch.save(trainer_state, state_dir / STATE_FILE)
+        # meta.json last: its presence marks that everything before it was written.
+        (tmp / META).write_text(meta_text)
+        missing = _missing_files(tmp)
+        if missing:
+            raise CheckpointError(f"saving step {step} produced an incomplete checkpoint in {tmp}: missing {missing}")
+        _fsync_tree(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+    final = checkpoint_dir(root, step)
+    if final.exists():
+        # rename() cannot replace a non-empty directory: move the old one aside first. A crash between the two
+        # renames leaves step `step` absent (the aside copy is a temp dir, removed on the next save) and the
+        # checkpoints before it valid.
+        aside = root / f"{TMP_PREFIX}replaced-{final.name}-{secrets.token_hex(4)}"
+        os.rename(final, aside)
+        os.rename(tmp, final)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    _fsync_dir(root)
+    _write_latest(root, final.name)
+    if keep_last is not None:
+        prune_checkpoints(root, keep_last)
+    return final
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The checkpoint `latest` names if it is complete, else the complete one with the highest step; None if none.
+
+    `latest` lags the newest directory only after a crash between the two renames of a save; either is valid.
+    """
+    root = Path(root)
+    pointer = root / LATEST
+    if pointer.is_file():
+        named = root / pointer.read_text().strip()
+        if STEP_DIR.match(named.name) and named.is_dir() and not _missing_files(named):
+            return named
+        logger.warning("%s names %s, which is not a complete checkpoint; using the newest complete one", pointer, named)
+    for path in reversed(_step_dirs(root)):
+        missing = _missing_files(path)
+        if not missing:
+            return path
+        logger.warning("skipping incomplete checkpoint %s (missing %s)", path, ", ".join(missing))
+    return None
+
+
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> Checkpoint:
+    """Read checkpoint `path` (a `step-*` directory). Tensors in trainer_state land on `map_location`."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist or is not a directory")
+    if not STEP_DIR.match(path.name) and _step_dirs(path):
+        raise CheckpointError(f"{path} is a checkpoint root, not a checkpoint; pass latest_checkpoint({str(path)!r})")
+    missing = _missing_files(path)
+    if missing:
+        raise CheckpointError(f"checkpoint {path} is incomplete or corrupt: missing {', '.join(missing)}")
+    try:
+        meta = json.loads((path / META).read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {path}: cannot read {META}: {exc}") from exc
+    state_path = path / TRAINER_STATE / STATE_FILE
+    trainer_state = None
+    if state_path.exists():
+        try:
+            trainer_state = torch.load(state_path, map_location=map_location, weights_only=True)
+        except Exception as exc:
+            raise CheckpointError(f"checkpoint {path}: cannot load {state_path.relative_to(path)}: {exc}") from exc
+    rng_path = path / TRAINER_STATE / RNG_FILE
+    rng_state = None
+    if rng_path.exists():
+        try:
+            rng_state = json.loads(rng_path.read_text())
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"checkpoint {path}: cannot read {rng_path.relative_to(path)}: {exc}") from exc
+    match = STEP_DIR.match(path.name)
+    step = int(match.group(1)) if match else int(meta["step"])
+    return Checkpoint(path, step, path, trainer_state, meta, rng_state)
+
+
+def prune_checkpoints(root: str | Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest `keep_last` complete checkpoints (never the one `latest` names); the deleted paths.
+
+    Incomplete step directories older than the oldest kept one go too; newer ones are left for inspection.
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    root = Path(root)
+    dirs = _step_dirs(root)
+    complete = [p for p in dirs if not _missing_files(p)]
+    kept = set(complete[-keep_last:])
+    latest = latest_checkpoint(root)
+    if latest is not None:
+        kept.add(latest)
+    if not kept:
+        return []
+    oldest_kept = min(_step_of(p) for p in kept)
+    removed = []
+    for path in dirs:
+        if path in kept or (path not in complete and _step_of(path) > oldest_kept):
+            continue
+        # Rename first so that a crash mid-delete leaves a temp dir, not a half-deleted checkpoint.
+        doomed = root / f"{TMP_PREFIX}pruned-{path.name}-{secrets.token_hex(4)}"
+        os.rename(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """The torch (CPU and CUDA), Python `random` and global NumPy RNG states, as JSON values."""
+    version, internal, gauss_next = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state().tolist(),
+        "python": [version, list(internal), gauss_next],
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    try:
+        import numpy as np
+    except ImportError:
+        return state
+    name, keys, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+    state["numpy"] = [name, keys.tolist(), int(pos), int(has_gauss), float(cached_gaussian)]
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Set the RNGs that `capture_rng_state` captured back to those states."""
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+    if "numpy" in state:
+        import numpy as np
+
+        name, keys, pos, has_gauss, cached_gaussian = state["numpy"]
+        np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached_gaussian))
+
+
+def _step_of(path: Path) -> int:
+    return int(STEP_DIR.match(path.name).group(1))  # type: ignore[union-attr]
+
+
+def _step_dirs(root: Path) -> list[Path]:
+    """The `step-*` directories under root, oldest step first."""
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if STEP_DIR.match(p.name) and p.is_dir()), key=_step_of)
+
+
+def _missing_files(path: Path) -> list[str]:
+    """What a complete checkpoint has that `path` lacks: an empty list if it is complete."""
+    missing = [name for name in ("config.json", "tokenizer_config.json", META) if not (path / name).is_file()]
+    if not (path / TRAINER_STATE).is_dir():
+        missing.append(f"{TRAINER_STATE}/")
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError):
+            return [*missing, f"a readable {index.name}"]
+        missing += [shard for shard in shards if not (path / shard).is_file()]
+    elif not (path / "model.safetensors").is_file():
+        missing.append("model.safetensors")
+    return missing
+
+
+def _check_weights_only(obj: Any, where: str) -> None:
+    """Raise TypeError naming the first value in `obj` that torch.load(weights_only=True) would refuse."""
+    if isinstance(obj, torch.Tensor) or type(obj) in _WEIGHTS_ONLY_LEAVES:
+        return
+    if type(obj) not in _WEIGHTS_ONLY_CONTAINERS:
+        raise TypeError(
+            f"{where} is a {type(obj).__module__}.{type(obj).__qualname__}, which torch.load(weights_only=True) "
+            "refuses; store it as a tensor or plain values (RNG states are saved for you: see capture_rng_state)"
+        )
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            _check_weights_only(key, f"{where} key {key!r}")
+            _check_weights_only(value, f"{where}[{key!r}]")
+    else:
+        for i, value in enumerate(obj):
+            _check_weights_only(value, f"{where}[{i}]")
+
+
+def _make_tokenizer_config_portable(config_path: Path) -> None:
+    """Rewrite transformers 5's tokenizer_config.json in the form transformers 4 reads too (vLLM may pin 4.x)."""
+    if not config_path.is_file():
+        return
+    config = json.loads(config_path.read_text())
+    changed = False
+    # "TokenizersBackend" and a list-valued "extra_special_tokens" are transformers 5 only; both versions read these.
+    if config.get("tokenizer_class") == "TokenizersBackend" and (config_path.parent / "tokenizer.json").is_file():
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        changed = True
+    if isinstance(config.get("extra_special_tokens"), list):
+        extra = config.pop("extra_special_tokens")
+        config.setdefault("additional_special_tokens", extra)
+        changed = True
+    if changed:
+        config_path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _remove_temp_dirs(root: Path) -> None:
+    """Remove what crashed saves and prunes left behind."""
+    for path in root.iterdir():
+        if not path.name.startswith(TMP_PREFIX):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def _write_latest(root: Path, name: str) -> None:
+    tmp = root / f"{TMP_PREFIX}{LATEST}-{secrets.token_hex(4)}"
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / LATEST)
+    _fsync_dir(root)
+
+
+def _fsync_tree(path: Path) -> None:
+    for dirpath, _, filenames in os.walk(path):
+        for name in filenames:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

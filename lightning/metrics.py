@@ -1,0 +1,251 @@
+"""MLflow tracking for a training run: params, per-iteration metrics, checkpoints as artifacts, registered models.
+
+MLflow is imported on first use, never when `lightning` is imported. Without a tracking URI (argument or
+MLFLOW_TRACKING_URI) runs go to a local SQLite store, `.lightning/mlflow.db`, with artifacts in
+`.lightning/mlartifacts`: MLflow 3 refuses its old `./mlruns` file store unless MLFLOW_ALLOW_FILE_STORE is set.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_DB = Path(".lightning") / "mlflow.db"
+ARTIFACTS_DIR = "mlartifacts"
+# MLflow's limits (mlflow.utils.validation): longer params are refused, bigger batches split.
+MAX_PARAM_KEY = 250
+MAX_PARAM_VALUE = 6000
+PARAMS_PER_BATCH = 100
+METRICS_PER_BATCH = 1000
+
+# A key naming a credential: `api_key`, `password`, `secret` (and kin) anywhere in it, or `token` as its last word. So
+# `openai.api_key`, `hf_token` and `db.password` are dropped, while `max_tokens` and `pad_token_id` are logged.
+SECRET_KEY = re.compile(
+    r"api[_-]?key|apikey|private[_-]?key|passw(or)?d|secret|credential|authorization|(^|[_\-.])token$", re.IGNORECASE
+)
+URL_PASSWORD = re.compile(r"(://[^/\s:@]+):[^/\s@]+@")
+
+
+class MlflowTracker:
+    """One MLflow run: `start(params)` (or `resume(run_id)`), `log_metrics` each iteration, `log_checkpoint`,
+    `register_model`, `end(status)`.
+
+    `run_id` names an existing run to continue: `start` then resumes it instead of creating one.
+    """
+
+    def __init__(
+        self,
+        tracking_uri: str | None = None,
+        experiment: str = "lightning",
+        run_name: str | None = None,
+        run_id: str | None = None,
+    ) -> None:
+        self.tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or _default_tracking_uri()
+        self.experiment = experiment
+        self.run_name = run_name
+        self.run_id = run_id
+        self.experiment_id: str | None = None
+        self._client: Any = None
+
+    @property
+    def client(self) -> Any:
+        """The MlflowClient for this tracker's URI (tracking and model registry alike)."""
+        if self._client is None:
+            from mlflow.tracking import MlflowClient
+
+            db_path = _sqlite_path(self.tracking_uri)
+            if db_path is not None:
+                db_path.parent.mkdir(parents=True, exist_ok=True)
+            self._client = MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
+        return self._client
+
+    def start(self, params: Mapping[str, Any] | None = None) -> str:
+        """Create the run (or resume `run_id`) and log `params`, flattened to dotted keys; the run id."""
+        if self.run_id is not None:
+            self.resume(self.run_id)
+        else:
+            self.experiment_id = self._experiment_id()
+            run = self.client.create_run(self.experiment_id, run_name=self.run_name)
+            self.run_id = run.info.run_id
+            self.run_name = run.info.run_name
+        if params:
+            self._log_params(params)
+        return self.run_id
+
+    def resume(self, run_id: str) -> str:
+        """Continue run `run_id`: later metrics, artifacts and params land in it; the run id."""
+        run = self.client.get_run(run_id)
+        self.run_id = run.info.run_id
+        self.run_name = run.info.run_name
+        self.experiment_id = run.info.experiment_id
+        self.client.update_run(run_id, status="RUNNING")
+        return run_id
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
+        """Log numeric metrics (nested dicts flattened to dotted keys) at `step`; non-finite values are skipped."""
+        from mlflow.entities import Metric
+
+        timestamp = int(time.time() * 1000)
+        batch = []
+        for key, value in flatten(metrics).items():
+            try:
+                number = float(value)
+            except (TypeError, ValueError) as exc:
+                raise TypeError(f"metric {key!r} is not a number: {value!r}") from exc
+            if math.isfinite(number):
+                batch.append(Metric(key, number, timestamp, step))
+            else:
+                logger.warning("metric %r at step %d is %s; not logged", key, step, number)
+        for i in range(0, len(batch), METRICS_PER_BATCH):
+            self.client.log_batch(self._run(), metrics=batch[i : i + METRICS_PER_BATCH])
+
+    def log_checkpoint(self, path: str | Path, step: int, with_trainer_state: bool = False) -> str:
+        """Upload checkpoint `path` as artifacts under `checkpoints/step-<step:06d>`; that artifact path.
+
+        The trainer state (optimizer moments: twice the model's size) stays local unless `with_trainer_state`.
+        """
+        path = Path(path)
+        if not path.is_dir():
+            raise FileNotFoundError(f"checkpoint {path} is not a directory")
+        artifact_path = f"checkpoints/step-{step:06d}"
+        for entry in sorted(path.iterdir()):
+            if entry.is_file():
+                self.client.log_artifact(self._run(), str(entry), artifact_path)
+            elif entry.is_dir() and (with_trainer_state or entry.name != "trainer_state"):
+                self.client.log_artifacts(self._run(), str(entry), f"{artifact_path}/{entry.name}")
+        return artifact_path
+
+    def register_model(self, path: str | Path, name: str) -> int:
+        """Register checkpoint `path`'s model directory as a new version of model `name` (created if needed),
+        uploading it first unless `log_checkpoint` did; the version number.
+
+        A plain artifact version, no MLmodel flavor: with MLFLOW_TRACKING_URI naming this store,
+        `mlflow.artifacts.download_artifacts("models:/<name>/<version>")` returns the Hugging Face directory, which
+        transformers and vLLM load as is.
+        """
+        from mlflow.exceptions import MlflowException
+
+        path = Path(path)
+        step = _checkpoint_step(path)
+        artifact_path = f"checkpoints/step-{step:06d}"
+        if not self.client.list_artifacts(self._run(), artifact_path):
+            self.log_checkpoint(path, step)
+        try:
+            self.client.create_registered_model(name)
+        except MlflowException as exc:
+            if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+        version = self.client.create_model_version(
+            name, f"runs:/{self.run_id}/{artifact_path}", run_id=self.run_id, tags={"step": str(step)}
+        )
+        return int(version.version)
+
+    def end(self, status: str = "FINISHED") -> None:
+        """Mark the run FINISHED, FAILED or KILLED."""
+        if self.run_id is not None:
+            self.client.set_terminated(self.run_id, status.upper())
+
+    @property
+    def run_url(self) -> str:
+        """The run's page on a tracking server, or the command that serves a local store's UI."""
+        if self.tracking_uri.startswith(("http://", "https://")):
+            return f"{self.tracking_uri.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{self.run_id}"
+        return f"mlflow ui --backend-store-uri {self.tracking_uri}"
+
+    def _run(self) -> str:
+        if self.run_id is None:
+            raise RuntimeError("no MLflow run: call start() or resume() first")
+        return self.run_id
+
+    def _experiment_id(self) -> str:
+        from mlflow.exceptions import MlflowException
+
+        experiment = self.client.get_experiment_by_name(self.experiment)
+        if experiment is not None:
+            return experiment.experiment_id
+        db_path = _sqlite_path(self.tracking_uri)
+        # A local store keeps artifacts beside its database; a server decides for itself.
+        location = (db_path.parent / ARTIFACTS_DIR).as_uri() if db_path is not None else None
+        try:
+            return self.client.create_experiment(self.experiment, artifact_location=location)
+        except MlflowException as exc:
+            if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+            # Another process created it first.
+            return self.client.get_experiment_by_name(self.experiment).experiment_id
+
+    def _log_params(self, params: Mapping[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        logged = self.client.get_run(self._run()).data.params
+        batch = []
+        for key, value in loggable_params(params).items():
+            if key not in logged:
+                batch.append(Param(key, value))
+            elif logged[key] != value:
+                # MLflow params cannot change; a resumed run keeps what it started with.
+                logger.warning(
+                    "param %r was %r when the run started and is %r now; keeping %r",
+                    key,
+                    logged[key],
+                    value,
+                    logged[key],
+                )
+        for i in range(0, len(batch), PARAMS_PER_BATCH):
+            self.client.log_batch(self._run(), params=batch[i : i + PARAMS_PER_BATCH])
+
+
+def flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested mappings as one level of dotted keys: {"a": {"b": 1}} -> {"a.b": 1}."""
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def loggable_params(params: Mapping[str, Any]) -> dict[str, str]:
+    """`params` flattened, secrets dropped, passwords in URLs masked, keys and values cut to MLflow's limits."""
+    loggable = {}
+    for key, value in flatten(params).items():
+        if any(SECRET_KEY.search(part) for part in key.split(".")):
+            continue
+        text = value if isinstance(value, str) else json.dumps(value, default=str)
+        text = URL_PASSWORD.sub(r"\1:***@", text)
+        if len(text) > MAX_PARAM_VALUE:
+            text = text[: MAX_PARAM_VALUE - 3] + "..."
+        loggable[key[:MAX_PARAM_KEY]] = text
+    return loggable
+
+
+def _default_tracking_uri() -> str:
+    return f"sqlite:///{DEFAULT_DB.resolve()}"
+
+
+def _sqlite_path(uri: str) -> Path | None:
+    """The database file of a `sqlite:///<path>` URI; None for any other URI."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    return Path(uri.removeprefix("sqlite:///").split("?", 1)[0])
+
+
+def _checkpoint_step(path: Path) -> int:
+    meta = path / "meta.json"
+    if meta.is_file():
+        return int(json.loads(meta.read_text())["step"])
+    match = re.fullmatch(r"step-(\d+)", path.name)
+    if match is None:
+        raise ValueError(f"{path} has no meta.json and is not named step-<k>: which step is it?")
+    return int(match.group(1))
