@@ -1,0 +1,407 @@
+"""The torch trainer: one PPO/GRPO update of a Hugging Face causal LM from a TrainingBatch, resumable bit-exact.
+
+One `step(batch)` is verl's actor update for one training batch, on one device:
+
+    old_log_probs   from the current policy (no grad), unless the batch carries the sampler's
+    ref_log_prob    from a frozen copy of the initial policy, when KL is used
+    advantages      from token_level_scores (minus kl_coef * KL first, with kl_in_reward)
+    ppo_epochs x mini-batches: micro-batches accumulate gradients, then clip_grad_norm and one AdamW step
+    the LR scheduler steps once per `step`
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+import random
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from lightning.algorithm.advantages import (
+    grpo_advantages,
+    kl_penalized_scores,
+    reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages,
+    rloo_advantages,
+    sequence_scores,
+    zero_std_group_fraction,
+)
+from lightning.algorithm.batch import TrainingBatch
+from lightning.algorithm.losses import (
+    KLKind,
+    LossAggMode,
+    aggregate,
+    clipped_policy_loss,
+    entropy_from_logits,
+    kl_penalty,
+    masked_mean,
+    token_log_probs,
+)
+
+AdvantageKind = Literal["grpo", "grpo_no_std", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+
+
+class TrainerConfig(BaseModel):
+    """Everything one update depends on; defaults follow verl's actor and algorithm defaults."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lr: float = Field(default=1e-6, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = Field(default=0.01, ge=0)
+    warmup_steps: int = Field(default=0, ge=0)
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    total_steps: int | None = Field(default=None, ge=1)
+    """Length of the cosine schedule, in `step` calls; needed for "cosine"."""
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
+    """Where the cosine schedule ends, as a fraction of lr."""
+
+    clip_low: float = Field(default=0.2, ge=0)
+    clip_high: float = Field(default=0.2, ge=0)
+    dual_clip_c: float = Field(default=3.0, gt=1)
+
+    advantage: AdvantageKind = "grpo"
+    adv_eps: float = Field(default=1e-6, gt=0)
+    gamma: float = Field(default=1.0, ge=0, le=1)
+    """Discount of REINFORCE++'s return-to-go."""
+
+    kl_coef: float = Field(default=0.001, ge=0)
+    kl_kind: KLKind = "low_var_kl"
+    use_kl_loss: bool = False
+    """Add kl_coef * KL(policy || reference) to the loss (GRPO's way)."""
+    kl_in_reward: bool = False
+    """Subtract kl_coef * KL(old policy || reference) from token_level_scores before advantages (PPO's way)."""
+
+    loss_agg: LossAggMode = "token-mean"
+    micro_batch_size: int = Field(default=4, ge=1)
+    """Rows per forward/backward; only memory depends on it, not the update."""
+    mini_batch_size: int | None = Field(default=None, ge=1)
+    """Rows per optimizer step; None: the whole batch, one optimizer step per epoch."""
+    ppo_epochs: int = Field(default=1, ge=1)
+    max_grad_norm: float = Field(default=1.0, gt=0)
+    entropy_coef: float = 0.0
+    bf16: bool = True
+    """bf16 autocast for forward passes on CUDA; weights and optimizer stay float32. Ignored on CPU."""
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TrainerConfig:
+        if self.lr_schedule == "cosine" and self.total_steps is None:
+            raise ValueError("lr_schedule 'cosine' needs total_steps")
+        if self.use_kl_loss and self.kl_in_reward:
+            raise ValueError("use_kl_loss and kl_in_reward both apply the KL penalty; choose one")
+        return self
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.use_kl_loss or self.kl_in_reward
+
+
+def lr_multiplier(
+    step: int,
+    *,
+    warmup_steps: int,
+    schedule: Literal["constant", "cosine"],
+    total_steps: int | None,
+    min_lr_ratio: float,
+) -> float:
+    """LR / peak LR at `step`: linear warmup from 0 (step / warmup_steps, as HF and verl), then constant or
+    cosine from 1 down to min_lr_ratio at total_steps."""
+    if step < warmup_steps:
+        return step / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    assert total_steps is not None
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def compute_advantages(
+    config: TrainerConfig, rewards: torch.Tensor, response_mask: torch.Tensor, uid: Any
+) -> torch.Tensor:
+    """The advantage estimator the config names."""
+    if config.advantage == "grpo":
+        return grpo_advantages(rewards, response_mask, uid, norm_by_std=True, eps=config.adv_eps)
+    if config.advantage == "grpo_no_std":
+        return grpo_advantages(rewards, response_mask, uid, norm_by_std=False, eps=config.adv_eps)
+    if config.advantage == "rloo":
+        return rloo_advantages(rewards, response_mask, uid)
+    if config.advantage == "reinforce_pp":
+        return reinforce_pp_advantages(rewards, response_mask, gamma=config.gamma)
+    if config.advantage == "reinforce_pp_baseline":
+        return reinforce_pp_baseline_advantages(rewards, response_mask, uid)
+    raise ValueError(f"unknown advantage {config.advantage!r}")
+
+
+def loss_normalizers(response_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A mini-batch's token and sequence counts: dividing every micro-batch's loss by them makes the
+    accumulated gradient the mini-batch's gradient, whatever the micro-batch size."""
+    return {
+        "batch_num_tokens": response_mask.sum(),
+        "batch_num_seqs": (response_mask.sum(dim=-1) > 0).sum(),
+    }
+
+
+class TorchTrainer:
+    """PPO-family updates of a causal LM on one device. `model` and `tokenizer` are the policy's."""
+
+    def __init__(
+        self,
+        model_dir_or_model: str | Path | torch.nn.Module,
+        config: TrainerConfig | None = None,
+        device: str | torch.device | None = None,
+        reference: str | Path | torch.nn.Module | None = None,
+    ) -> None:
+        """`reference`: the KL anchor, by default a frozen copy of the policy as loaded. When resuming from a
+        checkpoint, pass the initial model here, or the KL term will anchor to the checkpoint instead."""
+        self.config = config or TrainerConfig()
+        self.device = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        seed_everything(self.config.seed)
+        self.model, self.tokenizer = load_policy(model_dir_or_model)
+        # Eval mode all along: with dropout off the first PPO pass sees ratio == 1 exactly.
+        self.model.to(self.device).eval()
+        self.reference = None
+        if self.config.uses_reference:
+            anchor = self.model if reference is None else load_policy(reference)[0]
+            self.reference = frozen_copy(anchor).to(self.device)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=self.config.lr,
+            betas=self.config.betas,
+            weight_decay=self.config.weight_decay,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            functools.partial(
+                lr_multiplier,
+                warmup_steps=self.config.warmup_steps,
+                schedule=self.config.lr_schedule,
+                total_steps=self.config.total_steps,
+                min_lr_ratio=self.config.min_lr_ratio,
+            ),
+        )
+        self.step_count = 0
+
+    # --- one training step --------------------------------------------------------------------
+
+    def step(self, batch: TrainingBatch) -> dict[str, float]:
+        """One update from one batch; returns its metrics."""
+        if len(batch) == 0:
+            raise ValueError("cannot train on an empty batch")
+        start = time.perf_counter()
+        lr = self.scheduler.get_last_lr()[0]
+        batch, prepare_metrics = self.prepare(batch.to(self.device))
+        update_metrics = self.update(batch)
+        self.scheduler.step()
+        self.step_count += 1
+        step_time = time.perf_counter() - start
+        return {
+            **update_metrics,
+            **prepare_metrics,
+            **batch_metrics(batch),
+            "lr": lr,
+            "step": float(self.step_count),
+            "step_time_s": step_time,
+            "tokens_per_s": float(batch["attention_mask"].sum()) / step_time,
+        }
+
+    def prepare(self, batch: TrainingBatch) -> tuple[TrainingBatch, dict[str, float]]:
+        """Add old_log_probs, ref_log_prob (with KL), token_level_rewards and advantages to the batch."""
+        config = self.config
+        mask = batch["response_mask"].float()
+        extra: dict[str, torch.Tensor] = {}
+        metrics: dict[str, float] = {}
+        if "rollout_log_probs" in batch:
+            extra["old_log_probs"] = batch["rollout_log_probs"].float()
+        else:
+            extra["old_log_probs"] = self.log_probs(self.model, batch)
+        rewards = batch["token_level_scores"]
+        if self.reference is not None:
+            extra["ref_log_prob"] = self.log_probs(self.reference, batch)
+            old_kl = kl_penalty(extra["old_log_probs"], extra["ref_log_prob"], config.kl_kind)
+            metrics["kl"] = float(aggregate(old_kl, mask, config.loss_agg))
+            if config.kl_in_reward:
+                rewards = kl_penalized_scores(
+                    rewards, extra["old_log_probs"], extra["ref_log_prob"], mask, config.kl_coef, config.kl_kind
+                )
+        extra["token_level_rewards"] = rewards
+        extra["advantages"] = compute_advantages(config, rewards, mask, batch.uid)
+        return batch.with_tensors(extra), metrics
+
+    @torch.no_grad()
+    def log_probs(self, model: torch.nn.Module, batch: TrainingBatch) -> torch.Tensor:
+        """[B, R] log-probs of the response tokens under `model`, micro-batch by micro-batch."""
+        chunks = [self.forward(model, micro)[0] for micro in batch.split(self.config.micro_batch_size)]
+        return torch.cat(chunks, dim=0)
+
+    def forward(self, model: torch.nn.Module, batch: TrainingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, R] response-token log-probs and entropies (entropy carries gradient only if entropy_coef)."""
+        if batch.prompt_length == 0:
+            raise ValueError("every row needs at least one prompt token to predict its first response token from")
+        response_length = batch["responses"].shape[1]
+        autocast = self.config.bf16 and self.device.type == "cuda"
+        with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=autocast):
+            logits = model(
+                input_ids=batch["input_ids"],
+                attention_mask=batch["attention_mask"],
+                position_ids=batch["position_ids"],
+                use_cache=False,
+                logits_to_keep=response_length + 1,
+            ).logits
+        # The logit at position t predicts token t + 1: the last prompt token predicts the first response token.
+        response_logits = logits[:, :-1]
+        log_probs = token_log_probs(response_logits, batch["responses"])
+        entropy = entropy_from_logits(response_logits if self.config.entropy_coef else response_logits.detach())
+        return log_probs, entropy
+
+    def update(self, batch: TrainingBatch) -> dict[str, float]:
+        """ppo_epochs passes over mini-batches; one optimizer step per mini-batch. Returns mean metrics."""
+        config = self.config
+        totals: dict[str, float] = defaultdict(float)
+        optimizer_steps = 0
+        for _ in range(config.ppo_epochs):
+            for mini in batch.split(config.mini_batch_size or len(batch)):
+                self.optimizer.zero_grad(set_to_none=True)
+                normalizers = loss_normalizers(mini["response_mask"])
+                for micro in mini.split(config.micro_batch_size):
+                    loss, contributions = self.micro_loss(micro, normalizers)
+                    loss.backward()
+                    for name, value in contributions.items():
+                        totals[name] += value
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.max_grad_norm)
+                # As verl: a non-finite gradient skips the optimizer step instead of poisoning the weights.
+                if torch.isfinite(grad_norm):
+                    self.optimizer.step()
+                else:
+                    totals["nonfinite_grad_steps"] += 1
+                self.optimizer.zero_grad(set_to_none=True)
+                totals["grad_norm"] += float(grad_norm)
+                optimizer_steps += 1
+        metrics = {name: value / optimizer_steps for name, value in totals.items()}
+        metrics["nonfinite_grad_steps"] = totals["nonfinite_grad_steps"]
+        return metrics
+
+    def micro_loss(
+        self, micro: TrainingBatch, normalizers: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """This micro-batch's share of the mini-batch loss, and its share of each metric (shares add up)."""
+        config = self.config
+        mask = micro["response_mask"].float()
+        log_probs, entropy = self.forward(self.model, micro)
+        pg_loss, pg_metrics = clipped_policy_loss(
+            log_probs,
+            micro["old_log_probs"],
+            micro["advantages"],
+            mask,
+            clip_low=config.clip_low,
+            clip_high=config.clip_high,
+            dual_clip_c=config.dual_clip_c,
+            agg=config.loss_agg,
+            **normalizers,
+        )
+        entropy_loss = aggregate(entropy, mask, config.loss_agg, **normalizers)
+        loss = pg_loss - config.entropy_coef * entropy_loss
+        token_share = mask.sum() / normalizers["batch_num_tokens"].clamp(min=1)
+        contributions = {"pg_loss": pg_loss, "entropy": entropy_loss}
+        contributions.update({name: value * token_share for name, value in pg_metrics.items()})
+        if config.use_kl_loss:
+            kl_loss = aggregate(
+                kl_penalty(log_probs, micro["ref_log_prob"], config.kl_kind), mask, config.loss_agg, **normalizers
+            )
+            loss = loss + config.kl_coef * kl_loss
+            contributions["kl_loss"] = kl_loss
+        contributions["loss"] = loss
+        return loss, {name: float(value.detach()) for name, value in contributions.items()}
+
+    # --- checkpoint state ---------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Optimizer, scheduler, step count and RNG states; `torch.load(weights_only=True)` reads it back."""
+        return {
+            "step": self.step_count,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": rng_state(),
+            "config": self.config.model_dump(mode="json"),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume: with the weights saved at the same moment, the next `step` is bit-exact on CPU."""
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step_count = int(state["step"])
+        set_rng_state(state["rng"])
+
+
+# --- helpers ----------------------------------------------------------------------------------
+
+
+def load_policy(model_dir_or_model: str | Path | torch.nn.Module) -> tuple[torch.nn.Module, Any]:
+    """A model directory loads in float32 with its tokenizer; a model object comes back as is, no tokenizer."""
+    if isinstance(model_dir_or_model, torch.nn.Module):
+        return model_dir_or_model, None
+    model = AutoModelForCausalLM.from_pretrained(model_dir_or_model, dtype=torch.float32)
+    return model, AutoTokenizer.from_pretrained(model_dir_or_model)
+
+
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    reference = copy.deepcopy(model).eval()
+    reference.requires_grad_(False)
+    return reference
+
+
+def batch_metrics(batch: TrainingBatch) -> dict[str, float]:
+    """What the batch itself says: rewards, advantages, response lengths, flat groups."""
+    scores = sequence_scores(batch["token_level_scores"])
+    mask = batch["response_mask"].float()
+    advantages = batch["advantages"]
+    masked_advantages = advantages[mask.bool()]
+    adv_mean = masked_mean(advantages, mask)
+    response_lengths = batch["attention_mask"][:, batch.prompt_length :].sum(dim=-1).float()
+    return {
+        "reward_mean": float(scores.mean()),
+        "reward_std": float(scores.std(unbiased=False)),
+        "adv_mean": float(adv_mean),
+        "adv_std": float(masked_mean((advantages - adv_mean) ** 2, mask).sqrt()),
+        "adv_min": float(masked_advantages.min()) if masked_advantages.numel() else 0.0,
+        "adv_max": float(masked_advantages.max()) if masked_advantages.numel() else 0.0,
+        "zero_std_group_fraction": zero_std_group_fraction(batch["token_level_scores"], batch.uid),
+        "response_length_mean": float(response_lengths.mean()),
+    }
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict[str, Any]:
+    """Python, numpy, torch (and CUDA) RNG states, as tensors and plain values only (no numpy in the pickle)."""
+    kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, cached_gaussian),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    kind, keys, position, has_gauss, cached_gaussian = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached_gaussian))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
