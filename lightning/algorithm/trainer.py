@@ -213,6 +213,25 @@ class TorchTrainer:
             "tokens_per_s": float(batch["attention_mask"].sum()) / step_time,
         }
 
+    def sft_step(self, batch: TrainingBatch) -> dict[str, float]:
+        """One supervised step: maximise the log-likelihood of the masked response tokens (rewards are
+        ignored). A short warm start on a few demonstrations makes sparse multi-token rewards reachable."""
+        batch = batch.to(self.device)
+        tokens = batch["response_mask"].sum().clamp(min=1)
+        self.optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for micro in batch.split(self.config.micro_batch_size):
+            log_probs, _ = self.forward(self.model, micro)
+            loss = -(log_probs * micro["response_mask"]).sum() / tokens  # token-mean negative log-likelihood
+            loss.backward()
+            total += loss.item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.step_count += 1
+        return {"sft_loss": total, "grad_norm": float(grad_norm), "step": float(self.step_count)}
+
     def prepare(self, batch: TrainingBatch) -> tuple[TrainingBatch, dict[str, float]]:
         """Add old_log_probs, ref_log_prob (with KL), token_level_rewards and advantages to the batch."""
         config = self.config

@@ -1,0 +1,196 @@
+"""Learning, measured: our GRPO loop and TRL's GRPOTrainer side by side on the same tiny model, task,
+batch size and wall time; prints the held-out reward over time, the time until it first reaches
+1.0 (or the best reached), and seconds per optimiser step.
+
+Our side is the whole product loop: rollouts through runners -> LLM proxy -> embedded inference
+server, spans in a SQLite store, adapter -> TrainingBatch -> torch GRPO step -> checkpoint -> weight
+reload. TRL's side generates in process (benchmarks/trl_grpo.py). Held-out evaluation (greedy, all
+held-out prompts) is excluded from both training clocks.
+
+    .venv/bin/python benchmarks/trainer_bench.py [--seconds 120] [--only ours|trl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from examples.copy_task.agent import copy_agent, demonstrations, make_tasks  # noqa: E402
+from lightning import training  # noqa: E402
+from lightning.algorithm.batch import TrainingBatch  # noqa: E402
+from lightning.algorithm.trainer import TorchTrainer, TrainerConfig  # noqa: E402
+from lightning.checkpoint import save_checkpoint  # noqa: E402
+from lightning.models import build_tiny_model  # noqa: E402
+from lightning.store import SqlLightningStore  # noqa: E402
+
+MAX_NEW_TOKENS = 5
+
+
+def warm_start(model_dir: Path, tasks: list[dict], *, steps: int, lr: float, root: Path) -> Path:
+    """A few supervised steps on demonstrations of some training prompts; both trainers start from it."""
+    trainer = TorchTrainer(model_dir, TrainerConfig(lr=lr, kl_coef=0.0, micro_batch_size=64))
+    batch = TrainingBatch.from_triplets(
+        demonstrations(trainer.tokenizer, tasks),
+        pad_token_id=trainer.tokenizer.pad_token_id,
+        max_prompt_length=64,
+        max_response_length=MAX_NEW_TOKENS + 1,
+    )
+    for _ in range(steps):
+        loss = trainer.sft_step(batch)["sft_loss"]
+    print(f"warm start: {steps} supervised steps on {len(tasks)} prompts, final loss {loss:.3f}", flush=True)
+    return save_checkpoint(root, 0, trainer.model, trainer.tokenizer)
+
+
+async def evaluate(store: Any, resources_id: str, tasks: list[dict], run: str, iteration: int) -> float:
+    ids = await training.enqueue_rollouts(
+        store, tasks, run_name=run, iteration=iteration, resources_id=resources_id, mode="val"
+    )
+    await training.run_runners(store, copy_agent, ids, runners=len(ids))
+    return (await training.summarize_rollouts(store, ids))["reward_mean"]
+
+
+async def run_ours(
+    model_dir: Path,
+    train_tasks: list[dict],
+    heldout_tasks: list[dict],
+    *,
+    seconds: float,
+    prompts_per_step: int,
+    generations: int,
+    lr: float,
+    eval_every_s: float,
+    workdir: Path,
+    config: TrainerConfig,
+    seed: int = 0,
+) -> dict[str, Any]:
+    store = SqlLightningStore(f"sqlite:///{workdir}/store.db", watchdog_interval=None)
+    trainer = TorchTrainer(model_dir, config)
+    rng = random.Random(seed)
+    curve: list[tuple[float, int, float]] = []
+    train_clock = 0.0
+    time_to_one = None
+    with training.LocalStack(store, model_dir) as stack:
+        proxy = stack.proxy.resource()
+        sampled = await store.add_resources(
+            {
+                "llm": proxy.model_copy(
+                    update={"sampling_parameters": {"temperature": 1.0, "max_tokens": MAX_NEW_TOKENS}}
+                )
+            }
+        )
+        greedy = await store.add_resources(
+            {
+                "llm": proxy.model_copy(
+                    update={"sampling_parameters": {"temperature": 0.0, "max_tokens": MAX_NEW_TOKENS}}
+                )
+            }
+        )
+        step = 0
+        last_eval = -eval_every_s
+        while True:
+            if train_clock - last_eval >= eval_every_s or train_clock >= seconds:
+                reward = await evaluate(store, greedy.resources_id, heldout_tasks, "bench", step)
+                curve.append((train_clock, step, reward))
+                print(f"  ours: {train_clock:6.1f}s step {step:4d} held-out reward {reward:.3f}", flush=True)
+                last_eval = train_clock
+                if reward >= 1.0 and time_to_one is None:
+                    time_to_one = train_clock
+                if train_clock >= seconds or reward >= 1.0:
+                    break
+            started = time.perf_counter()
+            tasks = rng.sample(train_tasks, prompts_per_step)
+            ids = await training.enqueue_rollouts(
+                store, tasks, run_name="bench", iteration=step, samples_per_task=generations,
+                resources_id=sampled.resources_id,
+            )  # fmt: skip
+            await training.run_runners(store, copy_agent, ids, runners=len(ids))
+            batch_path = workdir / "batches" / f"step-{step}"
+            await training.adapt_spans(
+                store, ids, batch_path, pad_token_id=trainer.tokenizer.pad_token_id,
+                max_prompt_length=64, max_response_length=MAX_NEW_TOKENS + 1,
+            )  # fmt: skip
+            training.ppo_step(trainer, batch_path)
+            step += 1
+            training.publish_weights(trainer, workdir / "checkpoints", step, [stack.inference_url], keep_last=1)
+            train_clock += time.perf_counter() - started
+    await store.close()
+    best = max(r for _, _, r in curve)
+    return {
+        "curve": curve,
+        "steps": step,
+        "seconds_per_step": train_clock / max(step, 1),
+        "time_to_1.0": time_to_one,
+        "best_heldout": best,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=120, help="training wall time for each side")
+    parser.add_argument("--prompts", type=int, default=16, help="prompts per optimiser step")
+    parser.add_argument("--generations", type=int, default=4, help="samples per prompt")
+    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--epochs", type=int, default=1, help="our trainer: update epochs per batch")
+    parser.add_argument("--kl", type=float, default=0.0, help="our trainer: low-variance KL loss to the start")
+    parser.add_argument("--eval-every", type=float, default=5.0, help="seconds of training between evaluations")
+    parser.add_argument("--only", choices=["ours", "trl"], default=None)
+    parser.add_argument("--task", choices=["last", "copy"], default="last", help="examples/copy_task: which rule")
+    parser.add_argument("--warm-steps", type=int, default=15, help="supervised warm-start steps (0: none)")
+    parser.add_argument("--warm-fraction", type=float, default=0.3, help="share of train prompts demonstrated")
+    parser.add_argument("--warm-lr", type=float, default=1e-3)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+
+    workdir = Path(tempfile.mkdtemp(prefix="trainer-bench-"))
+    model_dir = build_tiny_model(workdir / "tiny", seed=0)
+    tasks = make_tasks(96, kind=args.task, seed=0)
+    train_tasks, heldout_tasks = tasks[:64], tasks[64:]
+    if args.warm_steps:
+        shown = train_tasks[: max(1, int(len(train_tasks) * args.warm_fraction))]
+        model_dir = warm_start(model_dir, shown, steps=args.warm_steps, lr=args.warm_lr, root=workdir / "warm")
+    results: dict[str, Any] = {}
+    if args.only in (None, "ours"):
+        results["ours"] = asyncio.run(
+            run_ours(
+                model_dir, train_tasks, heldout_tasks, seconds=args.seconds, prompts_per_step=args.prompts,
+                generations=args.generations, lr=args.lr, eval_every_s=args.eval_every, workdir=workdir,
+                config=TrainerConfig(
+                    lr=args.lr, advantage="grpo", ppo_epochs=args.epochs, micro_batch_size=256,
+                    kl_coef=args.kl, use_kl_loss=args.kl > 0, kl_kind="low_var_kl", seed=0,
+                ),
+            )
+        )  # fmt: skip
+    if args.only in (None, "trl"):
+        from benchmarks.trl_grpo import run_trl
+
+        results["trl"] = run_trl(
+            model_dir, train_tasks, heldout_tasks, seconds=args.seconds, prompts_per_step=args.prompts,
+            generations=args.generations, lr=args.lr, max_new_tokens=MAX_NEW_TOKENS, eval_every_s=args.eval_every,
+            output_dir=workdir / "trl",
+        )  # fmt: skip
+
+    print(
+        f"\nGRPO on the tiny model, {args.task!r} task ({len(train_tasks)} train / {len(heldout_tasks)} held-out), "
+        f"{args.prompts} prompts x {args.generations} samples per step, lr {args.lr}, {args.seconds:.0f} s each"
+    )
+    print("| trainer | time to held-out 1.0 | best held-out | steps | s/step |")
+    print("|---|---|---|---|---|")
+    for name, r in results.items():
+        reached = f"{r['time_to_1.0']:.1f} s" if r["time_to_1.0"] is not None else "not reached"
+        print(f"| {name} | {reached} | {r['best_heldout']:.3f} | {r['steps']} | {r['seconds_per_step']:.3f} |")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
