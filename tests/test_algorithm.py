@@ -472,3 +472,23 @@ def test_resume_from_state_dict_is_bit_exact(tiny_dir: Path, tmp_path: Path) -> 
     assert resumed_third["loss"] == third["loss"]
     for name, p in first.model.named_parameters():
         assert torch.equal(p, dict(resumed.model.named_parameters())[name]), name
+
+
+def test_resume_through_a_saved_checkpoint_is_bit_exact(tiny_dir: Path, tmp_path: Path) -> None:
+    """The product's path: lightning.checkpoint writes model + trainer state; a new process's trainer
+    loaded from it takes exactly the update the uninterrupted run takes."""
+    from lightning.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+
+    config = TrainerConfig(lr=1e-3, warmup_steps=1, lr_schedule="cosine", total_steps=5, micro_batch_size=2)
+    first = TorchTrainer(tiny_dir, config, device="cpu")
+    first.step(tiny_batch(0))
+    save_checkpoint(tmp_path / "ckpt", 1, first.model, first.tokenizer, trainer_state=first.state_dict())
+    expected = first.step(tiny_batch(1))
+
+    checkpoint = load_checkpoint(latest_checkpoint(tmp_path / "ckpt"))
+    resumed = TorchTrainer(checkpoint.model_dir, config, device="cpu")
+    resumed.load_state_dict(checkpoint.trainer_state)
+    assert resumed.step(tiny_batch(1))["loss"] == expected["loss"]
+    resumed_parameters = dict(resumed.model.named_parameters())
+    for name, p in first.model.named_parameters():
+        assert torch.equal(p, resumed_parameters[name]), name
