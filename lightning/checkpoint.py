@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from lightning.models.quiet import no_progress_bars
+
 logger = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
@@ -104,8 +106,9 @@ def save_checkpoint(
     tmp = root / f"{TMP_PREFIX}step-{step:06d}-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        with no_progress_bars():
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
         _make_tokenizer_config_portable(tmp / "tokenizer_config.json")
         state_dir = tmp / TRAINER_STATE
         state_dir.mkdir()

@@ -53,7 +53,12 @@ async def enqueue_rollouts(
                     mode=mode,
                     resources_id=resources_id,
                     config=config,
-                    metadata={"run_name": run_name, "iteration": iteration, "task_index": task_index, "group_id": group},
+                    metadata={
+                        "run_name": run_name,
+                        "iteration": iteration,
+                        "task_index": task_index,
+                        "group_id": group,
+                    },
                     idempotency_key=f"{group}/{sample}",
                 )
             )
@@ -65,16 +70,18 @@ async def run_runners(
 ) -> list[Rollout]:
     """Run `runners` runners in this event loop until every rollout in `rollout_ids` has finished
     (or `timeout` passes); returns the rollouts as the store has them then."""
+    from lightning.tracing import Tracer
+
     stop = asyncio.Event()
-    fleet = [Runner(agent, store, worker_id=f"runner-{i}", idle_wait=0.05) for i in range(runners)]
+    tracer = Tracer(store)  # one exporter for the fleet, not a thread per runner
+    fleet = [Runner(agent, store, tracer=tracer, worker_id=f"runner-{i}", idle_wait=0.05) for i in range(runners)]
     working = [asyncio.create_task(runner.iter(stop_event=stop)) for runner in fleet]
     try:
         finished = await store.wait_for_rollouts(rollout_ids=list(rollout_ids), timeout=timeout)
     finally:
         stop.set()
         await asyncio.gather(*working, return_exceptions=True)
-        for runner in fleet:
-            await runner.close()
+        await asyncio.to_thread(tracer.shutdown)
     return finished
 
 
@@ -174,7 +181,9 @@ class LocalStack:
         from lightning.serving import ThreadedServer
 
         self.store = store
-        self.inference_app = create_inference_app(model_dir, served_model_name=model_name, max_batch_size=max_batch_size)
+        self.inference_app = create_inference_app(
+            model_dir, served_model_name=model_name, max_batch_size=max_batch_size
+        )
         self._inference = ThreadedServer(self.inference_app)
         self.inference_url = self._inference.start()
         self.proxy = LLMProxy(store, [f"{self.inference_url}/v1"], model_name=model_name)

@@ -45,6 +45,7 @@ from lightning.algorithm.losses import (
     masked_mean,
     token_log_probs,
 )
+from lightning.models.quiet import no_progress_bars
 
 AdvantageKind = Literal["grpo", "grpo_no_std", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
 
@@ -367,7 +368,8 @@ def load_policy(model_dir_or_model: str | Path | torch.nn.Module) -> tuple[torch
     """A model directory loads in float32 with its tokenizer; a model object comes back as is, no tokenizer."""
     if isinstance(model_dir_or_model, torch.nn.Module):
         return model_dir_or_model, None
-    model = AutoModelForCausalLM.from_pretrained(model_dir_or_model, dtype=torch.float32)
+    with no_progress_bars():
+        model = AutoModelForCausalLM.from_pretrained(model_dir_or_model, dtype=torch.float32)
     return model, AutoTokenizer.from_pretrained(model_dir_or_model)
 
 

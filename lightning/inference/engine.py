@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.cache_utils import DynamicLayer
 
+from lightning.models.quiet import no_progress_bars
+
 logger = logging.getLogger(__name__)
 
 
@@ -159,7 +161,8 @@ class InferenceEngine:
     def _load_model(self, path: str | Path) -> Any:
         # float32 on CPU: bfloat16 matmuls are slow there and their logprobs too coarse to compare with training.
         dtype = torch.float32 if self.device.type == "cpu" else "auto"
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        with no_progress_bars():
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         return model.to(self.device).eval()
 
     def _eos_token_ids(self) -> set[int]:

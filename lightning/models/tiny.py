@@ -9,6 +9,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from lightning.models.quiet import no_progress_bars
+
 EOS_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -130,8 +132,9 @@ def build_tiny_model(
         bos_token_id=eos_id, eos_token_id=[im_end_id, eos_id], pad_token_id=eos_id, do_sample=True
     )
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    with no_progress_bars():
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
     _make_tokenizer_config_portable(path / "tokenizer_config.json")
     return path
 
