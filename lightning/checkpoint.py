@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from lightning.models.quiet import no_progress_bars
+from lightning.models.files import make_tokenizer_config_portable, no_progress_bars
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ def save_checkpoint(
         with no_progress_bars():
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
-        _make_tokenizer_config_portable(tmp / "tokenizer_config.json")
+        make_tokenizer_config_portable(tmp / "tokenizer_config.json")
         state_dir = tmp / TRAINER_STATE
         state_dir.mkdir()
         (state_dir / RNG_FILE).write_text(json.dumps(capture_rng_state()) + "\n")
@@ -301,24 +301,6 @@ def _check_weights_only(obj: Any, where: str) -> None:
     else:
         for i, value in enumerate(obj):
             _check_weights_only(value, f"{where}[{i}]")
-
-
-def _make_tokenizer_config_portable(config_path: Path) -> None:
-    """Rewrite transformers 5's tokenizer_config.json in the form transformers 4 reads too (vLLM may pin 4.x)."""
-    if not config_path.is_file():
-        return
-    config = json.loads(config_path.read_text())
-    changed = False
-    # "TokenizersBackend" and a list-valued "extra_special_tokens" are transformers 5 only; both versions read these.
-    if config.get("tokenizer_class") == "TokenizersBackend" and (config_path.parent / "tokenizer.json").is_file():
-        config["tokenizer_class"] = "PreTrainedTokenizerFast"
-        changed = True
-    if isinstance(config.get("extra_special_tokens"), list):
-        extra = config.pop("extra_special_tokens")
-        config.setdefault("additional_special_tokens", extra)
-        changed = True
-    if changed:
-        config_path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _remove_temp_dirs(root: Path) -> None:

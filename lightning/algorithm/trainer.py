@@ -45,7 +45,7 @@ from lightning.algorithm.losses import (
     masked_mean,
     token_log_probs,
 )
-from lightning.models.quiet import no_progress_bars
+from lightning.models.files import no_progress_bars
 
 AdvantageKind = Literal["grpo", "grpo_no_std", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
 

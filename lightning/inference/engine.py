@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.cache_utils import DynamicLayer
 
-from lightning.models.quiet import no_progress_bars
+from lightning.models.files import no_progress_bars
 
 logger = logging.getLogger(__name__)
 

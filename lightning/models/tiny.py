@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from lightning.models.quiet import no_progress_bars
+from lightning.models.files import make_tokenizer_config_portable, no_progress_bars
 
 EOS_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -135,15 +134,5 @@ def build_tiny_model(
     with no_progress_bars():
         model.save_pretrained(path)
         tokenizer.save_pretrained(path)
-    _make_tokenizer_config_portable(path / "tokenizer_config.json")
+    make_tokenizer_config_portable(path / "tokenizer_config.json")
     return path
-
-
-def _make_tokenizer_config_portable(config_path: Path) -> None:
-    """Rewrite transformers 5's tokenizer_config.json in the form transformers 4 reads too (vLLM may pin 4.x)."""
-    config = json.loads(config_path.read_text())
-    # "TokenizersBackend" and a list-valued "extra_special_tokens" are transformers 5 only; both versions read these.
-    config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    config["additional_special_tokens"] = [IM_START, IM_END]
-    config.pop("extra_special_tokens", None)
-    config_path.write_text(json.dumps(config, indent=2) + "\n")
