@@ -33,7 +33,7 @@ from lightning.models import build_tiny_model
 from lightning.types import Triplet
 
 
-def close(actual: torch.Tensor, expected: list, atol: float = 1e-5) -> None:
+def assert_close(actual: torch.Tensor, expected: list, atol: float = 1e-5) -> None:
     torch.testing.assert_close(actual.float(), torch.tensor(expected, dtype=torch.float32), atol=atol, rtol=0)
 
 
@@ -56,28 +56,28 @@ def test_grpo_divides_by_the_unbiased_group_std() -> None:
     # a: mean 2, std sqrt((1 + 0 + 1) / 2) = 1.  b: mean 1/3, std sqrt(((1/3)^2 * 2 + (2/3)^2) / 2) = 1/sqrt(3).
     s3 = math.sqrt(3)
     expected = [-1 / (1 + 1e-6), 0.0, 1 / (1 + 1e-6), -s3 / 3, -s3 / 3, 2 * s3 / 3]
-    close(grpo_advantages(SCORES, MASK, UID), broadcast(expected))
+    assert_close(grpo_advantages(SCORES, MASK, UID), broadcast(expected))
 
 
 def test_grpo_without_std_only_subtracts_the_group_mean() -> None:
-    close(grpo_advantages(SCORES, MASK, UID, norm_by_std=False), broadcast([-1, 0, 1, -1 / 3, -1 / 3, 2 / 3]))
+    assert_close(grpo_advantages(SCORES, MASK, UID, norm_by_std=False), broadcast([-1, 0, 1, -1 / 3, -1 / 3, 2 / 3]))
 
 
 def test_grpo_group_of_one_has_mean_zero_and_std_one() -> None:
-    close(grpo_advantages(torch.tensor([[0, 5.0]]), torch.tensor([[1, 1]]), ["solo"]), [[5 / 1.000001] * 2])
+    assert_close(grpo_advantages(torch.tensor([[0, 5.0]]), torch.tensor([[1, 1]]), ["solo"]), [[5 / 1.000001] * 2])
 
 
 def test_grpo_all_equal_group_gives_zero_advantage() -> None:
-    close(grpo_advantages(torch.tensor([[1.0], [1.0]]), torch.tensor([[1], [1]]), ["g", "g"]), [[0.0], [0.0]])
+    assert_close(grpo_advantages(torch.tensor([[1.0], [1.0]]), torch.tensor([[1], [1]]), ["g", "g"]), [[0.0], [0.0]])
 
 
 def test_rloo_subtracts_the_mean_of_the_other_rows() -> None:
     # a: 1 - (2+3)/2 = -1.5, 2 - (1+3)/2 = 0, 3 - (1+2)/2 = 1.5.  b: 0 - 0.5, 0 - 0.5, 1 - 0.
-    close(rloo_advantages(SCORES, MASK, UID), broadcast([-1.5, 0, 1.5, -0.5, -0.5, 1.0]))
+    assert_close(rloo_advantages(SCORES, MASK, UID), broadcast([-1.5, 0, 1.5, -0.5, -0.5, 1.0]))
 
 
 def test_rloo_group_of_one_keeps_its_score() -> None:
-    close(rloo_advantages(torch.tensor([[0, 4.0]]), torch.tensor([[1, 1]]), ["solo"]), [[4.0, 4.0]])
+    assert_close(rloo_advantages(torch.tensor([[0, 4.0]]), torch.tensor([[1, 1]]), ["solo"]), [[4.0, 4.0]])
 
 
 def test_discounted_returns_run_backwards_and_reset_after_a_masked_token() -> None:
@@ -85,13 +85,13 @@ def test_discounted_returns_run_backwards_and_reset_after_a_masked_token() -> No
     mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 0]])
     # Row 0, gamma 0.5: 1, 0.5, 0.25.  Row 1: 0 at the pad, 2, then 0 + 0.5 * 2 = 1.
     # Row 2 is verl's quirk: a reward on a masked-out token does not flow back to earlier tokens.
-    close(discounted_returns(rewards, mask, gamma=0.5), [[0.25, 0.5, 1.0], [1.0, 2.0, 0.0], [0.0, 0.0, 1.0]])
+    assert_close(discounted_returns(rewards, mask, gamma=0.5), [[0.25, 0.5, 1.0], [1.0, 2.0, 0.0], [0.0, 0.0, 1.0]])
 
 
 def test_masked_whiten_uses_masked_mean_and_unbiased_variance() -> None:
     # Masked 1, 2, 3: mean 2, unbiased variance (1 + 0 + 1) / 2 = 1; the masked 100 is not counted.
     whitened = masked_whiten(torch.tensor([[1.0, 2.0, 3.0, 100.0]]), torch.tensor([[1, 1, 1, 0]]))
-    close(whitened[:, :3], [[-1.0, 0.0, 1.0]])
+    assert_close(whitened[:, :3], [[-1.0, 0.0, 1.0]])
 
 
 def test_reinforce_pp_whitens_returns_over_the_batch() -> None:
@@ -100,7 +100,9 @@ def test_reinforce_pp_whitens_returns_over_the_batch() -> None:
     scores = torch.tensor([[0, 3.0], [1.0, 0]])
     mask = torch.tensor([[1, 1], [1, 0]])
     std = 2 / math.sqrt(3)
-    close(reinforce_pp_advantages(scores, mask, gamma=1.0), [[(2 / 3) / std, (2 / 3) / std], [(-4 / 3) / std, 0.0]])
+    assert_close(
+        reinforce_pp_advantages(scores, mask, gamma=1.0), [[(2 / 3) / std, (2 / 3) / std], [(-4 / 3) / std, 0.0]]
+    )
 
 
 def test_reinforce_pp_baseline_subtracts_group_mean_then_whitens() -> None:
@@ -110,7 +112,7 @@ def test_reinforce_pp_baseline_subtracts_group_mean_then_whitens() -> None:
     mask = torch.tensor([[1, 1], [1, 0], [1, 1]])
     std = math.sqrt(2.3)
     expected = [[-1.6 / std, -1.6 / std], [0.4 / std, 0.0], [1.4 / std, 1.4 / std]]
-    close(reinforce_pp_baseline_advantages(scores, mask, ["a", "a", "b"]), expected)
+    assert_close(reinforce_pp_baseline_advantages(scores, mask, ["a", "a", "b"]), expected)
 
 
 def test_kl_in_reward_subtracts_coef_times_kl_on_generated_tokens() -> None:
@@ -124,7 +126,7 @@ def test_kl_in_reward_subtracts_coef_times_kl_on_generated_tokens() -> None:
         0.1,
         "k1",
     )
-    close(shaped, [[-0.05, 1.1, 0.0]])
+    assert_close(shaped, [[-0.05, 1.1, 0.0]])
 
 
 def test_zero_std_group_fraction_counts_flat_groups_of_two_or_more() -> None:
@@ -137,9 +139,9 @@ def test_zero_std_group_fraction_counts_flat_groups_of_two_or_more() -> None:
 
 def test_token_log_probs_and_entropy() -> None:
     logits = torch.tensor([[[0.0, math.log(3.0)], [0.0, math.log(3.0)]]])  # p = [1/4, 3/4]
-    close(token_log_probs(logits, torch.tensor([[1, 0]])), [[math.log(0.75), math.log(0.25)]])
+    assert_close(token_log_probs(logits, torch.tensor([[1, 0]])), [[math.log(0.75), math.log(0.25)]])
     entropy = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
-    close(entropy_from_logits(logits), [[entropy, entropy]])
+    assert_close(entropy_from_logits(logits), [[entropy, entropy]])
 
 
 LOSS_MAT = torch.tensor([[1.0, 2.0, 3.0], [4.0, 7.0, 7.0], [9.0, 9.0, 9.0]])
@@ -155,7 +157,7 @@ LOSS_MASK = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]])  # the last row has 
     ],
 )
 def test_aggregate_modes(mode: str, expected: float) -> None:
-    close(aggregate(LOSS_MAT, LOSS_MASK, mode), expected)
+    assert_close(aggregate(LOSS_MAT, LOSS_MASK, mode), expected)
 
 
 def test_aggregate_with_batch_counts_adds_up_over_micro_batches() -> None:
@@ -163,8 +165,8 @@ def test_aggregate_with_batch_counts_adds_up_over_micro_batches() -> None:
         whole = aggregate(LOSS_MAT, LOSS_MASK, mode)
         counts = loss_normalizers(LOSS_MASK)
         parts = sum(aggregate(LOSS_MAT[i : i + 1], LOSS_MASK[i : i + 1], mode, **counts) for i in range(3))
-        close(parts, whole.item())
-    close(aggregate(LOSS_MAT, LOSS_MASK, "token-mean", batch_num_tokens=8), 10 / 8)
+        assert_close(parts, whole.item())
+    assert_close(aggregate(LOSS_MAT, LOSS_MASK, "token-mean", batch_num_tokens=8), 10 / 8)
 
 
 # Four tokens, one per case, and a fifth masked token that must not count:
@@ -181,29 +183,29 @@ NEW = OLD + torch.log(torch.tensor([RATIOS]))
 
 def test_clipped_policy_loss_clip_and_dual_clip() -> None:
     loss, metrics = clipped_policy_loss(NEW, OLD, ADVANTAGES, POLICY_MASK)
-    close(loss, (-1.2 - 0.5 + 0.8 + 3.0) / 4)
-    close(metrics["clip_frac"], 2 / 4)
-    close(metrics["dual_clip_frac"], 1 / 4)
-    close(metrics["approx_kl"], -(math.log(1.5) + 2 * math.log(0.5) + math.log(5.0)) / 4)
+    assert_close(loss, (-1.2 - 0.5 + 0.8 + 3.0) / 4)
+    assert_close(metrics["clip_frac"], 2 / 4)
+    assert_close(metrics["dual_clip_frac"], 1 / 4)
+    assert_close(metrics["approx_kl"], -(math.log(1.5) + 2 * math.log(0.5) + math.log(5.0)) / 4)
 
 
 def test_clipped_policy_loss_clip_higher() -> None:
     loss, _ = clipped_policy_loss(NEW, OLD, ADVANTAGES, POLICY_MASK, clip_low=0.2, clip_high=0.28)
-    close(loss, (-1.28 - 0.5 + 0.8 + 3.0) / 4)
+    assert_close(loss, (-1.28 - 0.5 + 0.8 + 3.0) / 4)
 
 
 def test_clipped_policy_loss_gradient_is_minus_advantage_at_ratio_one() -> None:
     log_probs = OLD.clone().requires_grad_(True)
     loss, _ = clipped_policy_loss(log_probs, OLD, ADVANTAGES, POLICY_MASK)
     loss.backward()
-    close(log_probs.grad, [[-0.25, -0.25, 0.25, 0.25, 0.0]])
+    assert_close(log_probs.grad, [[-0.25, -0.25, 0.25, 0.25, 0.0]])
 
 
 def test_kl_penalty_k1_and_low_var_kl() -> None:
     log_p, log_q = torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)])
-    close(kl_penalty(log_p, log_q, "k1"), [math.log(2.0)])
-    close(kl_penalty(log_p, log_q, "low_var_kl"), [0.5 - math.log(0.5) - 1])  # q/p - log(q/p) - 1
-    close(kl_penalty(torch.tensor([0.0]), torch.tensor([30.0]), "low_var_kl"), [10.0])  # clamped
+    assert_close(kl_penalty(log_p, log_q, "k1"), [math.log(2.0)])
+    assert_close(kl_penalty(log_p, log_q, "low_var_kl"), [0.5 - math.log(0.5) - 1])  # q/p - log(q/p) - 1
+    assert_close(kl_penalty(torch.tensor([0.0]), torch.tensor([30.0]), "low_var_kl"), [10.0])  # clamped
 
 
 def test_lr_multiplier_warmup_then_constant_or_cosine() -> None:
@@ -326,17 +328,17 @@ def test_advantages_match_verl() -> None:
     core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
     config = SimpleNamespace(gamma=1.0, get=lambda key, default=None: default)
     verl_grpo, _ = core_algos.compute_grpo_outcome_advantage(SCORES.clone(), MASK.float(), UID)
-    close(grpo_advantages(SCORES, MASK.float(), UID), verl_grpo.tolist(), atol=1e-6)
+    assert_close(grpo_advantages(SCORES, MASK.float(), UID), verl_grpo.tolist(), atol=1e-6)
     verl_rloo, _ = core_algos.compute_rloo_outcome_advantage(SCORES.clone(), MASK.float(), UID, config=config)
-    close(rloo_advantages(SCORES, MASK.float(), UID), verl_rloo.tolist(), atol=1e-6)
+    assert_close(rloo_advantages(SCORES, MASK.float(), UID), verl_rloo.tolist(), atol=1e-6)
     verl_rpp, _ = core_algos.compute_reinforce_plus_plus_outcome_advantage(SCORES.clone(), MASK.float(), config=config)
-    close(reinforce_pp_advantages(SCORES, MASK.float()), verl_rpp.tolist(), atol=1e-6)
+    assert_close(reinforce_pp_advantages(SCORES, MASK.float()), verl_rpp.tolist(), atol=1e-6)
     verl_rppb, _ = core_algos.compute_reinforce_plus_plus_baseline_outcome_advantage(
         SCORES.clone(), MASK.float(), UID, config=config
     )
-    close(reinforce_pp_baseline_advantages(SCORES, MASK.float(), UID), verl_rppb.tolist(), atol=1e-6)
+    assert_close(reinforce_pp_baseline_advantages(SCORES, MASK.float(), UID), verl_rppb.tolist(), atol=1e-6)
     for kind in ("k1", "low_var_kl"):
-        close(kl_penalty(NEW, OLD, kind), core_algos.kl_penalty(NEW, OLD, kind).tolist(), atol=1e-6)
+        assert_close(kl_penalty(NEW, OLD, kind), core_algos.kl_penalty(NEW, OLD, kind).tolist(), atol=1e-6)
 
 
 # --- the trainer on the tiny model ------------------------------------------------------------
