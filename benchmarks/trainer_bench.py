@@ -71,6 +71,7 @@ async def run_ours(
     eval_every_s: float,
     workdir: Path,
     config: TrainerConfig,
+    server: str = "process",
     seed: int = 0,
 ) -> dict[str, Any]:
     store = SqlLightningStore(f"sqlite:///{workdir}/store.db", watchdog_interval=None)
@@ -79,7 +80,7 @@ async def run_ours(
     curve: list[tuple[float, int, float]] = []
     train_clock = 0.0
     time_to_one = None
-    with training.LocalStack(store, model_dir) as stack:
+    with training.LocalStack(store, model_dir, server=server) as stack:
         proxy = stack.proxy.resource()
         sampled = await store.add_resources(
             {
@@ -143,6 +144,7 @@ def main() -> None:
     parser.add_argument("--trl-lr", type=float, default=3e-4, help="TRL's (3e-4 is the recipe that reaches 1.0)")
     parser.add_argument("--epochs", type=int, default=1, help="our trainer: update epochs per batch")
     parser.add_argument("--mini-batch", type=int, default=None, help="our trainer: rows per optimiser step")
+    parser.add_argument("--server", choices=["process", "thread"], default="process", help="our inference server")
     parser.add_argument("--kl", type=float, default=0.05, help="our trainer: low-variance KL loss to the start")
     parser.add_argument("--eval-every", type=float, default=5.0, help="seconds of training between evaluations")
     parser.add_argument("--only", choices=["ours", "trl"], default=None)
@@ -171,6 +173,7 @@ def main() -> None:
                     micro_batch_size=256,
                     kl_coef=args.kl, use_kl_loss=args.kl > 0, kl_kind="low_var_kl", seed=0,
                 ),
+                server=args.server,
             )
         )  # fmt: skip
     if args.only in (None, "trl"):

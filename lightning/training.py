@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -172,26 +174,81 @@ def _model_dir(checkpoint: Path) -> Path:
 
 
 class LocalStack:
-    """The embedded serving pieces of a training run on one machine, on background threads: the
-    inference server for `model_dir` and the LLM proxy in front of it, storing spans in `store`."""
+    """The embedded serving pieces of a training run on one machine: the inference server for
+    `model_dir` and the LLM proxy in front of it, storing spans in `store`.
 
-    def __init__(self, store: LightningStore, model_dir: Path, *, model_name: str = "policy", max_batch_size: int = 64):
-        from lightning.inference import create_inference_app
+    The proxy runs on a thread of this process. The inference server runs on a thread too
+    (`server="thread"`: tests reach its engine as `inference_app.state.engine`), or in a process of its
+    own (`server="process"`), which gives generation a core of its own instead of sharing this
+    process's interpreter lock with the runners and the trainer.
+    """
+
+    def __init__(
+        self,
+        store: LightningStore,
+        model_dir: Path,
+        *,
+        model_name: str = "policy",
+        max_batch_size: int = 64,
+        server: str = "thread",
+    ) -> None:
         from lightning.proxy import LLMProxy
+
+        if server not in ("thread", "process"):
+            raise ValueError(f"LocalStack(server={server!r}): use 'thread' or 'process'")
+        self.store = store
+        self.inference_app: Any = None
+        self._inference: Any = None
+        self._process: subprocess.Popen[bytes] | None = None
+        if server == "thread":
+            self.inference_url = self._start_thread(model_dir, model_name, max_batch_size)
+        else:
+            self.inference_url = self._start_process(model_dir, model_name, max_batch_size)
+        self.proxy = LLMProxy(store, [f"{self.inference_url}/v1"], model_name=model_name)
+        self.proxy.start()
+
+    def _start_thread(self, model_dir: Path, model_name: str, max_batch_size: int) -> str:
+        from lightning.inference import create_inference_app
         from lightning.serving import ThreadedServer
 
-        self.store = store
         self.inference_app = create_inference_app(
             model_dir, served_model_name=model_name, max_batch_size=max_batch_size
         )
         self._inference = ThreadedServer(self.inference_app)
-        self.inference_url = self._inference.start()
-        self.proxy = LLMProxy(store, [f"{self.inference_url}/v1"], model_name=model_name)
-        self.proxy.start()
+        return self._inference.start()
+
+    def _start_process(self, model_dir: Path, model_name: str, max_batch_size: int) -> str:
+        from lightning.serving import free_port
+
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        command = [sys.executable, "-m", "lightning.inference", "--model", str(model_dir), "--port", str(port)]
+        command += ["--served-model-name", model_name, "--max-batch-size", str(max_batch_size), "--threads", "1"]
+        self._process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                error = self._process.stderr.read().decode(errors="replace")[-2000:]  # type: ignore[union-attr]
+                raise RuntimeError(f"the inference server exited while starting: {error}")
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    return url
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        self._process.kill()
+        raise TimeoutError(f"the inference server did not answer on {url} within 120 s")
 
     def close(self) -> None:
         self.proxy.stop()
-        self._inference.stop()
+        if self._inference is not None:
+            self._inference.stop()
+        if self._process is not None:
+            self._process.terminate()
+            try:
+                self._process.wait(10)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
 
     def __enter__(self) -> LocalStack:
         return self
