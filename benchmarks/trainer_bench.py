@@ -80,8 +80,11 @@ async def run_ours(
     curve: list[tuple[float, int, float]] = []
     train_clock = 0.0
     time_to_one = None
-    with training.LocalStack(store, model_dir, server=server) as stack:
-        proxy = stack.proxy.resource()
+    stack = training.LocalStack(
+        store, model_dir, server=server, proxy=server, store_url=f"sqlite:///{workdir}/store.db"
+    )
+    with stack:
+        proxy = stack.resource()
         sampled = await store.add_resources(
             {
                 "llm": proxy.model_copy(

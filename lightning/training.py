@@ -22,7 +22,7 @@ from lightning.agent import LitAgent
 from lightning.runner import Runner
 from lightning.store.base import LightningStore
 from lightning.tracing import find_final_reward
-from lightning.types import EnqueueRolloutRequest, Rollout, RolloutConfig, RolloutMode
+from lightning.types import EnqueueRolloutRequest, ProxyLLM, Rollout, RolloutConfig, RolloutMode
 
 logger = logging.getLogger(__name__)
 
@@ -177,10 +177,10 @@ class LocalStack:
     """The embedded serving pieces of a training run on one machine: the inference server for
     `model_dir` and the LLM proxy in front of it, storing spans in `store`.
 
-    The proxy runs on a thread of this process. The inference server runs on a thread too
-    (`server="thread"`: tests reach its engine as `inference_app.state.engine`), or in a process of its
-    own (`server="process"`), which gives generation a core of its own instead of sharing this
-    process's interpreter lock with the runners and the trainer.
+    Each runs on a thread of this process (the default: tests reach the engine as
+    `inference_app.state.engine` and the proxy as `proxy`), or in a process of its own
+    (`server="process"`, `proxy="process"` with the store's `store_url`), which gives it a core of its
+    own instead of sharing this process's interpreter lock with the runners and the trainer.
     """
 
     def __init__(
@@ -191,21 +191,41 @@ class LocalStack:
         model_name: str = "policy",
         max_batch_size: int = 64,
         server: str = "thread",
+        proxy: str = "thread",
+        store_url: str | None = None,
     ) -> None:
         from lightning.proxy import LLMProxy
+        from lightning.serving import free_port
 
-        if server not in ("thread", "process"):
-            raise ValueError(f"LocalStack(server={server!r}): use 'thread' or 'process'")
+        if server not in ("thread", "process") or proxy not in ("thread", "process"):
+            raise ValueError(f"LocalStack(server={server!r}, proxy={proxy!r}): use 'thread' or 'process' for each")
+        if proxy == "process" and store_url is None:
+            raise ValueError("LocalStack(proxy='process') needs store_url: the proxy process opens the store itself")
         self.store = store
+        self.model_name = model_name
         self.inference_app: Any = None
+        self.proxy: LLMProxy | None = None
         self._inference: Any = None
-        self._process: subprocess.Popen[bytes] | None = None
+        self._processes: list[subprocess.Popen[bytes]] = []
         if server == "thread":
             self.inference_url = self._start_thread(model_dir, model_name, max_batch_size)
         else:
-            self.inference_url = self._start_process(model_dir, model_name, max_batch_size)
-        self.proxy = LLMProxy(store, [f"{self.inference_url}/v1"], model_name=model_name)
-        self.proxy.start()
+            port = free_port()
+            command = [sys.executable, "-m", "lightning.inference", "--model", str(model_dir), "--port", str(port)]
+            command += ["--served-model-name", model_name, "--max-batch-size", str(max_batch_size), "--threads", "1"]
+            self.inference_url = self._start_process(command, port)
+        if proxy == "thread":
+            self.proxy = LLMProxy(store, [f"{self.inference_url}/v1"], model_name=model_name)
+            self.proxy_url = self.proxy.start()
+        else:
+            port = free_port()
+            command = [sys.executable, "-m", "lightning.cli", "proxy", "serve", "--store", str(store_url)]
+            command += ["--backend", f"{self.inference_url}/v1", "--model-name", model_name, "--port", str(port)]
+            self.proxy_url = self._start_process(command, port)
+
+    def resource(self) -> ProxyLLM:
+        """The proxy as a resource for the store; runners route it to each attempt."""
+        return ProxyLLM(endpoint=f"{self.proxy_url}/v1", model=self.model_name)
 
     def _start_thread(self, model_dir: Path, model_name: str, max_batch_size: int) -> str:
         from lightning.inference import create_inference_app
@@ -217,38 +237,36 @@ class LocalStack:
         self._inference = ThreadedServer(self.inference_app)
         return self._inference.start()
 
-    def _start_process(self, model_dir: Path, model_name: str, max_batch_size: int) -> str:
-        from lightning.serving import free_port
-
-        port = free_port()
+    def _start_process(self, command: list[str], port: int) -> str:
         url = f"http://127.0.0.1:{port}"
-        command = [sys.executable, "-m", "lightning.inference", "--model", str(model_dir), "--port", str(port)]
-        command += ["--served-model-name", model_name, "--max-batch-size", str(max_batch_size), "--threads", "1"]
-        self._process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self._processes.append(process)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            if self._process.poll() is not None:
-                error = self._process.stderr.read().decode(errors="replace")[-2000:]  # type: ignore[union-attr]
-                raise RuntimeError(f"the inference server exited while starting: {error}")
+            if process.poll() is not None:
+                error = process.stderr.read().decode(errors="replace")[-2000:]  # type: ignore[union-attr]
+                raise RuntimeError(f"{' '.join(command[:4])} exited while starting: {error}")
             try:
                 if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                     return url
             except httpx.HTTPError:
                 time.sleep(0.1)
-        self._process.kill()
-        raise TimeoutError(f"the inference server did not answer on {url} within 120 s")
+        self.close()
+        raise TimeoutError(f"{' '.join(command[:4])} did not answer on {url} within 120 s")
 
     def close(self) -> None:
-        self.proxy.stop()
+        if self.proxy is not None:
+            self.proxy.stop()
         if self._inference is not None:
             self._inference.stop()
-        if self._process is not None:
-            self._process.terminate()
+        for process in reversed(self._processes):
+            process.terminate()
             try:
-                self._process.wait(10)
+                process.wait(10)
             except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait()
+                process.kill()
+                process.wait()
+        self._processes.clear()
 
     def __enter__(self) -> LocalStack:
         return self

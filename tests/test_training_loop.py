@@ -37,7 +37,7 @@ async def test_two_iterations_update_the_policy_log_to_mlflow_and_reload_the_ser
 
     with training.LocalStack(store, model_dir) as stack:
         sampling = {"temperature": 1.0, "max_tokens": 4}
-        llm = stack.proxy.resource().model_copy(update={"sampling_parameters": sampling})
+        llm = stack.resource().model_copy(update={"sampling_parameters": sampling})
         resources = await store.add_resources({"llm": llm})
         for iteration in range(2):
             ids = await training.enqueue_rollouts(
