@@ -215,7 +215,10 @@ async def test_pause_drains_calls_in_flight_and_holds_new_ones_until_resume(stor
             return "".join([chunk.choices[0].delta.content async for chunk in stream])
 
         in_flight = asyncio.create_task(streamed())
-        await asyncio.sleep(0.15)
+        for _ in range(200):  # until the stream is in flight through the proxy (not a fixed sleep: CI is slow)
+            if proxy.status()["in_flight"] == 1:
+                break
+            await asyncio.sleep(0.01)
         drained = await asyncio.to_thread(proxy.pause_sync, 5.0)
         assert in_flight.done() and drained == 1  # pause returned only after the stream ended
         held = asyncio.create_task(client(llm).chat.completions.create(model="policy", messages=MESSAGES))
