@@ -220,7 +220,10 @@ async def test_pause_drains_calls_in_flight_and_holds_new_ones_until_resume(stor
                 break
             await asyncio.sleep(0.01)
         drained = await asyncio.to_thread(proxy.pause_sync, 5.0)
-        assert in_flight.done() and drained == 1  # pause returned only after the stream ended
+        # pause returned only after the proxy sent the stream's last byte: nothing is in flight any more,
+        # and the agent's read ends without the proxy (the client task just needs its turn on this loop).
+        assert drained == 1 and proxy.status()["in_flight"] == 0
+        await asyncio.wait_for(asyncio.shield(in_flight), 2)
         held = asyncio.create_task(client(llm).chat.completions.create(model="policy", messages=MESSAGES))
         await asyncio.sleep(0.3)
         assert not held.done() and len(backend.requests) == 1
