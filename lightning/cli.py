@@ -157,6 +157,17 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _token_or_refuse(args: argparse.Namespace, parser: argparse.ArgumentParser, env: str, exposure: str) -> str | None:
+    """The server's bearer token (--token, else $env); without one, only a loopback address is allowed."""
+    token = args.token or os.environ.get(env) or None
+    if token is None and not is_loopback(args.host):
+        parser.error(
+            f"refusing to serve on {args.host} without a token: anyone who can reach it could {exposure}. "
+            f"Pass --token (or set ${env}), or listen on 127.0.0.1."
+        )
+    return token
+
+
 def _proxy_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import json
 
@@ -165,12 +176,7 @@ def _proxy_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     from lightning.proxy import Backend, ExternalModel, LLMProxy
     from lightning.store import open_store
 
-    token = args.token or os.environ.get(PROXY_TOKEN_ENV) or None
-    if token is None and not is_loopback(args.host):
-        parser.error(
-            f"refusing to serve on {args.host} without a token: anyone who can reach it could use the models and "
-            f"write spans. Pass --token (or set ${PROXY_TOKEN_ENV}), or listen on 127.0.0.1."
-        )
+    token = _token_or_refuse(args, parser, PROXY_TOKEN_ENV, "use the models and write spans")
     external: list[ExternalModel] = []
     if args.external_models:
         try:
@@ -201,12 +207,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from lightning.store.server import create_app
     from lightning.store.sql import SqlLightningStore
 
-    token = args.token or os.environ.get(TOKEN_ENV) or None
-    if token is None and not is_loopback(args.host):
-        parser.error(
-            f"refusing to serve on {args.host} without a token: anyone who can reach it could read and change "
-            f"the store. Pass --token (or set ${TOKEN_ENV}), or listen on 127.0.0.1."
-        )
+    token = _token_or_refuse(args, parser, TOKEN_ENV, "read and change the store")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     store = SqlLightningStore(args.db)
     try:
