@@ -191,14 +191,7 @@ def create_inference_app(
                 chat_stream(engine, body, model_name, request_id, prompt_ids, outputs), media_type="text/event-stream"
             )
         choices = await collect(outputs, params.n)
-        response: dict[str, Any] = {
-            "id": request_id,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": model_name,
-            "choices": [],
-            "usage": usage(len(prompt_ids), sum(len(choice.token_ids) for choice in choices)),
-        }
+        response = whole_response(request_id, "chat.completion", model_name, prompt_ids, choices)
         for index, choice in enumerate(choices):
             item: dict[str, Any] = {
                 "index": index,
@@ -209,7 +202,7 @@ def create_inference_app(
             if body.return_token_ids:
                 item["token_ids"] = choice.token_ids
             response["choices"].append(item)
-        if body.return_token_ids:
+        if body.return_token_ids:  # vLLM: the chat prompt's ids at the top level
             response["prompt_token_ids"] = prompt_ids
         return response
 
@@ -228,14 +221,7 @@ def create_inference_app(
                 media_type="text/event-stream",
             )
         choices = await collect(outputs, params.n)
-        response: dict[str, Any] = {
-            "id": request_id,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": model_name,
-            "choices": [],
-            "usage": usage(len(prompt_ids), sum(len(choice.token_ids) for choice in choices)),
-        }
+        response = whole_response(request_id, "text_completion", model_name, prompt_ids, choices)
         for index, choice in enumerate(choices):
             item: dict[str, Any] = {
                 "index": index,
@@ -243,7 +229,7 @@ def create_inference_app(
                 "logprobs": completion_logprobs(engine, choice.logprobs, 0) if body.logprobs is not None else None,
                 "finish_reason": choice.finish_reason,
             }
-            if body.return_token_ids:
+            if body.return_token_ids:  # vLLM: a completion's prompt ids on each choice
                 item["prompt_token_ids"] = prompt_ids
                 item["token_ids"] = choice.token_ids
             response["choices"].append(item)
@@ -349,6 +335,20 @@ async def collect(outputs: AsyncIterator[Output], n: int) -> list[Choice]:
     except Exception as exc:
         raise OpenAIError(500, f"generation failed: {exc}", None, "InternalServerError") from exc
     return choices
+
+
+def whole_response(
+    request_id: str, kind: str, model_name: str, prompt_ids: list[int], choices: list[Choice]
+) -> dict[str, Any]:
+    """The envelope of a non-streamed response; the caller appends its API's choices."""
+    return {
+        "id": request_id,
+        "object": kind,
+        "created": int(time.time()),
+        "model": model_name,
+        "choices": [],
+        "usage": usage(len(prompt_ids), sum(len(choice.token_ids) for choice in choices)),
+    }
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
