@@ -1,0 +1,254 @@
+"""The torch trainer in a child process of its own: a core and GIL apart from runners and servers, and a hard deadline
+on every call (a blocking step in a thread cannot be stopped; a process can be killed).
+
+Parent and child speak JSON over a pipe. A call that passes its deadline kills the child. A killed or crashed child
+loses the steps since the last checkpoint; the next call starts a fresh one, which resumes from the latest checkpoint
+under `checkpoint_root` bit-exactly (weights, optimizer, scheduler and RNG states).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing
+import os
+import sys
+import time
+import traceback
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lightning.algorithm.trainer import TorchTrainer, TrainerConfig
+
+CLOSE_TIMEOUT = 10.0
+
+
+class TrainerTimeout(TimeoutError):
+    """A trainer call passed its deadline; the child was killed."""
+
+
+class TrainerCrashed(RuntimeError):
+    """The trainer process died; the steps since the latest checkpoint are lost."""
+
+
+class TrainerError(RuntimeError):
+    """The trainer raised inside the child; the child is still running and usable."""
+
+
+class TrainerWorker:
+    """TorchTrainer in a child process, started lazily and restarted from the latest checkpoint after a timeout or
+    crash. Batches travel as files (TrainingBatch.save), so only small JSON messages cross the pipe."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        config: TrainerConfig,
+        checkpoint_root: str | Path,
+        *,
+        threads: int | None = None,
+        start_timeout: float = 300.0,
+    ) -> None:
+        self.model_dir = str(model_dir)
+        self.config = config
+        self.checkpoint_root = str(checkpoint_root)
+        self.threads = threads
+        self.start_timeout = start_timeout
+        self.resumed_from: int | None = None
+        """The checkpoint step the current child resumed from; None when it started from model_dir."""
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._conn: Connection | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self._process is not None and self._process.is_alive()
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    def start(self) -> None:
+        """Start the child unless it is running, and wait until its trainer is loaded."""
+        if self.alive:
+            return
+        self._stop(kill=True)
+        context = multiprocessing.get_context("spawn")
+        parent_conn, child_conn = context.Pipe()
+        args = (child_conn, self.model_dir, self.config.model_dump(mode="json"), self.checkpoint_root, self.threads)
+        self._process = context.Process(target=_serve, args=args, name="trainer-worker", daemon=True)
+        self._process.start()
+        child_conn.close()  # the child holds its own copy; closing ours makes the child's death an EOF here
+        self._conn = parent_conn
+        ready = self._receive("start", self.start_timeout)
+        self.resumed_from = ready["resumed_from"]
+
+    def step(self, batch_path: str | Path, *, timeout: float) -> dict[str, float]:
+        """One PPO/GRPO update on the batch file; its metrics."""
+        return self._call({"op": "step", "batch_path": str(batch_path)}, timeout)
+
+    def sft_step(self, batch_path: str | Path, *, timeout: float) -> dict[str, float]:
+        """One supervised update on the batch file; its metrics."""
+        return self._call({"op": "sft_step", "batch_path": str(batch_path)}, timeout)
+
+    def save_checkpoint(
+        self, step: int, *, meta: dict[str, Any] | None = None, keep_last: int | None = 3, timeout: float = 600
+    ) -> str:
+        """Checkpoint weights and trainer state under checkpoint_root; the step directory."""
+        request = {"op": "save_checkpoint", "step": step, "meta": meta, "keep_last": keep_last}
+        return self._call(request, timeout)
+
+    def close(self) -> None:
+        """Ask the child to exit, kill it if it does not; safe to call twice."""
+        self._stop(kill=False)
+
+    def __enter__(self) -> TrainerWorker:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, request: dict[str, Any], timeout: float) -> Any:
+        if self._process is not None and not self._process.is_alive():
+            # Died between calls: say so once (its unsaved steps are gone); the next call restarts it.
+            raise TrainerCrashed(f"trainer process died before {request['op']} (exit code {self._stop(kill=True)})")
+        self.start()
+        assert self._conn is not None
+        with contextlib.suppress(OSError):  # a broken pipe: the receive below reports the death and exit code
+            _send(self._conn, request)
+        return self._receive(request["op"], timeout)
+
+    def _receive(self, op: str, timeout: float) -> Any:
+        assert self._conn is not None
+        try:
+            answered = self._conn.poll(timeout)
+        except BaseException:
+            # Interrupted (Ctrl-C, cancellation): the reply still in flight would answer the next call instead.
+            self._stop(kill=True)
+            raise
+        if not answered:
+            self._stop(kill=True)
+            raise TrainerTimeout(
+                f"trainer {op} did not answer within {timeout:g}s; killed it, and the next call restarts it from "
+                "the latest checkpoint"
+            )
+        try:
+            reply = json.loads(self._conn.recv_bytes())
+        except (EOFError, OSError):
+            raise TrainerCrashed(f"trainer process died during {op} (exit code {self._stop(kill=True)})") from None
+        if "error" in reply:
+            if op == "start":
+                self._stop(kill=True)
+            raise TrainerError(f"trainer {op} failed: {reply['error']}\n{reply['traceback']}")
+        return reply if op == "start" else reply["result"]
+
+    def _stop(self, *, kill: bool) -> int | None:
+        """End the child (politely unless `kill`) and forget it; its exit code."""
+        process, conn = self._process, self._conn
+        self._process, self._conn = None, None
+        if conn is not None and not kill and process is not None and process.is_alive():
+            with contextlib.suppress(OSError):
+                _send(conn, {"op": "close"})
+        if process is not None:
+            if kill:
+                process.kill()
+            process.join(CLOSE_TIMEOUT)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        if conn is not None:
+            conn.close()
+        return process.exitcode if process is not None else None
+
+
+# --- the child --------------------------------------------------------------------------------
+
+
+def _serve(conn: Connection, model_dir: str, config: dict[str, Any], checkpoint_root: str, threads: int | None) -> None:
+    """The child's loop: load the trainer, say ready, then answer one request at a time until told to close."""
+    try:
+        trainer, resumed_from = _load_trainer(model_dir, config, checkpoint_root, threads)
+    except Exception as exc:
+        _send(conn, _error_reply(exc))
+        return
+    _send(conn, {"ready": True, "resumed_from": resumed_from})
+    while True:
+        try:
+            request = json.loads(conn.recv_bytes())
+        except EOFError:
+            break  # the parent is gone
+        if request["op"] == "close":
+            break
+        try:
+            _send(conn, {"result": _handle(trainer, checkpoint_root, request)})
+        except Exception as exc:
+            _send(conn, _error_reply(exc))
+    # Skip the interpreter's teardown, over a second with torch and transformers loaded: checkpoints are fsynced
+    # when saved, so stdio is all there is to flush.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _load_trainer(
+    model_dir: str, config: dict[str, Any], checkpoint_root: str, threads: int | None
+) -> tuple[TorchTrainer, int | None]:
+    """A trainer from the latest checkpoint if there is one (its KL reference still the original model), else from
+    model_dir; and the step it resumed from."""
+    import torch
+
+    from lightning.algorithm.trainer import TorchTrainer, TrainerConfig
+    from lightning.checkpoint import latest_checkpoint, load_checkpoint, restore_rng_state
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    trainer_config = TrainerConfig.model_validate(config)
+    latest = latest_checkpoint(checkpoint_root)
+    if latest is None:
+        return TorchTrainer(model_dir, trainer_config), None
+    checkpoint = load_checkpoint(latest)
+    if checkpoint.trainer_state is None:
+        raise ValueError(f"checkpoint {latest} has no trainer state: cannot resume the optimizer and scheduler")
+    reference = model_dir if trainer_config.uses_reference else None
+    trainer = TorchTrainer(checkpoint.model_dir, trainer_config, reference=reference)
+    trainer.load_state_dict(checkpoint.trainer_state)
+    if checkpoint.rng_state is not None:
+        # The states load_state_dict just set, captured at the same save; restored last, as building the trainer
+        # draws from the RNGs.
+        restore_rng_state(checkpoint.rng_state)
+    return trainer, checkpoint.step
+
+
+def _handle(trainer: TorchTrainer, checkpoint_root: str, request: dict[str, Any]) -> Any:
+    from lightning.algorithm.batch import TrainingBatch
+    from lightning.checkpoint import save_checkpoint
+
+    op = request["op"]
+    if op == "step":
+        return trainer.step(TrainingBatch.load(request["batch_path"]))
+    if op == "sft_step":
+        return trainer.sft_step(TrainingBatch.load(request["batch_path"]))
+    if op == "save_checkpoint":
+        path = save_checkpoint(
+            checkpoint_root,
+            request["step"],
+            trainer.model,
+            trainer.tokenizer,
+            trainer_state=trainer.state_dict(),
+            meta=request["meta"],
+            keep_last=request["keep_last"],
+        )
+        return str(path)
+    if op == "sleep":  # for tests only: a call guaranteed to pass a short deadline
+        time.sleep(request["seconds"])
+        return None
+    raise ValueError(f"unknown request {op!r}")
+
+
+def _send(conn: Connection, message: dict[str, Any]) -> None:
+    conn.send_bytes(json.dumps(message).encode())
+
+
+def _error_reply(exc: Exception) -> dict[str, str]:
+    return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
