@@ -155,8 +155,10 @@ def main() -> None:
     parser.add_argument("--warm-steps", type=int, default=15, help="supervised warm-start steps (0: none)")
     parser.add_argument("--warm-fraction", type=float, default=0.3, help="share of train prompts demonstrated")
     parser.add_argument("--warm-lr", type=float, default=1e-3)
+    parser.add_argument("--max-tokens", type=int, default=MAX_NEW_TOKENS, help="tokens each answer may have")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    globals()["MAX_NEW_TOKENS"] = args.max_tokens
 
     workdir = Path(tempfile.mkdtemp(prefix="trainer-bench-"))
     model_dir = build_tiny_model(workdir / "tiny", seed=0)

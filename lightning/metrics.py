@@ -174,7 +174,7 @@ class MlflowTracker:
             return experiment.experiment_id
         db_path = _sqlite_path(self.tracking_uri)
         # A local store keeps artifacts beside its database; a server decides for itself.
-        location = (db_path.parent / ARTIFACTS_DIR).as_uri() if db_path is not None else None
+        location = (db_path.parent / ARTIFACTS_DIR).resolve().as_uri() if db_path is not None else None
         try:
             return self.client.create_experiment(self.experiment, artifact_location=location)
         except MlflowException as exc:

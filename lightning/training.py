@@ -67,8 +67,38 @@ async def enqueue_rollouts(
     return [rollout.rollout_id for rollout in await store.enqueue_many_rollouts(requests)]
 
 
+async def take_over_rollouts(store: LightningStore, rollout_ids: Sequence[str], resources_id: str) -> dict[str, int]:
+    """Adopt rollouts an earlier process of this run left unfinished (it was killed mid-iteration): point queued
+    ones at `resources_id` (the old proxy is gone), and requeue ones whose attempt was left running, marking that
+    attempt `unresponsive`. Call it only when no runner of the run is alive. Returns what it changed."""
+    repointed = requeued = 0
+    for rollout_id in rollout_ids:
+        rollout = await store.get_rollout_by_id(rollout_id)
+        if rollout is None or rollout.status in ("succeeded", "failed", "cancelled"):
+            continue
+        if rollout.status in ("preparing", "running"):
+            await store.update_attempt(rollout_id, "latest", status="unresponsive")
+            await store.update_rollout(rollout_id, resources_id=resources_id, status="requeuing")
+            requeued += 1
+        elif rollout.resources_id != resources_id:
+            await store.update_rollout(rollout_id, resources_id=resources_id)
+            repointed += 1
+    if requeued or repointed:
+        logger.warning(
+            "took over %d unfinished rollouts of an earlier process: %d requeued, %d repointed to resources %s",
+            requeued + repointed, requeued, repointed, resources_id,
+        )  # fmt: skip
+    return {"requeued": requeued, "repointed": repointed}
+
+
 async def run_runners(
-    store: LightningStore, agent: LitAgent[Any], rollout_ids: Sequence[str], *, runners: int = 8, timeout: float = 600
+    store: LightningStore,
+    agent: LitAgent[Any],
+    rollout_ids: Sequence[str],
+    *,
+    runners: int = 8,
+    timeout: float = 600,
+    worker_prefix: str = "runner",
 ) -> list[Rollout]:
     """Run `runners` runners in this event loop until every rollout in `rollout_ids` has finished
     (or `timeout` passes); returns the rollouts as the store has them then."""
@@ -76,7 +106,9 @@ async def run_runners(
 
     stop = asyncio.Event()
     tracer = Tracer(store)  # one exporter for the fleet, not a thread per runner
-    fleet = [Runner(agent, store, tracer=tracer, worker_id=f"runner-{i}", idle_wait=0.05) for i in range(runners)]
+    fleet = [
+        Runner(agent, store, tracer=tracer, worker_id=f"{worker_prefix}-{i}", idle_wait=0.05) for i in range(runners)
+    ]
     working = [asyncio.create_task(runner.iter(stop_event=stop)) for runner in fleet]
     try:
         finished = await store.wait_for_rollouts(rollout_ids=list(rollout_ids), timeout=timeout)
@@ -180,7 +212,8 @@ class LocalStack:
     Each runs on a thread of this process (the default: tests reach the engine as
     `inference_app.state.engine` and the proxy as `proxy`), or in a process of its own
     (`server="process"`, `proxy="process"` with the store's `store_url`), which gives it a core of its
-    own instead of sharing this process's interpreter lock with the runners and the trainer.
+    own instead of sharing this process's interpreter lock with the runners and the trainer. `proxy_port`: where
+    the proxy listens (0: any free port).
     """
 
     def __init__(
@@ -193,6 +226,7 @@ class LocalStack:
         server: str = "thread",
         proxy: str = "thread",
         store_url: str | None = None,
+        proxy_port: int = 0,
     ) -> None:
         from lightning.proxy import LLMProxy
         from lightning.serving import free_port
@@ -216,9 +250,9 @@ class LocalStack:
             self.inference_url = self._start_process(command, port)
         if proxy == "thread":
             self.proxy = LLMProxy(store, [f"{self.inference_url}/v1"], model_name=model_name)
-            self.proxy_url = self.proxy.start()
+            self.proxy_url = self.proxy.start(port=proxy_port)
         else:
-            port = free_port()
+            port = proxy_port or free_port()
             command = [sys.executable, "-m", "lightning.cli", "proxy", "serve", "--store", str(store_url)]
             command += ["--backend", f"{self.inference_url}/v1", "--model-name", model_name, "--port", str(port)]
             self.proxy_url = self._start_process(command, port)

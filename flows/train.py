@@ -1,0 +1,139 @@
+"""The training flows: `train` (the main job) runs `training_iteration` subflows, each the seven stages in order.
+
+    python -m flows.train examples/copy_task/demo.yaml [--set iterations=5 --set algorithm.lr=1e-4]
+
+Without PREFECT_API_URL the flow runs on Prefect's temporary local server; with one, the run shows in that
+server's UI (deployments of these flows are in prefect.yaml).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import re
+import time
+from typing import Any
+
+from prefect import flow, get_run_logger, unmapped
+from prefect.artifacts import acreate_markdown_artifact, acreate_table_artifact
+from prefect.runtime import flow_run
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from lightning import pipeline
+from lightning.config import TrainConfig
+from lightning.pipeline import Endpoints
+from tasks import (
+    adapt_spans,
+    checkpoint,
+    enqueue_rollouts,
+    evaluate,
+    ppo_step,
+    run_runner,
+    start_run,
+    update_resources,
+    wait_for_rollouts,
+)
+from tasks.caching import TRAIN_FLOW_RUN_ID
+
+
+@flow(
+    name="training_iteration",
+    flow_run_name="{config.run_name}-iteration-{iteration}",
+    task_runner=ThreadPoolTaskRunner(),
+)
+async def training_iteration(config: TrainConfig, iteration: int, endpoints: Endpoints) -> dict[str, Any]:
+    """update resources -> enqueue rollouts -> runners (fanned out) -> wait -> adapt spans -> PPO step -> checkpoint."""
+    started = time.perf_counter()
+    resources_id = await update_resources(config, iteration, endpoints.proxy_url)
+    rollout_ids = await enqueue_rollouts(config, iteration, resources_id)
+    runners = run_runner.map(unmapped(config), unmapped(iteration), unmapped(rollout_ids), range(config.n_runners))
+    await asyncio.to_thread(runners.result)
+    rollouts = await wait_for_rollouts(config, iteration, rollout_ids)
+    rollout_seconds = time.perf_counter() - started
+    batch = await adapt_spans(config, iteration, rollout_ids)
+    if batch["rows"] == 0:
+        raise RuntimeError(
+            f"iteration {iteration}: no training rows from {rollouts['rollouts']} rollouts "
+            f"({rollouts['failed']} failed); adapter report: {batch['adapter']}, batch report: {batch['batch']}"
+        )
+    metrics = await ppo_step(config, iteration, batch["batch_path"])
+    row = pipeline.iteration_row(iteration, rollouts, batch, metrics, rollout_seconds)
+    saved = await checkpoint(config, iteration, row)
+    return {**row, "checkpoint": saved["checkpoint"], "seconds": time.perf_counter() - started}
+
+
+@flow(name="train", flow_run_name="{config.run_name}")
+async def train(config: TrainConfig = TrainConfig()) -> dict[str, Any]:  # noqa: B008 (the UI's form default)
+    """Train `config.agent` on `config.train_data`; resumes a run whose name has checkpoints."""
+    logger = get_run_logger()
+    TRAIN_FLOW_RUN_ID.set(str(flow_run.get_id()))
+    first = pipeline.completed_iterations(config)
+    if first >= config.iterations:
+        logger.info("run %s already finished its %d iterations", config.run_name, config.iterations)
+    elif first:
+        logger.info("resuming run %s at iteration %d of %d", config.run_name, first + 1, config.iterations)
+    endpoints = start_run(config)
+    status = "FAILED"
+    try:
+        before = await _evaluation(config, 0)
+        history = pipeline.read_state(config).get("history", [])
+        started = time.perf_counter()
+        for iteration in range(first, config.iterations):
+            row = await training_iteration(config, iteration, endpoints)
+            history = [h for h in history if h["iteration"] < iteration] + [row]
+            step = iteration + 1
+            if config.eval_every and step % config.eval_every == 0 and step < config.iterations:
+                row["val_reward"] = (await _evaluation(config, step))["reward_mean"]
+            pipeline.record_iteration(config, history)
+            done = iteration + 1 - first
+            logger.info(pipeline.progress_line(config, row, done, time.perf_counter() - started))
+            await _publish(config, history)
+        after = await _evaluation(config, config.iterations)
+        status = "FINISHED"
+        return pipeline.finish_run(config, before, after)
+    finally:
+        await pipeline.stop_run(config, status)
+
+
+async def _evaluation(config: TrainConfig, step: int) -> dict[str, Any]:
+    """The held-out evaluation at checkpoint `step`, once per run: a resumed run reads it from run.json."""
+    done = pipeline.read_state(config).get("evaluations", {})
+    if str(step) in done:
+        return done[str(step)]
+    result = await evaluate(config, step)
+    pipeline.record_evaluation(config, step, result)
+    get_run_logger().info(
+        "held-out reward at step %d: %.3f (%d tasks)", step, result["reward_mean"], result["rollouts"]
+    )
+    return result
+
+
+async def _publish(config: TrainConfig, history: list[dict[str, Any]]) -> None:
+    """The run's table of iterations as a Prefect artifact (a new version each iteration), linking to MLflow."""
+    key = re.sub(r"[^a-z0-9-]", "-", f"{config.run_name}-training".lower())
+    columns = ["iteration", "reward", "val_reward", "pg_loss", "kl", "rollouts_ok", "rollouts_failed",
+               "rollout_tokens_per_s", "train_tokens_per_s", "seconds"]  # fmt: skip
+    table = [{name: _cell(row.get(name)) for name in columns} for row in history]
+    mlflow = pipeline.mlflow_link(config)
+    await acreate_table_artifact(table, key=key, description=f"Training iterations of {config.run_name}. {mlflow}")
+    if len(history) == 1 or history[-1]["iteration"] + 1 == config.iterations:
+        await acreate_markdown_artifact(
+            f"## {config.run_name}\n\n{mlflow}\n\nCheckpoints: `{pipeline.checkpoints_dir(config)}`\n",
+            key=f"{key}-links",
+        )
+
+
+def _cell(value: Any) -> Any:
+    if isinstance(value, float):
+        return None if math.isnan(value) else round(value, 4)
+    return value
+
+
+def main(argv: list[str] | None = None) -> None:
+    from flows.cli import run_flow_cli
+
+    run_flow_cli(train, argv, description=__doc__)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,287 @@
+"""One training run's configuration: `TrainConfig`, the parameter type of the Prefect flows (the UI renders
+it as a form), loadable from YAML.
+
+Every field has a default that trains on embedded parts on one machine; a run needs only a name, an agent
+and a dataset. Validation errors name the field and say how to fix it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from lightning.algorithm.trainer import TrainerConfig
+from lightning.types import RolloutConfig
+
+ENTRY_POINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the field and the fix."""
+
+
+class InferenceConfig(BaseModel):
+    """Where rollouts get their completions."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    backend: Literal["embedded", "vllm", "external"] = "embedded"
+    """embedded: our CPU/GPU server on the model; vllm: `vllm serve` on the model; external: an OpenAI-compatible
+    endpoint that serves the policy (it cannot load new weights, so training does not change what it answers)."""
+    endpoint: str | None = None
+    """A running server's base URL (".../v1") to use instead of starting one; required for `external`."""
+    api_key_env: str | None = None
+    """Name of the environment variable that holds the endpoint's API key (never the key itself)."""
+    served_model_name: str = "policy"
+    max_batch_size: int = Field(default=64, ge=1)
+    """Embedded server: sequences decoded together."""
+    in_process: bool = False
+    """Embedded server: run it on a thread of the flow's process instead of a process of its own."""
+    vllm: dict[str, Any] = Field(default_factory=dict)
+    """vllm backend: fields of `lightning.inference.vllm.VllmConfig` (gpu_memory_utilization, ...)."""
+
+    @model_validator(mode="after")
+    def _endpoint_for_external(self) -> InferenceConfig:
+        if self.backend == "external" and not self.endpoint:
+            raise ValueError(
+                "backend 'external' needs `endpoint`: the base URL of the server, e.g. http://host:8000/v1"
+            )
+        return self
+
+
+class CheckpointPolicy(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    keep_last: int = Field(default=3, ge=1)
+    """Checkpoints kept on disk (one is saved every iteration: the inference servers load it, and a run resumes
+    from it); older ones are deleted."""
+    log_every: int = Field(default=10, ge=1)
+    """Upload every this many iterations' checkpoint to MLflow as artifacts; the last one always."""
+    log_to_mlflow: bool = True
+    register_model: str | None = None
+    """Register the final checkpoint in MLflow's model registry under this name."""
+
+
+class StageTimeouts(BaseModel):
+    """Seconds each stage may take. Prefect's timeout is the outer bound; the PPO step also has a hard deadline
+    of its own (its process is killed), and rollouts stop waiting at `rollouts`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    startup: float = Field(default=600, gt=0)
+    update_resources: float = Field(default=60, gt=0)
+    enqueue_rollouts: float = Field(default=120, gt=0)
+    rollouts: float = Field(default=1800, gt=0)
+    adapt_spans: float = Field(default=600, gt=0)
+    ppo_step: float = Field(default=1800, gt=0)
+    checkpoint: float = Field(default=600, gt=0)
+    evaluate: float = Field(default=1800, gt=0)
+
+
+def _default_rollout_config() -> RolloutConfig:
+    return RolloutConfig(timeout_seconds=300, max_attempts=2, retry_condition=["failed", "timeout", "unresponsive"])
+
+
+class TrainConfig(BaseModel):
+    """A training run: what to train, on what, with which algorithm, for how long, and where results go."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    run_name: str = "demo"
+    """Names the run everywhere (store metadata, checkpoints, MLflow run). A run whose name exists resumes."""
+    agent: str = "examples.copy_task.agent:copy_agent"
+    """The agent, as `module:function` (a @rollout function) or `module:Class` (a LitAgent subclass)."""
+    train_data: str = "examples.copy_task.data:train_tasks"
+    """Training tasks: a .jsonl or .parquet file (one task per row), or `module:function` returning a list."""
+    val_data: str | None = "examples.copy_task.data:val_tasks"
+    """Held-out tasks, same forms; evaluated before training, every `eval_every` iterations and at the end."""
+    model: str = "tiny"
+    """A Hugging Face model directory, or `tiny` (a tiny random-init model built locally, seeded by `seed`)."""
+    inference: InferenceConfig = Field(default_factory=InferenceConfig)
+    proxy_endpoint: str | None = None
+    """A running LLM proxy to use instead of starting one (its URL, without /v1)."""
+    store_url: str = "sqlite:///.lightning/store.db"
+    """The store: sqlite:///path, postgresql://user@host/db, or http://host:port of a running store server."""
+    tracking_uri: str = "sqlite:///.lightning/mlflow.db"
+    """MLflow: a database URI, a directory, or a tracking server's http URL."""
+    experiment: str = "lightning"
+    output_dir: str = ".lightning/runs"
+    """The run's files (checkpoints, batches, state) go to output_dir/run_name."""
+
+    algorithm: TrainerConfig = Field(default_factory=lambda: TrainerConfig(lr=1e-5))
+    iterations: int = Field(default=10, ge=1)
+    batch_size: int = Field(default=32, ge=1)
+    """Tasks per iteration (each sampled `samples_per_task` times)."""
+    samples_per_task: int = Field(default=4, ge=1)
+    """Rollouts per task: the group of GRPO/RLOO advantages."""
+    n_runners: int = Field(default=2, ge=1)
+    """Runner tasks fanned out per iteration."""
+    runner_concurrency: int = Field(default=32, ge=1)
+    """Rollouts each runner task runs at once (async)."""
+    rollout: RolloutConfig = Field(default_factory=_default_rollout_config)
+    sampling: dict[str, Any] = Field(default_factory=lambda: {"temperature": 1.0, "max_tokens": 64})
+    """Sampling parameters of training rollouts, passed to the agent with the LLM resource."""
+    eval_sampling: dict[str, Any] = Field(default_factory=lambda: {"temperature": 0.0, "max_tokens": 64})
+    max_prompt_length: int = Field(default=1024, ge=1)
+    max_response_length: int = Field(default=512, ge=1)
+    adapter_shape: Literal["transition", "trajectory"] = "transition"
+    eval_every: int = Field(default=0, ge=0)
+    """Evaluate on val_data every this many iterations (0: only before training and at the end)."""
+    checkpoint: CheckpointPolicy = Field(default_factory=CheckpointPolicy)
+    timeouts: StageTimeouts = Field(default_factory=StageTimeouts)
+    trainer_threads: int | None = Field(default=None, ge=1)
+    """torch threads of the trainer process (None: torch's default)."""
+    task_runner: Literal["default", "ray"] = "default"
+    """default: runner tasks on threads of the flow's process; ray: prefect-ray's RayTaskRunner."""
+    ray_address: str | None = None
+    seed: int = 0
+
+    @field_validator("run_name")
+    @classmethod
+    def _run_name(cls, value: str) -> str:
+        if not RUN_NAME.match(value):
+            raise ValueError("use letters, digits, '.', '_' and '-' (at most 100, starting with a letter or digit)")
+        return value
+
+    @field_validator("agent")
+    @classmethod
+    def _agent(cls, value: str) -> str:
+        if not ENTRY_POINT.match(value):
+            raise ValueError(
+                "give the agent as module:function or module:Class, e.g. examples.copy_task.agent:copy_agent"
+            )
+        return value
+
+    @field_validator("train_data", "val_data")
+    @classmethod
+    def _data(cls, value: str | None) -> str | None:
+        if value is None or ENTRY_POINT.match(value) or Path(value).suffix in (".jsonl", ".parquet"):
+            return value
+        raise ValueError("give a .jsonl or .parquet file, or module:function returning a list of tasks")
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.run_name
+
+
+def load_config(source: str | Path | dict[str, Any], **overrides: Any) -> TrainConfig:
+    """A TrainConfig from a YAML file or a dict, with dotted overrides (`{"algorithm.lr": 1e-4}`)."""
+    if isinstance(source, dict):
+        data, where = dict(source), "the configuration"
+    else:
+        import yaml
+
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path} must hold a mapping of TrainConfig fields, not a {type(data).__name__}")
+        where = str(path)
+    for dotted, value in overrides.items():
+        _set_dotted(data, dotted, value)
+    return validate_config(data, where)
+
+
+def validate_config(data: dict[str, Any] | TrainConfig, where: str = "the configuration") -> TrainConfig:
+    if isinstance(data, TrainConfig):
+        return data
+    try:
+        return TrainConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"{where} is not a valid TrainConfig:\n{describe_errors(exc)}") from None
+
+
+def describe_errors(exc: ValidationError) -> str:
+    """One line per problem: the dotted field, what is wrong, what was given."""
+    lines = []
+    for error in exc.errors():
+        field = ".".join(str(part) for part in error["loc"]) or "(top level)"
+        message = error["msg"].removeprefix("Value error, ")
+        if error["type"] == "extra_forbidden":
+            message = (
+                "unknown field; check its spelling against TrainConfig (`lightning config defaults` prints every field)"
+            )
+        given = "" if error["type"] in ("missing", "extra_forbidden") else f" (got {error.get('input')!r})"
+        lines.append(f"  {field}: {message}{given}")
+    return "\n".join(lines)
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, last = dotted.split(".")
+    node = data
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {dotted}: {part} is not a mapping")
+    node[last] = value
+
+
+def load_entry_point(spec: str, field: str) -> Any:
+    """The object named by `module:attr`; the error names the config field it came from."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"{field}: cannot import module {module_name!r} ({exc}); is it on PYTHONPATH?") from exc
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            raise ConfigError(f"{field}: module {module_name!r} has no attribute {attr!r}")
+        target = getattr(target, part)
+    return target
+
+
+def load_tasks(spec: str, field: str = "train_data") -> list[Any]:
+    """The tasks of a dataset field: JSONL and Parquet rows, or what an entry point returns."""
+    path = Path(spec)
+    if path.suffix == ".jsonl":
+        if not path.is_file():
+            raise ConfigError(f"{field}: no file {path}")
+        tasks = []
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if line.strip():
+                try:
+                    tasks.append(json.loads(line))
+                except ValueError as exc:
+                    raise ConfigError(f"{field}: {path} line {number} is not JSON: {exc}") from exc
+    elif path.suffix == ".parquet":
+        if not path.is_file():
+            raise ConfigError(f"{field}: no file {path}")
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as exc:
+            raise ConfigError(f"{field}: reading Parquet needs pyarrow (pip install pyarrow)") from exc
+        tasks = pq.read_table(path).to_pylist()
+    else:
+        function: Callable[[], Any] = load_entry_point(spec, field)
+        if not callable(function):
+            raise ConfigError(f"{field}: {spec} is not a function")
+        tasks = list(function())
+    if not tasks:
+        raise ConfigError(f"{field}: {spec} holds no tasks")
+    return tasks
+
+
+def load_agent(spec: str) -> Any:
+    """The agent of the `agent` field as a LitAgent (a @rollout function is one already; a class is instantiated)."""
+    from lightning.agent import LitAgent
+
+    target = load_entry_point(spec, "agent")
+    if isinstance(target, type) and issubclass(target, LitAgent):
+        target = target()
+    if not isinstance(target, LitAgent):
+        raise ConfigError(
+            f"agent: {spec} is a {type(target).__name__}, not an agent; decorate the function with "
+            "@lightning.agent.rollout or subclass lightning.agent.LitAgent"
+        )
+    return target

@@ -1,0 +1,30 @@
+"""Cache keys of the stages: (train flow run, run name, iteration, stage, other inputs).
+
+The key holds the id of the *train* flow run, not of the iteration subflow: when a failed train run is retried
+(from the UI or `prefect flow-run retry`), Prefect starts a fresh subflow run for the iteration that failed, and
+its finished stages must still come back Cached. A new train run (a resumed run name) gets new keys; there the
+store's idempotency keys and the checkpoints on disk make the stages skip finished work.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from contextvars import ContextVar
+from typing import Any
+
+TRAIN_FLOW_RUN_ID: ContextVar[str | None] = ContextVar("train_flow_run_id", default=None)
+"""Set by the top-level flow; Prefect copies context variables into the threads that run tasks."""
+
+
+def stage_cache_key(context: Any, parameters: dict[str, Any]) -> str:
+    config = parameters["config"]
+    root = TRAIN_FLOW_RUN_ID.get() or str(context.task_run.flow_run_id)
+    rest = {name: value for name, value in parameters.items() if name != "config"}
+    digest = hashlib.sha256(json.dumps(rest, sort_keys=True, default=_plain).encode()).hexdigest()[:16]
+    iteration = parameters.get("iteration", parameters.get("step", "-"))
+    return f"{root}-{config.run_name}-{iteration}-{context.task.name}-{digest}"
+
+
+def _plain(value: Any) -> Any:
+    return value.model_dump(mode="json") if hasattr(value, "model_dump") else str(value)
