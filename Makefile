@@ -6,8 +6,10 @@ STAMP := $(VENV)/.installed
 TORCH ?= torch==2.13.0
 # LiteLLM would fetch its model price list from the internet at import.
 export LITELLM_LOCAL_MODEL_COST_MAP := True
+# Prefect's temporary server takes 15-20 s to start on 2 cores; its default patience is shorter.
+export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
 
-.PHONY: venv test test-fast lint format bench clean
+.PHONY: venv demo test test-fast lint format bench clean
 
 venv: $(STAMP)
 
@@ -18,6 +20,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --disable-pip-version-check $(TORCH)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
 	touch $(STAMP)
+
+# The main job: train the demo agent (examples/copy_task) on embedded defaults, a new run each time.
+demo: venv
+	$(PY) -m flows.train examples/copy_task/demo.yaml --set run_name=demo-$$(date +%Y%m%d-%H%M%S)
 
 # The full suite: SQLite and PostgreSQL (LIGHTNING_TEST_PG_URL, default the local server).
 test: venv

@@ -155,6 +155,7 @@ def main() -> None:
     parser.add_argument("--warm-steps", type=int, default=15, help="supervised warm-start steps (0: none)")
     parser.add_argument("--warm-fraction", type=float, default=0.3, help="share of train prompts demonstrated")
     parser.add_argument("--warm-lr", type=float, default=1e-3)
+    parser.add_argument("--entropy", type=float, default=0.0, help="our trainer: entropy bonus coefficient")
     parser.add_argument("--max-tokens", type=int, default=MAX_NEW_TOKENS, help="tokens each answer may have")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
@@ -176,7 +177,7 @@ def main() -> None:
                 config=TrainerConfig(
                     lr=args.lr, advantage="grpo", ppo_epochs=args.epochs, mini_batch_size=args.mini_batch,
                     micro_batch_size=256,
-                    kl_coef=args.kl, use_kl_loss=args.kl > 0, kl_kind="low_var_kl", seed=0,
+                    kl_coef=args.kl, use_kl_loss=args.kl > 0, kl_kind="low_var_kl", seed=0, entropy_coef=args.entropy,
                 ),
                 server=args.server,
             )

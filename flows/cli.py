@@ -40,4 +40,17 @@ def run_flow_cli(flow: Any, argv: list[str] | None, description: str | None) -> 
         raise SystemExit(2) from None
     result = asyncio.run(flow(config))
     print(json.dumps(result, indent=2, default=str))
+    if isinstance(result, dict) and "reward_after" in result:
+        print(where_to_look(config, result))
     return result
+
+
+def where_to_look(config: Any, summary: dict[str, Any]) -> str:
+    """The end of a training run on the command line: the reward before and after, and where the details are."""
+    return f"""
+Held-out reward of {summary["run_name"]}: {summary["reward_before"]:.3f} before training, {summary["reward_after"]:.3f} after \
+{summary["iterations"]} iterations.
+  checkpoint:  {summary["checkpoint"]}
+  Prefect UI:  .venv/bin/prefect server start   then open http://127.0.0.1:4200/runs (flow run "{config.run_name}")
+  MLflow UI:   .venv/bin/mlflow ui --backend-store-uri {config.tracking_uri}   then open http://127.0.0.1:5000
+"""

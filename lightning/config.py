@@ -107,6 +107,9 @@ class TrainConfig(BaseModel):
     inference: InferenceConfig = Field(default_factory=InferenceConfig)
     proxy_endpoint: str | None = None
     """A running LLM proxy to use instead of starting one (its URL, without /v1)."""
+    proxy_in_process: bool = False
+    """Run the LLM proxy on a thread of the flow's process instead of a process of its own (which spares the
+    runners its share of the interpreter lock)."""
     store_url: str = "sqlite:///.lightning/store.db"
     """The store: sqlite:///path, postgresql://user@host/db, or http://host:port of a running store server."""
     tracking_uri: str = "sqlite:///.lightning/mlflow.db"

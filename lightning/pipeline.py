@@ -179,10 +179,11 @@ def _start_serving(run: RunServices, serving_dir: Path) -> None:
     port = read_state(config).get("proxy_port", 0)
     port = port if port and _port_free(port) else 0
     if inference.backend == "embedded" and inference.endpoint is None:
-        mode = "thread" if inference.in_process else "process"
         run.stack = training.LocalStack(
-            run.store, serving_dir, model_name=name, max_batch_size=inference.max_batch_size, server=mode,
-            proxy="thread", proxy_port=port,
+            run.store, serving_dir, model_name=name, max_batch_size=inference.max_batch_size,
+            server="thread" if inference.in_process else "process",
+            proxy="thread" if config.proxy_in_process or _in_memory(config.store_url) else "process",
+            store_url=config.store_url, proxy_port=port,
         )  # fmt: skip
         run.closers.append(run.stack.close)
         inference_urls = [run.stack.inference_url]
@@ -203,6 +204,11 @@ def _start_serving(run: RunServices, serving_dir: Path) -> None:
     proxy = LLMProxy(run.store, [str(backend)], model_name=name)
     run.endpoints = Endpoints(proxy_url=proxy.start(port=port), model_name=name)
     run.closers.append(proxy.stop)
+
+
+def _in_memory(store_url: str) -> bool:
+    """An in-memory SQLite store exists only in this process: a proxy process could not reach it."""
+    return store_url in ("sqlite://", "sqlite:///:memory:")
 
 
 def _port_free(port: int) -> bool:

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -273,12 +274,15 @@ class LocalStack:
 
     def _start_process(self, command: list[str], port: int) -> str:
         url = f"http://127.0.0.1:{port}"
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # stderr goes to a file, not a pipe: nobody drains a pipe after start-up, and a full one blocks the server.
+        log = tempfile.TemporaryFile()
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log)
         self._processes.append(process)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if process.poll() is not None:
-                error = process.stderr.read().decode(errors="replace")[-2000:]  # type: ignore[union-attr]
+                log.seek(0)
+                error = log.read().decode(errors="replace")[-2000:]
                 raise RuntimeError(f"{' '.join(command[:4])} exited while starting: {error}")
             try:
                 if httpx.get(f"{url}/health", timeout=1).status_code == 200:

@@ -1,0 +1,108 @@
+"""What Prefect costs: demo iterations run as the `training_iteration` flow (seven Prefect tasks, results
+persisted, runner tasks fanned out on Prefect's thread pool) against the same stages called directly
+(`lightning.pipeline`, runners on threads likewise), same config and seed. The two runs are interleaved,
+iteration by iteration, so machine noise hits both alike; the first iteration of each is a warm-up and is
+not counted. Prefect's temporary server starts first (not timed) unless PREFECT_API_URL names one.
+
+    .venv/bin/python benchmarks/flow_overhead.py [--iterations 8] [--config examples/copy_task/demo.yaml]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from lightning import pipeline  # noqa: E402
+from lightning.config import TrainConfig, load_config  # noqa: E402
+
+
+async def direct_iteration(config: TrainConfig, iteration: int, endpoints: pipeline.Endpoints) -> None:
+    """The body of flows.train.training_iteration, without Prefect."""
+    resources_id = await pipeline.update_resources(config, iteration, endpoints.proxy_url)
+    rollout_ids = await pipeline.enqueue_rollouts(config, iteration, resources_id)
+    await asyncio.gather(
+        *(
+            asyncio.to_thread(asyncio.run, pipeline.run_runner(config, rollout_ids, index))
+            for index in range(config.n_runners)
+        )
+    )
+    rollouts = await pipeline.wait_for_rollouts(config, rollout_ids)
+    batch = await pipeline.adapt_spans(config, iteration, rollout_ids)
+    metrics = await pipeline.ppo_step(config, iteration, batch["batch_path"])
+    await pipeline.checkpoint(config, iteration, pipeline.iteration_row(iteration, rollouts, batch, metrics, 1.0))
+
+
+async def measure(base: TrainConfig, iterations: int) -> dict[str, list[float]]:
+    from flows.train import training_iteration
+
+    configs = {mode: base.model_copy(update={"run_name": f"overhead-{mode}"}) for mode in ("direct", "prefect")}
+    endpoints = {mode: pipeline.start_run(config) for mode, config in configs.items()}
+    times: dict[str, list[float]] = {"direct": [], "prefect": []}
+    try:
+        for iteration in range(iterations + 1):
+            for mode in ("direct", "prefect") if iteration % 2 == 0 else ("prefect", "direct"):
+                started = time.perf_counter()
+                if mode == "direct":
+                    await direct_iteration(configs[mode], iteration, endpoints[mode])
+                else:
+                    await training_iteration(configs[mode], iteration, endpoints[mode])
+                elapsed = time.perf_counter() - started
+                if iteration > 0:
+                    times[mode].append(elapsed)
+                print(
+                    f"  iteration {iteration} {mode:8s} {elapsed:6.2f} s{'' if iteration else ' (warm-up)'}", flush=True
+                )
+    finally:
+        for config in configs.values():
+            await pipeline.stop_run(config)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=str(REPO / "examples/copy_task/demo.yaml"))
+    parser.add_argument("--iterations", type=int, default=8, help="timed iterations of each (after one warm-up)")
+    args = parser.parse_args()
+
+    workdir = Path(tempfile.mkdtemp(prefix="flow-overhead-"))
+    base = load_config(
+        args.config,
+        store_url=f"sqlite:///{workdir}/store.db",
+        tracking_uri=f"sqlite:///{workdir}/mlflow.db",
+        output_dir=str(workdir / "runs"),
+    )
+    times = asyncio.run(_with_prefect(base, args.iterations))
+    direct, prefect = statistics.mean(times["direct"]), statistics.mean(times["prefect"])
+    print(
+        f"\nOne demo iteration ({base.batch_size} tasks x {base.samples_per_task} samples, {base.n_runners} runner "
+        f"tasks), {args.iterations} timed iterations each, interleaved"
+    )
+    print("| stages run | mean s/iteration | median s/iteration |")
+    print("|---|---|---|")
+    for mode, label in (("direct", "called directly"), ("prefect", "as the Prefect flow")):
+        print(f"| {label} | {statistics.mean(times[mode]):.3f} | {statistics.median(times[mode]):.3f} |")
+    print(f"\nPrefect / direct: {prefect / direct:.3f} (Prefect adds {100 * (prefect / direct - 1):+.1f}%)")
+
+
+async def _with_prefect(base: TrainConfig, iterations: int) -> dict[str, Any]:
+    """Run inside a flow so the subflow and its tasks report to one parent, as under `train`."""
+    from prefect import flow
+
+    @flow(name="flow-overhead")
+    async def overhead() -> dict[str, list[float]]:
+        return await measure(base, iterations)
+
+    return await overhead()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""TrainConfig: YAML loading, dotted overrides, errors that name the field and the fix, datasets, agents."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lightning.config import ConfigError, load_agent, load_config, load_tasks
+
+
+def test_the_demo_config_loads_and_overrides_apply() -> None:
+    config = load_config("examples/copy_task/demo.yaml", **{"algorithm.lr": 5e-4, "iterations": 3})
+    assert config.run_name == "demo" and config.iterations == 3 and config.algorithm.lr == 5e-4
+    assert config.run_dir == Path(".lightning/runs/demo")
+
+
+def test_errors_name_every_bad_field_and_the_fix(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("run_name: 'has space'\nbatch_size: 0\nalgorithm: {lrr: 1}\nagent: not-an-entry-point\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(path)
+    message = str(error.value)
+    assert str(path) in message
+    assert "run_name: use letters, digits" in message
+    assert "batch_size: Input should be greater than or equal to 1 (got 0)" in message
+    assert "algorithm.lrr: unknown field" in message
+    assert "agent: give the agent as module:function" in message
+
+
+def test_file_problems_are_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(tmp_path / "list.yaml")
+    (tmp_path / "broken.yaml").write_text("run_name: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(tmp_path / "broken.yaml")
+
+
+def test_external_inference_needs_an_endpoint() -> None:
+    with pytest.raises(ConfigError, match="backend 'external' needs `endpoint`"):
+        load_config({"inference": {"backend": "external"}})
+
+
+def test_datasets_from_jsonl_parquet_and_entry_points(tmp_path: Path) -> None:
+    rows = [{"letters": "bdfg", "target": "g"}, {"letters": "kmpb", "target": "b"}]
+    jsonl = tmp_path / "tasks.jsonl"
+    jsonl.write_text("\n".join(json.dumps(row) for row in rows) + "\n\n")
+    assert load_tasks(str(jsonl)) == rows
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    parquet = tmp_path / "tasks.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), parquet)
+    assert load_tasks(str(parquet)) == rows
+    assert len(load_tasks("examples.copy_task.data:train_tasks")) == 192
+    assert not {t["letters"] for t in load_tasks("examples.copy_task.data:train_tasks")} & {
+        t["letters"] for t in load_tasks("examples.copy_task.data:val_tasks")
+    }
+
+
+def test_dataset_errors_name_the_field(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="val_data: no file"):
+        load_tasks(str(tmp_path / "none.jsonl"), "val_data")
+    (tmp_path / "bad.jsonl").write_text('{"ok": 1}\nnot json\n')
+    with pytest.raises(ConfigError, match="train_data: .*line 2 is not JSON"):
+        load_tasks(str(tmp_path / "bad.jsonl"))
+    with pytest.raises(ConfigError, match="train_data: cannot import module 'no_such_module'"):
+        load_tasks("no_such_module:tasks")
+    with pytest.raises(ConfigError, match="has no attribute 'nope'"):
+        load_tasks("examples.copy_task.data:nope")
+    with pytest.raises(ConfigError, match="train_data: give a .jsonl or .parquet file"):
+        load_config({"train_data": "tasks.csv"})
+
+
+def test_agents_load_from_functions_and_classes() -> None:
+    from lightning.agent import LitAgent
+
+    assert isinstance(load_agent("examples.copy_task.agent:copy_agent"), LitAgent)
+    with pytest.raises(ConfigError, match="agent: examples.copy_task.agent:reward is a function, not an agent"):
+        load_agent("examples.copy_task.agent:reward")
