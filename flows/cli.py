@@ -47,10 +47,13 @@ def run_flow_cli(flow: Any, argv: list[str] | None, description: str | None) -> 
 
 def where_to_look(config: Any, summary: dict[str, Any]) -> str:
     """The end of a training run on the command line: the reward before and after, and where the details are."""
-    return f"""
-Held-out reward of {summary["run_name"]}: {summary["reward_before"]:.3f} before training, {summary["reward_after"]:.3f} after \
-{summary["iterations"]} iterations.
-  checkpoint:  {summary["checkpoint"]}
-  Prefect UI:  .venv/bin/prefect server start   then open http://127.0.0.1:4200/runs (flow run "{config.run_name}")
-  MLflow UI:   .venv/bin/mlflow ui --backend-store-uri {config.tracking_uri}   then open http://127.0.0.1:5000
-"""
+    before, after = summary["reward_before"], summary["reward_after"]
+    return (
+        f"\nHeld-out reward of {summary['run_name']}: {before:.3f} before training, {after:.3f} after "
+        f"{summary['iterations']} iterations.\n"
+        f"  checkpoint:  {summary['checkpoint']}\n"
+        f"  Prefect UI:  .venv/bin/prefect server start   then open http://127.0.0.1:4200/runs "
+        f"(flow run {config.run_name!r})\n"
+        f"  MLflow UI:   .venv/bin/mlflow ui --backend-store-uri {config.tracking_uri}   then open "
+        "http://127.0.0.1:5000\n"
+    )

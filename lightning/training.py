@@ -275,7 +275,7 @@ class LocalStack:
     def _start_process(self, command: list[str], port: int) -> str:
         url = f"http://127.0.0.1:{port}"
         # stderr goes to a file, not a pipe: nobody drains a pipe after start-up, and a full one blocks the server.
-        log = tempfile.TemporaryFile()
+        log = tempfile.TemporaryFile()  # noqa: SIM115 (lives as long as the server; closed with it)
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log)
         self._processes.append(process)
         deadline = time.monotonic() + 120
