@@ -1,1 +1,2 @@
-"""How flows are served and deployed: work pools, entry points, schedules (arrives with the pipeline issue)."""
+"""How the flows run outside a terminal: `setup` (the work pool and the `gpu` limit), `deploy` (prefect.yaml's
+deployments, for a process worker) and `serve` (deployments served from one process, no worker needed)."""

@@ -48,9 +48,11 @@ def run_flow_cli(flow: Any, argv: list[str] | None, description: str | None) -> 
 def where_to_look(config: Any, summary: dict[str, Any]) -> str:
     """The end of a training run on the command line: the reward before and after, and where the details are."""
     before, after = summary["reward_before"], summary["reward_after"]
+    warm = f"{summary['reward_initial']:.3f} initially, " if config.warm_start is not None else ""
+    start = "after the warm start" if config.warm_start is not None else "before training"
     return (
-        f"\nHeld-out reward of {summary['run_name']}: {before:.3f} before training, {after:.3f} after "
-        f"{summary['iterations']} iterations.\n"
+        f"\nHeld-out reward of {summary['run_name']}: {warm}{before:.3f} {start}, {after:.3f} after "
+        f"{summary['iterations']} iterations of RL.\n"
         f"  checkpoint:  {summary['checkpoint']}\n"
         f"  Prefect UI:  .venv/bin/prefect server start   then open http://127.0.0.1:4200/runs "
         f"(flow run {config.run_name!r})\n"

@@ -32,6 +32,7 @@ from tasks import (
     start_run,
     update_resources,
     wait_for_rollouts,
+    warm_start,
 )
 from tasks.caching import TRAIN_FLOW_RUN_ID
 
@@ -75,11 +76,21 @@ async def train(config: TrainConfig = TrainConfig()) -> dict[str, Any]:  # noqa:
     endpoints = start_run(config)
     status = "FAILED"
     try:
+        initial = None
+        if config.warm_start is not None:
+            initial = await _evaluation(config, -1)
+            if pipeline.completed_iterations(config) == 0 and not pipeline.read_state(config).get("warm_start"):
+                done = await warm_start(config)
+                pipeline.record_state(config, warm_start=done)
+                logger.info(
+                    "warm start: %d supervised steps on %d demonstrations", done["steps"], done["demonstrations"]
+                )
         before = await _evaluation(config, 0)
         history = pipeline.read_state(config).get("history", [])
         started = time.perf_counter()
+        iteration_flow = training_iteration.with_options(task_runner=task_runner(config))
         for iteration in range(first, config.iterations):
-            row = await training_iteration(config, iteration, endpoints)
+            row = await iteration_flow(config, iteration, endpoints)
             history = [h for h in history if h["iteration"] < iteration] + [row]
             step = iteration + 1
             if config.eval_every and step % config.eval_every == 0 and step < config.iterations:
@@ -90,21 +101,33 @@ async def train(config: TrainConfig = TrainConfig()) -> dict[str, Any]:  # noqa:
             await _publish(config, history)
         after = await _evaluation(config, config.iterations)
         status = "FINISHED"
-        return pipeline.finish_run(config, before, after)
+        return pipeline.finish_run(config, before, after, initial)
     finally:
         await pipeline.stop_run(config, status)
 
 
+def task_runner(config: TrainConfig) -> Any:
+    """Where the runner tasks run: threads of this process, or Ray workers (prefect-ray) at `ray_address`; those
+    need a store and a proxy they can reach (a PostgreSQL or HTTP store_url, an exposed proxy)."""
+    if config.task_runner == "default":
+        return ThreadPoolTaskRunner(max_workers=max(config.n_runners, 4))
+    try:
+        from prefect_ray import RayTaskRunner
+    except ImportError as exc:
+        raise RuntimeError("task_runner: 'ray' needs prefect-ray (pip install -e '.[ray]')") from exc
+    return RayTaskRunner(address=config.ray_address) if config.ray_address else RayTaskRunner()
+
+
 async def _evaluation(config: TrainConfig, step: int) -> dict[str, Any]:
-    """The held-out evaluation at checkpoint `step`, once per run: a resumed run reads it from run.json."""
+    """The held-out evaluation at checkpoint `step` (-1: the model before the warm start), once per run: a resumed
+    run reads it from run.json."""
     done = pipeline.read_state(config).get("evaluations", {})
     if str(step) in done:
         return done[str(step)]
     result = await evaluate(config, step)
     pipeline.record_evaluation(config, step, result)
-    get_run_logger().info(
-        "held-out reward at step %d: %.3f (%d tasks)", step, result["reward_mean"], result["rollouts"]
-    )
+    label = "of the initial model (before the warm start)" if step < 0 else f"at step {step}"
+    get_run_logger().info("held-out reward %s: %.3f (%d tasks)", label, result["reward_mean"], result["rollouts"])
     return result
 
 

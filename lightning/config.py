@@ -85,6 +85,27 @@ class StageTimeouts(BaseModel):
     evaluate: float = Field(default=1800, gt=0)
 
 
+class WarmStart(BaseModel):
+    """A supervised warm start before the first iteration: a few SFT steps on demonstrations of some training tasks
+    (the usual SFT-then-RL recipe). A policy that never produces a rewarded answer gives RL nothing to learn from."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    demonstrations: str
+    """`module:function` called as function(tokenizer, tasks) -> list of Triplet (prompt ids, response ids)."""
+    fraction: float = Field(default=0.3, gt=0, le=1)
+    """Share of the training tasks demonstrated (the first ones of the dataset)."""
+    steps: int = Field(default=15, ge=1)
+    """Supervised steps, each over all the demonstrations, at `algorithm.lr`."""
+
+    @field_validator("demonstrations")
+    @classmethod
+    def _entry_point(cls, value: str) -> str:
+        if not ENTRY_POINT.match(value):
+            raise ValueError("give module:function, e.g. examples.copy_task.agent:demonstrations")
+        return value
+
+
 def _default_rollout_config() -> RolloutConfig:
     return RolloutConfig(timeout_seconds=300, max_attempts=2, retry_condition=["failed", "timeout", "unresponsive"])
 
@@ -119,6 +140,8 @@ class TrainConfig(BaseModel):
     """The run's files (checkpoints, batches, state) go to output_dir/run_name."""
 
     algorithm: TrainerConfig = Field(default_factory=lambda: TrainerConfig(lr=1e-5))
+    warm_start: WarmStart | None = None
+    """Supervised steps on demonstrations before iteration 0; None: start RL from the model as it is."""
     iterations: int = Field(default=10, ge=1)
     batch_size: int = Field(default=32, ge=1)
     """Tasks per iteration (each sampled `samples_per_task` times)."""

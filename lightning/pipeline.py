@@ -215,6 +215,8 @@ def _port_free(port: int) -> bool:
     import socket
 
     with socket.socket() as probe:
+        # As uvicorn binds: the old proxy's closed connections linger in TIME_WAIT for a minute after a restart.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(("127.0.0.1", port))
         except OSError:
@@ -394,16 +396,7 @@ async def checkpoint(config: TrainConfig, iteration: int, metrics: dict[str, Any
     """Save checkpoint `iteration + 1`, have the inference servers load it, log the iteration to MLflow."""
     run = services(config)
     step = iteration + 1
-    path = await asyncio.to_thread(
-        run.trainer.save_checkpoint, step, meta={"run_name": config.run_name, "iteration": iteration},
-        keep_last=config.checkpoint.keep_last, timeout=config.timeouts.checkpoint,
-    )  # fmt: skip
-    async with httpx.AsyncClient(timeout=config.timeouts.checkpoint) as client:
-        for server in run.endpoints.inference_urls:
-            response = await client.post(f"{server}/admin/reload", json={"path": str(path), "version": step})
-            response.raise_for_status()
-    if run.vllm is not None:
-        await asyncio.to_thread(run.vllm.reload_weights, path, str(step))
+    path = await _publish(config, run, step, {"run_name": config.run_name, "iteration": iteration})
     last = step == config.iterations
     if config.checkpoint.log_to_mlflow and (step % config.checkpoint.log_every == 0 or last):
         await asyncio.to_thread(run.tracker.log_checkpoint, path, step)
@@ -411,9 +404,54 @@ async def checkpoint(config: TrainConfig, iteration: int, metrics: dict[str, Any
     return {"checkpoint": str(path), "step": step}
 
 
+async def warm_start(config: TrainConfig) -> dict[str, Any]:
+    """SFT on demonstrations of the first `warm_start.fraction` of the training tasks, then checkpoint step 0 (what
+    iteration 0 samples from) and have the inference servers load it."""
+    assert config.warm_start is not None
+    from lightning.algorithm.batch import TrainingBatch
+    from lightning.config import load_entry_point
+
+    run = services(config)
+    if run.tokenizer is None:
+        from transformers import AutoTokenizer
+
+        run.tokenizer = AutoTokenizer.from_pretrained(run.model_dir)
+    tasks = _dataset(config.train_data, "train_data")
+    shown = tasks[: max(1, int(len(tasks) * config.warm_start.fraction))]
+    demonstrate = load_entry_point(config.warm_start.demonstrations, "warm_start.demonstrations")
+    batch = TrainingBatch.from_triplets(
+        demonstrate(run.tokenizer, shown), pad_token_id=run.tokenizer.pad_token_id,
+        max_prompt_length=config.max_prompt_length, max_response_length=config.max_response_length,
+    )  # fmt: skip
+    path = config.run_dir / "batches" / "warm-start"
+    batch.save(path)
+    metrics: dict[str, Any] = {}
+    for _ in range(config.warm_start.steps):
+        metrics = await asyncio.to_thread(run.trainer.sft_step, path, timeout=config.timeouts.ppo_step)
+    saved = await _publish(config, run, 0, {"run_name": config.run_name, "warm_start": True})
+    await asyncio.to_thread(run.tracker.log_metrics, {"warm_start": metrics}, 0)
+    return {"demonstrations": len(batch), "steps": config.warm_start.steps, **metrics, "checkpoint": saved}
+
+
+async def _publish(config: TrainConfig, run: RunServices, step: int, meta: dict[str, Any]) -> str:
+    """Save checkpoint `step` in the trainer process and have every inference server load it; its path."""
+    path = await asyncio.to_thread(
+        run.trainer.save_checkpoint, step, meta=meta, keep_last=config.checkpoint.keep_last,
+        timeout=config.timeouts.checkpoint,
+    )  # fmt: skip
+    async with httpx.AsyncClient(timeout=config.timeouts.checkpoint) as client:
+        for server in run.endpoints.inference_urls:
+            response = await client.post(f"{server}/admin/reload", json={"path": str(path), "version": step})
+            response.raise_for_status()
+    if run.vllm is not None:
+        await asyncio.to_thread(run.vllm.reload_weights, path, str(step))
+    return path
+
+
 async def evaluate(config: TrainConfig, step: int) -> dict[str, Any]:
-    """Greedy rollouts of every validation task on the weights of checkpoint `step` (0: the initial model), run
-    here by `runner_concurrency` runners; counts and mean reward, logged to MLflow as val/*."""
+    """Greedy rollouts of every validation task on the weights of checkpoint `step` (0: the initial model, after
+    the warm start if there is one; -1: before the warm start), run here by `runner_concurrency` runners; counts
+    and mean reward, logged to MLflow as val.* (val_initial.* for -1)."""
     if config.val_data is None:
         return {"rollouts": 0, "reward_mean": float("nan")}
     run = services(config)
@@ -425,7 +463,7 @@ async def evaluate(config: TrainConfig, step: int) -> dict[str, Any]:
     )  # fmt: skip
     summary = await training.summarize_rollouts(run.store, ids)
     if run.tracker is not None:
-        await asyncio.to_thread(run.tracker.log_metrics, {"val": summary}, step)
+        await asyncio.to_thread(run.tracker.log_metrics, {"val" if step >= 0 else "val_initial": summary}, max(step, 0))
     return {"step": step, **summary}
 
 
@@ -460,6 +498,11 @@ def record_iteration(config: TrainConfig, history: list[dict[str, Any]]) -> None
     _write_state(config, {"history": history})
 
 
+def record_state(config: TrainConfig, **changes: Any) -> None:
+    """Remember facts of the run in run.json (what a resumed run must not redo)."""
+    _write_state(config, changes)
+
+
 def record_evaluation(config: TrainConfig, step: int, result: dict[str, Any]) -> None:
     evaluations = {**read_state(config).get("evaluations", {}), str(step): result}
     _write_state(config, {"evaluations": evaluations})
@@ -492,7 +535,9 @@ def mlflow_link(config: TrainConfig) -> str:
     return f"MLflow run `{run_id}`: `mlflow ui --backend-store-uri {config.tracking_uri}`"
 
 
-def finish_run(config: TrainConfig, before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+def finish_run(
+    config: TrainConfig, before: dict[str, Any], after: dict[str, Any], initial: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Register the final model if asked; the run's summary (also written to run.json)."""
     from lightning.checkpoint import latest_checkpoint
 
@@ -503,6 +548,7 @@ def finish_run(config: TrainConfig, before: dict[str, Any], after: dict[str, Any
     summary = {
         "run_name": config.run_name,
         "iterations": config.iterations,
+        "reward_initial": (initial or before)["reward_mean"],
         "reward_before": before["reward_mean"],
         "reward_after": after["reward_mean"],
         "checkpoint": str(final) if final else None,

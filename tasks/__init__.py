@@ -11,6 +11,7 @@ from tasks.stages import (
     start_run,
     update_resources,
     wait_for_rollouts,
+    warm_start,
 )
 
 __all__ = [
@@ -23,4 +24,5 @@ __all__ = [
     "start_run",
     "update_resources",
     "wait_for_rollouts",
+    "warm_start",
 ]

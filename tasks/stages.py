@@ -76,6 +76,11 @@ async def checkpoint(config: TrainConfig, iteration: int, metrics: dict[str, Any
     return await pipeline.checkpoint(config, iteration, metrics)
 
 
+@task(name="warm_start", timeout_seconds=6 * HOUR, **STAGE)
+async def warm_start(config: TrainConfig) -> dict[str, Any]:
+    return await pipeline.warm_start(config)
+
+
 @task(name="evaluate", task_run_name="evaluate-{step}", timeout_seconds=6 * HOUR, **STAGE, **TRANSIENT)
 async def evaluate(config: TrainConfig, step: int) -> dict[str, Any]:
     return await pipeline.evaluate(config, step)
