@@ -122,6 +122,25 @@ async def test_a_finished_run_resumes_for_more_iterations_without_redoing_any(tm
     assert [row["iteration"] for row in history] == [0, 1]
 
 
+async def test_a_warm_start_runs_once_before_iteration_zero_and_is_reported(tmp_path: Path) -> None:
+    warm = {"demonstrations": "examples.copy_task.agent:demonstrations", "fraction": 0.25, "steps": 3}
+    config = small_config(tmp_path, iterations=1, warm_start=warm)
+    summary = await train(config)
+
+    state = json.loads((config.run_dir / "run.json").read_text())
+    assert state["warm_start"]["steps"] == 3 and state["warm_start"]["demonstrations"] == 192 // 4
+    assert set(state["evaluations"]) == {"-1", "0", "1"}  # initial model, after the warm start, after training
+    assert summary["reward_initial"] == state["evaluations"]["-1"]["reward_mean"]
+    assert summary["reward_before"] == state["evaluations"]["0"]["reward_mean"]
+    mlflow = MlflowClient(config.tracking_uri)
+    assert len(mlflow.get_metric_history(summary["mlflow_run_id"], "warm_start.sft_loss")) == 1
+    assert len(mlflow.get_metric_history(summary["mlflow_run_id"], "val_initial.reward_mean")) == 1
+
+    again = await train(config.model_copy(update={"iterations": 2}))  # resumed: no second warm start
+    assert json.loads((config.run_dir / "run.json").read_text())["warm_start"] == state["warm_start"]
+    assert again["reward_initial"] == summary["reward_initial"]
+
+
 async def test_evaluate_and_dev_flows(tmp_path: Path) -> None:
     config = small_config(tmp_path, iterations=1)
     await train(config)
