@@ -154,7 +154,41 @@ def _parser() -> argparse.ArgumentParser:
     )
     proxy_serve.add_argument("--log-level", default="warning", choices=LOG_LEVELS, help="(default: %(default)s)")
     proxy_serve.set_defaults(run=_proxy_serve, help_parser=proxy_serve)
+
+    config = commands.add_parser(
+        "config",
+        help="training run configs: `lightning config defaults` prints every TrainConfig field",
+        description="TrainConfig, the configuration of a training run (python -m flows.train CONFIG.yaml).",
+    )
+    config.set_defaults(help_parser=config)
+    config_commands = config.add_subparsers(title="commands", metavar="COMMAND")
+    defaults = config_commands.add_parser("defaults", help="print every field with its default, as YAML")
+    defaults.set_defaults(run=_config_defaults, help_parser=defaults)
+    check = config_commands.add_parser("check", help="validate a config file; errors name each bad field")
+    check.add_argument("path", help="a YAML file of TrainConfig fields")
+    check.set_defaults(run=_config_check, help_parser=check)
     return parser
+
+
+def _config_defaults(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import yaml
+
+    from lightning.config import TrainConfig
+
+    print(yaml.safe_dump(TrainConfig().model_dump(mode="json"), sort_keys=False), end="")
+    return 0
+
+
+def _config_check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from lightning.config import ConfigError, load_config
+
+    try:
+        config = load_config(args.path)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{args.path}: a valid TrainConfig (run {config.run_name!r}, {config.iterations} iterations)")
+    return 0
 
 
 def _token_or_refuse(args: argparse.Namespace, parser: argparse.ArgumentParser, env: str, exposure: str) -> str | None:

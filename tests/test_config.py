@@ -82,3 +82,21 @@ def test_agents_load_from_functions_and_classes() -> None:
     assert isinstance(load_agent("examples.copy_task.agent:copy_agent"), LitAgent)
     with pytest.raises(ConfigError, match="agent: examples.copy_task.agent:reward is a function, not an agent"):
         load_agent("examples.copy_task.agent:reward")
+
+
+def test_the_cli_prints_defaults_and_checks_files(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    import yaml
+
+    defaults = subprocess.run(
+        [sys.executable, "-m", "lightning.cli", "config", "defaults"], capture_output=True, text=True, check=True
+    )
+    assert load_config(yaml.safe_load(defaults.stdout)).run_name == "demo"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("batch_size: 0\n")
+    checked = subprocess.run(
+        [sys.executable, "-m", "lightning.cli", "config", "check", str(bad)], capture_output=True, text=True
+    )
+    assert checked.returncode == 2 and "batch_size: Input should be greater than or equal to 1" in checked.stderr
