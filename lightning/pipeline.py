@@ -372,13 +372,9 @@ async def wait_for_rollouts(config: TrainConfig, rollout_ids: list[str]) -> dict
 async def adapt_spans(config: TrainConfig, iteration: int, rollout_ids: list[str]) -> dict[str, Any]:
     """The rollouts' spans as a training batch file; its path, rows and what the adapter dropped."""
     run = services(config)
-    if run.tokenizer is None:
-        from transformers import AutoTokenizer
-
-        run.tokenizer = AutoTokenizer.from_pretrained(run.model_dir)
     path = config.run_dir / "batches" / f"iteration-{iteration:06d}"
     report = await training.adapt_spans(
-        run.store, rollout_ids, path, pad_token_id=run.tokenizer.pad_token_id,
+        run.store, rollout_ids, path, pad_token_id=_tokenizer(run).pad_token_id,
         max_prompt_length=config.max_prompt_length, max_response_length=config.max_response_length,
         shape=config.adapter_shape,
     )  # fmt: skip
@@ -412,15 +408,11 @@ async def warm_start(config: TrainConfig) -> dict[str, Any]:
     from lightning.config import load_entry_point
 
     run = services(config)
-    if run.tokenizer is None:
-        from transformers import AutoTokenizer
-
-        run.tokenizer = AutoTokenizer.from_pretrained(run.model_dir)
     tasks = _dataset(config.train_data, "train_data")
     shown = tasks[: max(1, int(len(tasks) * config.warm_start.fraction))]
     demonstrate = load_entry_point(config.warm_start.demonstrations, "warm_start.demonstrations")
     batch = TrainingBatch.from_triplets(
-        demonstrate(run.tokenizer, shown), pad_token_id=run.tokenizer.pad_token_id,
+        demonstrate(_tokenizer(run), shown), pad_token_id=_tokenizer(run).pad_token_id,
         max_prompt_length=config.max_prompt_length, max_response_length=config.max_response_length,
     )  # fmt: skip
     path = config.run_dir / "batches" / "warm-start"
@@ -431,6 +423,15 @@ async def warm_start(config: TrainConfig) -> dict[str, Any]:
     saved = await _publish(config, run, 0, {"run_name": config.run_name, "warm_start": True})
     await asyncio.to_thread(run.tracker.log_metrics, {"warm_start": metrics}, 0)
     return {"demonstrations": len(batch), "steps": config.warm_start.steps, **metrics, "checkpoint": saved}
+
+
+def _tokenizer(run: RunServices) -> Any:
+    """The policy's tokenizer, loaded once per run in this process."""
+    if run.tokenizer is None:
+        from transformers import AutoTokenizer
+
+        run.tokenizer = AutoTokenizer.from_pretrained(run.model_dir)
+    return run.tokenizer
 
 
 async def _publish(config: TrainConfig, run: RunServices, step: int, meta: dict[str, Any]) -> str:
