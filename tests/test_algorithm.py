@@ -80,12 +80,14 @@ def test_rloo_group_of_one_keeps_its_score() -> None:
     assert_close(rloo_advantages(torch.tensor([[0, 4.0]]), torch.tensor([[1, 1]]), ["solo"]), [[4.0, 4.0]])
 
 
-def test_discounted_returns_run_backwards_and_reset_after_a_masked_token() -> None:
-    rewards = torch.tensor([[0, 0, 1.0], [0, 2.0, 0], [0, 0, 1.0]])
-    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 0]])
+def test_discounted_returns_run_backwards_and_skip_masked_tokens() -> None:
+    rewards = torch.tensor([[0, 0, 1.0], [0, 2.0, 0], [0, 0, 1.0], [0, 0, 1.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 0], [1, 0, 1]])
     # Row 0, gamma 0.5: 1, 0.5, 0.25.  Row 1: 0 at the pad, 2, then 0 + 0.5 * 2 = 1.
-    # Row 2 is verl's quirk: a reward on a masked-out token does not flow back to earlier tokens.
-    assert_close(discounted_returns(rewards, mask, gamma=0.5), [[0.25, 0.5, 1.0], [1.0, 2.0, 0.0], [0.0, 0.0, 1.0]])
+    # Row 2 (verl 0.9): a reward on a masked-out token is dropped.
+    # Row 3: the masked tool-output token gets 0 and passes the return through undiscounted: 1, 0, 0 + 0.5 * 1.
+    expected = [[0.25, 0.5, 1.0], [1.0, 2.0, 0.0], [0.0, 0.0, 0.0], [0.5, 0.0, 1.0]]
+    assert_close(discounted_returns(rewards, mask, gamma=0.5), expected)
 
 
 def test_masked_whiten_uses_masked_mean_and_unbiased_variance() -> None:

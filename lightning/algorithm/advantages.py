@@ -67,13 +67,16 @@ def rloo_advantages(scores: torch.Tensor, response_mask: torch.Tensor, uid: Sequ
 
 
 def discounted_returns(scores: torch.Tensor, response_mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """G_t = r_t + gamma * G_{t+1}, the running return reset to 0 right after a masked-out token (as verl)."""
+    """G_t = r_t + gamma * G_{t+1} over generated tokens. A masked-out token (tool output) is skipped: its return is
+    0 and the running return passes through it unchanged, so a reward after a tool call reaches the tokens before it
+    (verl 0.9's compute_reinforce_plus_plus_outcome_advantage; a reward sitting on a masked token is dropped)."""
     returns = torch.zeros_like(scores)
     running = torch.zeros_like(scores[:, 0])
     for t in reversed(range(scores.shape[1])):
-        running = scores[:, t] + gamma * running
-        returns[:, t] = running
-        running = running * response_mask[:, t]
+        mask = response_mask[:, t]
+        updated = scores[:, t] + gamma * running
+        returns[:, t] = updated * mask
+        running = updated * mask + running * (1 - mask)
     return returns
 
 
