@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from lightning.algorithm.trainer import TrainerConfig
+from lightning.algorithm.verl_backend import VerlOptions
 from lightning.types import RolloutConfig
 
 ENTRY_POINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
@@ -46,6 +47,14 @@ class InferenceConfig(BaseModel):
     """Embedded server: run it on a thread of the flow's process instead of a process of its own."""
     vllm: dict[str, Any] = Field(default_factory=dict)
     """vllm backend: fields of `lightning.inference.vllm.VllmConfig` (gpu_memory_utilization, ...)."""
+    replicas: int = Field(default=1, ge=1)
+    """vllm backend: servers started for the policy, all behind the LLM proxy (a rollout sticks to one)."""
+    gpus_per_replica: int | None = Field(default=None, ge=1)
+    """vllm backend: give replica i the GPUs [i * n, (i + 1) * n) through CUDA_VISIBLE_DEVICES; None: leave it."""
+    weight_sync: Literal["reload", "sleep"] = "reload"
+    """How new weights reach vLLM after each update. reload: the servers re-read the checkpoint in place. sleep: the
+    servers share GPUs with the trainer (colocated), so they sleep (weights and KV cache released) during the PPO step
+    and wake up on the new checkpoint. Either way the proxy holds new calls and drains the ones in flight first."""
 
     @model_validator(mode="after")
     def _endpoint_for_external(self) -> InferenceConfig:
@@ -162,6 +171,10 @@ class TrainConfig(BaseModel):
     """Evaluate on val_data every this many iterations (0: only before training and at the end)."""
     checkpoint: CheckpointPolicy = Field(default_factory=CheckpointPolicy)
     timeouts: StageTimeouts = Field(default_factory=StageTimeouts)
+    trainer_backend: Literal["torch", "verl"] = "torch"
+    """torch: our trainer in a process of its own (CPU or one GPU); verl: verl's FSDP workers on a Ray cluster."""
+    verl: VerlOptions = Field(default_factory=VerlOptions)
+    """trainer_backend verl: the cluster shape (GPUs per node, nodes), FSDP offload options, raw verl overrides."""
     trainer_threads: int | None = Field(default=None, ge=1)
     """torch threads of the trainer process (None: torch's default)."""
     task_runner: Literal["default", "ray"] = "default"
@@ -191,6 +204,17 @@ class TrainConfig(BaseModel):
         if value is None or ENTRY_POINT.match(value) or Path(value).suffix in (".jsonl", ".parquet"):
             return value
         raise ValueError("give a .jsonl or .parquet file, or module:function returning a list of tasks")
+
+    @model_validator(mode="after")
+    def _backend_combinations(self) -> TrainConfig:
+        if self.trainer_backend == "verl" and self.warm_start is not None:
+            raise ValueError(
+                "warm_start: the verl backend has no supervised step; remove warm_start, or run it with "
+                "trainer_backend torch and give that run's checkpoint as `model`"
+            )
+        if self.inference.weight_sync == "sleep" and self.inference.backend != "vllm":
+            raise ValueError("inference.weight_sync: 'sleep' needs inference.backend 'vllm'")
+        return self
 
     @property
     def run_dir(self) -> Path:

@@ -66,7 +66,8 @@ class RunServices:
     tracker: Any = None
     tokenizer: Any = None
     stack: Any = None
-    vllm: Any = None
+    vllm: list[Any] = field(default_factory=list)
+    """The vLLM servers this run started (inference.backend vllm), one per replica."""
     closers: list[Any] = field(default_factory=list)
 
 
@@ -136,6 +137,9 @@ def start_run(config: TrainConfig, *, train: bool = True, weights: str | None = 
             _close(run)
             raise
         _services[config.run_name] = run
+        serving_step = serve_checkpoint_step(config, weights)
+        if not config.proxy_endpoint:  # every span from now on records the weights that produced it
+            _proxy_admin(run, "resume", {"weight_version": serving_step})
         proxy_port = int(run.endpoints.proxy_url.rsplit(":", 1)[1]) if not config.proxy_endpoint else 0
         _write_state(config, {"endpoints": run.endpoints.model_dump(), "proxy_port": proxy_port, "pid": os.getpid()})
         return run.endpoints
@@ -189,21 +193,50 @@ def _start_serving(run: RunServices, serving_dir: Path) -> None:
         inference_urls = [run.stack.inference_url]
         run.endpoints = Endpoints(proxy_url=run.stack.proxy_url, model_name=name, inference_urls=inference_urls)
         return
-    backend = inference.endpoint
-    if inference.backend == "vllm" and backend is None:
-        from lightning.inference.vllm import VllmConfig, VllmServer
-        from lightning.serving import free_port
-
-        vllm_config = VllmConfig(model=str(serving_dir), served_model_name=name, port=free_port(), **inference.vllm)
-        run.vllm = VllmServer(vllm_config, log_path=config.run_dir / "vllm.log")
-        run.vllm.start()
-        run.closers.append(run.vllm.stop)
-        backend = run.vllm.endpoint
+    backends = [inference.endpoint]
+    if inference.backend == "vllm" and inference.endpoint is None:
+        run.vllm = _start_vllm(config, serving_dir)
+        backends = [server.endpoint for server in run.vllm]
     from lightning.proxy import LLMProxy
 
-    proxy = LLMProxy(run.store, [str(backend)], model_name=name)
+    proxy = LLMProxy(run.store, [str(backend) for backend in backends], model_name=name)
     run.endpoints = Endpoints(proxy_url=proxy.start(port=port), model_name=name)
     run.closers.append(proxy.stop)
+
+
+def _start_vllm(config: TrainConfig, serving_dir: Path) -> list[Any]:
+    """`inference.replicas` vLLM servers on the policy, started together and waited for; replica i gets its own
+    GPUs when `gpus_per_replica` is set. Each is stopped with the run."""
+    from lightning.inference.vllm import VllmConfig, VllmServer
+    from lightning.serving import free_port
+
+    inference = config.inference
+    servers = []
+    for replica in range(inference.replicas):
+        options = dict(inference.vllm)
+        if inference.gpus_per_replica:
+            first = replica * inference.gpus_per_replica
+            devices = ",".join(str(first + i) for i in range(inference.gpus_per_replica))
+            options["env"] = {**options.get("env", {}), "CUDA_VISIBLE_DEVICES": devices}
+        if inference.weight_sync == "sleep":
+            options["enable_sleep_mode"] = True
+        vllm_config = VllmConfig(
+            model=str(serving_dir), served_model_name=inference.served_model_name, port=free_port(), **options
+        )
+        server = VllmServer(vllm_config, log_path=config.run_dir / f"vllm-{replica}.log")
+        server.start()
+        servers.append(server)
+    for server in servers:
+        server.wait_ready()
+    return servers
+
+
+def _proxy_admin(run: RunServices, action: str, body: dict[str, Any] | None = None, timeout: float = 600) -> Any:
+    """POST /admin/<action> to the run's own LLM proxy: `pause` holds new calls and waits for the ones in flight,
+    `resume` lets calls through and records `weight_version` on every span from then on."""
+    response = httpx.post(f"{run.endpoints.proxy_url}/admin/{action}", json=body or {}, timeout=timeout + 5)
+    response.raise_for_status()
+    return response.json()
 
 
 def _in_memory(store_url: str) -> bool:
@@ -225,11 +258,20 @@ def _port_free(port: int) -> bool:
 
 
 def _start_trainer(run: RunServices) -> None:
-    from lightning.algorithm.worker import TrainerWorker
+    config = run.config
+    if config.trainer_backend == "verl":
+        from lightning.algorithm.verl_backend import VerlTrainer
 
-    run.trainer = TrainerWorker(
-        run.model_dir, run.config.algorithm, checkpoints_dir(run.config), threads=run.config.trainer_threads
-    )
+        run.trainer = VerlTrainer(
+            run.model_dir, config.algorithm, checkpoints_dir(config), options=config.verl, run_name=config.run_name,
+            rows_per_step=config.batch_size * config.samples_per_task, total_steps=config.iterations,
+        )  # fmt: skip
+    else:
+        from lightning.algorithm.worker import TrainerWorker
+
+        run.trainer = TrainerWorker(
+            run.model_dir, config.algorithm, checkpoints_dir(config), threads=config.trainer_threads
+        )
     run.closers.append(run.trainer.close)
 
 
@@ -382,10 +424,15 @@ async def adapt_spans(config: TrainConfig, iteration: int, rollout_ids: list[str
 
 
 async def ppo_step(config: TrainConfig, iteration: int, batch_path: str) -> dict[str, float]:
-    """One policy update in the trainer process, killed if it passes `timeouts.ppo_step`."""
+    """One policy update in the trainer process (or verl's workers), stopped if it passes `timeouts.ppo_step`.
+    Colocated vLLM (weight_sync: sleep) releases its GPU memory first; `checkpoint` wakes it on the new weights."""
     maybe_fail(config, "ppo_step", iteration)
-    trainer = services(config).trainer
-    return await asyncio.to_thread(trainer.step, batch_path, timeout=config.timeouts.ppo_step)
+    run = services(config)
+    if run.vllm and config.inference.weight_sync == "sleep":
+        await asyncio.to_thread(_proxy_admin, run, "pause", None, config.timeouts.checkpoint)
+        for server in run.vllm:
+            await asyncio.to_thread(server.sleep, 1)
+    return await asyncio.to_thread(run.trainer.step, batch_path, timeout=config.timeouts.ppo_step)
 
 
 async def checkpoint(config: TrainConfig, iteration: int, metrics: dict[str, Any]) -> dict[str, Any]:
@@ -435,17 +482,25 @@ def _tokenizer(run: RunServices) -> Any:
 
 
 async def _publish(config: TrainConfig, run: RunServices, step: int, meta: dict[str, Any]) -> str:
-    """Save checkpoint `step` in the trainer process and have every inference server load it; its path."""
+    """Save checkpoint `step` in the trainer and put it into every inference server, with the proxy paused and
+    drained around the swap so no rollout mixes two weight versions; spans from then on record version `step`."""
     path = await asyncio.to_thread(
         run.trainer.save_checkpoint, step, meta=meta, keep_last=config.checkpoint.keep_last,
         timeout=config.timeouts.checkpoint,
     )  # fmt: skip
+    own_proxy = not config.proxy_endpoint
+    if own_proxy:
+        await asyncio.to_thread(_proxy_admin, run, "pause", None, config.timeouts.checkpoint)
     async with httpx.AsyncClient(timeout=config.timeouts.checkpoint) as client:
         for server in run.endpoints.inference_urls:
             response = await client.post(f"{server}/admin/reload", json={"path": str(path), "version": step})
             response.raise_for_status()
-    if run.vllm is not None:
-        await asyncio.to_thread(run.vllm.reload_weights, path, str(step))
+    for server in run.vllm:
+        if config.inference.weight_sync == "sleep" and await asyncio.to_thread(server.is_sleeping):
+            await asyncio.to_thread(server.wake_up)
+        await asyncio.to_thread(server.reload_weights, path, str(step))
+    if own_proxy:
+        await asyncio.to_thread(_proxy_admin, run, "resume", {"weight_version": step})
     return path
 
 

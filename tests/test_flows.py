@@ -75,6 +75,11 @@ async def test_train_runs_two_iterations_of_seven_stages_and_reports_them(tmp_pa
     assert len(rollouts) == 2 * 8 * 4 and {r.status for r in rollouts} == {"succeeded"}
     state = json.loads((config.run_dir / "run.json").read_text())
     assert [row["iteration"] for row in state["history"]] == [0, 1]
+    # Iteration i samples from checkpoint i (0: the initial model): the proxy records it on every LLM span, and the
+    # adapter carries it into each training row.
+    for iteration in (0, 1):
+        rows = json.loads((config.run_dir / "batches" / f"iteration-{iteration:06d}" / "batch.json").read_text())
+        assert {row["weight_version"] for row in rows["metadata"]} == {iteration}
     assert set(state["evaluations"]) == {"0", "2"} and state["evaluations"]["2"]["rollouts"] == 64
 
     mlflow = MlflowClient(config.tracking_uri)
