@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from lightning.algorithm.trainer import TrainerConfig
 from lightning.algorithm.verl_backend import VerlOptions
+from lightning.serving import is_loopback
 from lightning.types import RolloutConfig
 
 ENTRY_POINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
@@ -137,6 +138,10 @@ class TrainConfig(BaseModel):
     inference: InferenceConfig = Field(default_factory=InferenceConfig)
     proxy_endpoint: str | None = None
     """A running LLM proxy to use instead of starting one (its URL, without /v1)."""
+    proxy_host: str = "127.0.0.1"
+    """Where the run's own LLM proxy listens (vllm and external inference). Runners on other machines reach it at
+    this address, so give the node's address (not 0.0.0.0); any non-loopback address needs a bearer token in
+    $LIGHTNING_PROXY_TOKEN, which runners get with the LLM resource."""
     proxy_in_process: bool = False
     """Run the LLM proxy on a thread of the flow's process instead of a process of its own (which spares the
     runners its share of the interpreter lock)."""
@@ -212,6 +217,8 @@ class TrainConfig(BaseModel):
                 "warm_start: the verl backend has no supervised step; remove warm_start, or run it with "
                 "trainer_backend torch and give that run's checkpoint as `model`"
             )
+        if not is_loopback(self.proxy_host) and self.inference.backend == "embedded":
+            raise ValueError("proxy_host: the embedded inference server's proxy stays on 127.0.0.1; use vllm")
         if self.inference.weight_sync == "sleep" and self.inference.backend != "vllm":
             raise ValueError("inference.weight_sync: 'sleep' needs inference.backend 'vllm'")
         return self

@@ -199,8 +199,8 @@ def _start_serving(run: RunServices, serving_dir: Path) -> None:
         backends = [server.endpoint for server in run.vllm]
     from lightning.proxy import LLMProxy
 
-    proxy = LLMProxy(run.store, [str(backend) for backend in backends], model_name=name)
-    run.endpoints = Endpoints(proxy_url=proxy.start(port=port), model_name=name)
+    proxy = LLMProxy(run.store, [str(backend) for backend in backends], model_name=name, token=proxy_token())
+    run.endpoints = Endpoints(proxy_url=proxy.start(host=config.proxy_host, port=port), model_name=name)
     run.closers.append(proxy.stop)
 
 
@@ -231,10 +231,18 @@ def _start_vllm(config: TrainConfig, serving_dir: Path) -> list[Any]:
     return servers
 
 
+def proxy_token() -> str | None:
+    """The bearer token of the run's own LLM proxy ($LIGHTNING_PROXY_TOKEN), needed when it listens beyond loopback."""
+    return os.environ.get("LIGHTNING_PROXY_TOKEN") or None
+
+
 def _proxy_admin(run: RunServices, action: str, body: dict[str, Any] | None = None, timeout: float = 600) -> Any:
     """POST /admin/<action> to the run's own LLM proxy: `pause` holds new calls and waits for the ones in flight,
     `resume` lets calls through and records `weight_version` on every span from then on."""
-    response = httpx.post(f"{run.endpoints.proxy_url}/admin/{action}", json=body or {}, timeout=timeout + 5)
+    token = proxy_token()
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    url = f"{run.endpoints.proxy_url}/admin/{action}"
+    response = httpx.post(url, json=body or {}, headers=headers, timeout=timeout + 5)
     response.raise_for_status()
     return response.json()
 
@@ -371,7 +379,8 @@ async def update_resources(config: TrainConfig, iteration: int, proxy_url: str, 
     """Publish the iteration's LLM resource (the proxy at `proxy_url`, with sampling parameters); its id."""
     sampling = config.eval_sampling if evaluation else config.sampling
     model = config.inference.served_model_name
-    llm = ProxyLLM(endpoint=f"{proxy_url}/v1", model=model, sampling_parameters=sampling)
+    token = None if config.proxy_endpoint or config.inference.backend == "embedded" else proxy_token()
+    llm = ProxyLLM(endpoint=f"{proxy_url}/v1", model=model, sampling_parameters=sampling, api_key=token)
     resources = await open_run_store(config).add_resources({"llm": llm})
     return resources.resources_id
 

@@ -23,7 +23,11 @@ pytestmark = pytest.mark.slow
 FAKE_VLLM = Path(__file__).parent / "support" / "fake_vllm.py"
 
 
-def test_vllm_replicas_sleep_through_the_ppo_step_and_wake_on_the_new_checkpoint(tmp_path: Path) -> None:
+def test_vllm_replicas_sleep_through_the_ppo_step_and_wake_on_the_new_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LIGHTNING_PROXY_TOKEN", "proxy-secret")  # as when the proxy is exposed to other machines
+    auth = {"authorization": "Bearer proxy-secret"}
     executable = tmp_path / "vllm"
     executable.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE_VLLM}" "$@"\n')
     executable.chmod(executable.stat().st_mode | stat.S_IXUSR)
@@ -45,8 +49,13 @@ def test_vllm_replicas_sleep_through_the_ppo_step_and_wake_on_the_new_checkpoint
     endpoints = pipeline.start_run(config)
     try:
         proxy = endpoints.proxy_url
-        status = httpx.get(f"{proxy}/admin/status").json()
+        assert httpx.get(f"{proxy}/admin/status").status_code == 401
+        status = httpx.get(f"{proxy}/admin/status", headers=auth).json()
         assert len(status["backends"]) == 2 and status["weight_version"] == 0 and not status["paused"]
+
+        resources_id = asyncio.run(pipeline.update_resources(config, 0, proxy))
+        resources = asyncio.run(pipeline.open_run_store(config).get_resources_by_id(resources_id))
+        assert resources.resources["llm"].api_key == "proxy-secret"  # runners call the proxy with it
 
         triplets = [
             Triplet(prompt=[5, 6], response=[7, 8], reward=float(i % 2), metadata={"group_id": 0}) for i in range(4)
@@ -55,10 +64,10 @@ def test_vllm_replicas_sleep_through_the_ppo_step_and_wake_on_the_new_checkpoint
         batch_path = batch.save(tmp_path / "batch")
         metrics = asyncio.run(pipeline.ppo_step(config, 0, str(batch_path)))
         assert metrics["step"] == 1.0
-        assert httpx.get(f"{proxy}/admin/status").json()["paused"]  # no call reaches a sleeping server
+        assert httpx.get(f"{proxy}/admin/status", headers=auth).json()["paused"]  # no call reaches a sleeping server
 
         saved = asyncio.run(pipeline.checkpoint(config, 0, {"reward": 0.5}))
-        status = httpx.get(f"{proxy}/admin/status").json()
+        status = httpx.get(f"{proxy}/admin/status", headers=auth).json()
         assert status["weight_version"] == 1 and not status["paused"]
 
         admin = [json.loads(line) for line in calls.read_text().splitlines()]
