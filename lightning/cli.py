@@ -73,9 +73,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=4747, help="port to listen on (default: %(default)s)")
     serve.add_argument(
         "--db",
-        default=DEFAULT_URL,
+        default=os.environ.get("LIGHTNING_STORE_DB", DEFAULT_URL),
         metavar="URL",
-        help="store database: sqlite:///path.db, or postgresql://user:pass@host:port/db (default: %(default)s)",
+        help="store database: sqlite:///path.db, or postgresql://user:pass@host:port/db (default: $LIGHTNING_STORE_DB, "
+        f"else {DEFAULT_URL}; the variable keeps a password off the command line)",
     )
     serve.add_argument(
         "--token",
