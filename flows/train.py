@@ -19,7 +19,7 @@ from prefect.artifacts import acreate_markdown_artifact, acreate_table_artifact
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from lightning import pipeline
+from lightning import pipeline, raycluster
 from lightning.config import TrainConfig
 from lightning.pipeline import Endpoints
 from tasks import (
@@ -73,6 +73,8 @@ async def train(config: TrainConfig = TrainConfig()) -> dict[str, Any]:  # noqa:
         logger.info("run %s already finished its %d iterations", config.run_name, config.iterations)
     elif first:
         logger.info("resuming run %s at iteration %d of %d", config.run_name, first + 1, config.iterations)
+    # One Ray connection for the whole run: prefect-ray reuses it instead of a new job (new workers) per iteration.
+    connected = config.task_runner == "ray" and raycluster.connect(config.ray_address)
     endpoints = start_run(config)
     status = "FAILED"
     try:
@@ -104,18 +106,22 @@ async def train(config: TrainConfig = TrainConfig()) -> dict[str, Any]:  # noqa:
         return pipeline.finish_run(config, before, after, initial)
     finally:
         await pipeline.stop_run(config, status)
+        if connected:
+            raycluster.disconnect()
 
 
 def task_runner(config: TrainConfig) -> Any:
-    """Where the runner tasks run: threads of this process, or Ray workers (prefect-ray) at `ray_address`; those
-    need a store and a proxy they can reach (a PostgreSQL or HTTP store_url, an exposed proxy)."""
+    """Where the runner tasks run: threads of this process, or Ray workers (prefect-ray) on the cluster `train`
+    connected to (`lightning.raycluster`). Ray workers are other processes, on other machines of a cluster: they
+    need a store and a proxy they can reach (TrainConfig checks the store), get the tokens through the job's
+    runtime_env, and import the agent from their own Python environment (install the project on every node)."""
     if config.task_runner == "default":
         return ThreadPoolTaskRunner(max_workers=max(config.n_runners, 4))
     try:
         from prefect_ray import RayTaskRunner
     except ImportError as exc:
         raise RuntimeError("task_runner: 'ray' needs prefect-ray (pip install -e '.[ray]')") from exc
-    return RayTaskRunner(address=config.ray_address) if config.ray_address else RayTaskRunner()
+    return RayTaskRunner(address=config.ray_address)
 
 
 async def _evaluation(config: TrainConfig, step: int) -> dict[str, Any]:

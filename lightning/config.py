@@ -219,6 +219,9 @@ class TrainConfig(BaseModel):
             )
         if not is_loopback(self.proxy_host) and self.inference.backend == "embedded":
             raise ValueError("proxy_host: the embedded inference server's proxy stays on 127.0.0.1; use vllm")
+        problem = ray_store_problem(self.task_runner, self.store_url)
+        if problem is not None:
+            raise ValueError(f"store_url: {problem}")
         if self.inference.weight_sync == "sleep" and self.inference.backend != "vllm":
             raise ValueError("inference.weight_sync: 'sleep' needs inference.backend 'vllm'")
         return self
@@ -226,6 +229,33 @@ class TrainConfig(BaseModel):
     @property
     def run_dir(self) -> Path:
         return Path(self.output_dir) / self.run_name
+
+
+def ray_store_problem(task_runner: str, store_url: str) -> str | None:
+    """Why runner tasks on Ray workers could not reach the run's store (None: nothing known against it). The
+    workers are other processes, with their own working directory: an in-memory SQLite store is not theirs to
+    see, and a relative SQLite path names another file for them. (An absolute SQLite path is reachable only
+    from the flow's machine: a cluster of several nodes needs a PostgreSQL or store-server URL.)"""
+    if task_runner != "ray":
+        return None
+    url = store_url
+    scheme, _, rest = url.partition("://")
+    if scheme.split("+", 1)[0] != "sqlite":
+        return None
+    fix = (
+        "Ray workers are other processes (on other machines): give a store they can reach, an http:// store "
+        "server (`lightning store serve`, token in $LIGHTNING_STORE_TOKEN) or postgresql://, or at least an "
+        "absolute SQLite path on a single-machine cluster"
+    )
+    path = rest.removeprefix("/").split("?", 1)[0]
+    if path in ("", ":memory:") or "mode=memory" in rest:
+        return f"store_url {url!r} is an in-memory SQLite store, which only the flow's process sees. {fix}"
+    if not path.startswith("/"):
+        return (
+            f"store_url {url!r} is a relative SQLite path, which each Ray worker resolves against its own "
+            f"working directory. {fix}"
+        )
+    return None
 
 
 def load_config(source: str | Path | dict[str, Any], **overrides: Any) -> TrainConfig:

@@ -273,6 +273,7 @@ def _start_trainer(run: RunServices) -> None:
         run.trainer = VerlTrainer(
             run.model_dir, config.algorithm, checkpoints_dir(config), options=config.verl, run_name=config.run_name,
             rows_per_step=config.batch_size * config.samples_per_task, total_steps=config.iterations,
+            ray_address=config.ray_address,
         )  # fmt: skip
     else:
         from lightning.algorithm.worker import TrainerWorker

@@ -14,16 +14,28 @@ from contextvars import ContextVar
 from typing import Any
 
 TRAIN_FLOW_RUN_ID: ContextVar[str | None] = ContextVar("train_flow_run_id", default=None)
-"""Set by the top-level flow; Prefect copies context variables into the threads that run tasks."""
+"""Set by the top-level flow; Prefect copies context variables into the threads that run tasks (not into Ray
+workers, which ask Prefect for the root flow run instead)."""
 
 
 def stage_cache_key(context: Any, parameters: dict[str, Any]) -> str:
     config = parameters["config"]
-    root = TRAIN_FLOW_RUN_ID.get() or str(context.task_run.flow_run_id)
+    root = TRAIN_FLOW_RUN_ID.get() or _root_flow_run_id() or str(context.task_run.flow_run_id)
     rest = {name: value for name, value in parameters.items() if name != "config"}
     digest = hashlib.sha256(json.dumps(rest, sort_keys=True, default=_plain).encode()).hexdigest()[:16]
     iteration = parameters.get("iteration", parameters.get("step", "-"))
     return f"{root}-{config.run_name}-{iteration}-{context.task.name}-{digest}"
+
+
+def _root_flow_run_id() -> str | None:
+    """The top-level flow run's id from Prefect's API: for tasks in processes the context variable does not reach
+    (runner tasks on Ray workers)."""
+    from prefect.runtime import flow_run
+
+    try:
+        return flow_run.root_flow_run_id or None
+    except Exception:  # no flow run context, or the API is unreachable: the subflow's id still makes a valid key
+        return None
 
 
 def _plain(value: Any) -> Any:

@@ -47,7 +47,12 @@ async def enqueue_rollouts(config: TrainConfig, iteration: int, resources_id: st
 
 @task(name="run_runner", task_run_name="run_runner-{iteration}-{index}", timeout_seconds=6 * HOUR, **STAGE, **TRANSIENT)
 async def run_runner(config: TrainConfig, iteration: int, rollout_ids: list[str], index: int) -> dict[str, Any]:
-    return await pipeline.run_runner(config, rollout_ids, index)
+    """One runner task, on a thread of the flow's process or a Ray worker; its result says where it ran."""
+    import os
+    import socket
+
+    done = await pipeline.run_runner(config, rollout_ids, index)
+    return {**done, "host": socket.gethostname(), "pid": os.getpid()}
 
 
 @task(

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import time
 from pathlib import Path
@@ -81,8 +80,6 @@ class VerlOptions(BaseModel):
     gradient_checkpointing: bool = True
     use_remove_padding: bool = True
     """Run the model on packed sequences without padding (needs flash-attention on the GPU stack)."""
-    ray_address: str | None = None
-    """The Ray cluster (`ray://host:10001` or `auto`); None: the one this process is connected to, or a local one."""
     ray_namespace: str = "lightning"
     overrides: list[str] = Field(default_factory=list)
     """verl hydra overrides applied last, as on verl's command line, e.g.
@@ -410,8 +407,10 @@ class VerlTrainer:
 
     def __init__(
         self, model_dir: str | Path, config: TrainerConfig, checkpoint_root: str | Path, *, options: VerlOptions,
-        run_name: str, rows_per_step: int, total_steps: int,
+        run_name: str, rows_per_step: int, total_steps: int, ray_address: str | None = None,
     ) -> None:  # fmt: skip
+        """`ray_address`: the Ray cluster (`auto`, `HOST:6379`); None: the one this process is connected to,
+        RAY_ADDRESS, or a new local one."""
         self.model_dir = str(model_dir)
         self.config = config
         self.checkpoint_root = str(checkpoint_root)
@@ -419,6 +418,7 @@ class VerlTrainer:
         self.name = f"lightning-verl-{run_name}"
         self.rows_per_step = rows_per_step
         self.total_steps = total_steps
+        self.ray_address = ray_address
         self._actor: Any = None
 
     def start(self) -> None:
@@ -427,12 +427,9 @@ class VerlTrainer:
 
         if self._actor is not None:
             return
-        if not ray.is_initialized():
-            ray.init(
-                address=self.options.ray_address, namespace=self.options.ray_namespace, log_to_driver=False,
-                runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(),
-                                                                                     os.environ.get("PYTHONPATH")]))}},
-            )  # fmt: skip
+        from lightning import raycluster
+
+        raycluster.connect(self.ray_address, self.options.ray_namespace)
         remote = ray.remote(num_cpus=1, max_restarts=0)(VerlActorGroup)
         self._actor = remote.options(
             name=self.name, namespace=self.options.ray_namespace, lifetime="detached", get_if_exists=True
