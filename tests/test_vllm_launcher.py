@@ -25,7 +25,7 @@ from lightning.inference.vllm import (
     build_vllm_command,
     build_vllm_env,
 )
-from tests.support.servers import free_port
+from lightning.serving import free_port
 
 FAKE_VLLM = Path(__file__).parent / "support" / "fake_vllm.py"
 
