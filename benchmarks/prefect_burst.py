@@ -44,13 +44,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
 from prefect_server import (  # noqa: E402 (tests/prefect_server.py: how the tests start a server)
-    PREFECT,
     PrefectServer,
-    _wait_healthy,
-    free_port,
-    prefect_env,
-    start_logged,
-    stop_process_group,
+    running_prefect_server,
 )
 
 DEFAULT_PG_URL = os.environ.get("LIGHTNING_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
@@ -63,28 +58,6 @@ DRAIN_SECONDS = 30.0
 
 
 # --- servers ---------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def prefect_server(home: Path, database_url: str | None) -> Iterator[PrefectServer]:
-    """`prefect server start` on 127.0.0.1 with its own home; on `database_url` (postgresql+asyncpg://) if
-    given, else on the SQLite database in its home."""
-    home.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    api_url = f"http://127.0.0.1:{port}/api"
-    # Log the 503s' causes too (Prefect leaves out SQLite's `database is locked` by default); nothing else changes.
-    env = {**prefect_env(home), "PREFECT_SERVER_LOG_RETRYABLE_ERRORS": "true"}
-    if database_url:
-        env["PREFECT_API_DATABASE_CONNECTION_URL"] = database_url
-    log_path = home / "server.log"
-    command = [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)]
-    process = start_logged(command, log_path, env=env)
-    server = PrefectServer(api_url, prefect_env(home, api_url), log_path)
-    try:
-        _wait_healthy(process, api_url, 180.0, server)
-        yield server
-    finally:
-        stop_process_group(process)
 
 
 @contextlib.contextmanager
@@ -313,7 +286,9 @@ def main() -> None:
         with contextlib.ExitStack() as stack:
             url = stack.enter_context(postgres_database(args.pg_url)) if database == "postgresql" else None
             started = time.perf_counter()
-            server = stack.enter_context(prefect_server(work / database, url))
+            # Log the 503s' causes too (Prefect leaves out SQLite's `database is locked` by default).
+            logged = {"PREFECT_SERVER_LOG_RETRYABLE_ERRORS": "true"}
+            server = stack.enter_context(running_prefect_server(work / database, database_url=url, env=logged))
             print(f"{database}: server up in {time.perf_counter() - started:.0f} s at {server.api_url}", flush=True)
             for mode in modes:
                 if mode == "flow":

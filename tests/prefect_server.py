@@ -65,14 +65,20 @@ def prefect_env(home: Path, api_url: str | None = None) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def running_prefect_server(home: Path, timeout: float = STARTUP_TIMEOUT) -> Iterator[PrefectServer]:
-    """Start `prefect server start` in its own process group, wait for /api/health, stop the group at the end."""
+def running_prefect_server(
+    home: Path, timeout: float = STARTUP_TIMEOUT, *, database_url: str | None = None, env: dict[str, str] | None = None
+) -> Iterator[PrefectServer]:
+    """Start `prefect server start` in its own process group, wait for /api/health, stop the group at the end.
+    Its database: `database_url` (postgresql+asyncpg://...) if given, else SQLite in `home`; `env`: more settings."""
     home.mkdir(parents=True, exist_ok=True)
     port = free_port()
     api_url = f"http://127.0.0.1:{port}/api"
     log_path = home / "server.log"
+    server_env = {**prefect_env(home), **(env or {})}
+    if database_url:
+        server_env["PREFECT_API_DATABASE_CONNECTION_URL"] = database_url
     command = [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)]
-    process = start_logged(command, log_path, env=prefect_env(home))
+    process = start_logged(command, log_path, env=server_env)
     server = PrefectServer(api_url, prefect_env(home, api_url), log_path)
     try:
         _wait_healthy(process, api_url, timeout, server)

@@ -30,12 +30,10 @@ import yaml
 from prefect.client.orchestration import SyncPrefectClient
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, TaskRunFilter, TaskRunFilterFlowRunId
 from prefect_server import (
-    PREFECT,
     REPO_ROOT,
     PrefectServer,
-    _wait_healthy,
     free_port,
-    prefect_env,
+    running_prefect_server,
     start_logged,
     stop_process_group,
     tail,
@@ -78,28 +76,6 @@ def fresh_database(server_url: str, prefix: str) -> Iterator[str]:
     finally:
         with psycopg.connect(admin, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
-@contextlib.contextmanager
-def prefect_server_on(home: Path, database: str, timeout: float = 180.0) -> Iterator[PrefectServer]:
-    """`prefect server start` (as tests/prefect_server.py starts it) on the PostgreSQL database `database`
-    (a postgresql:// URL; the server talks to it through asyncpg)."""
-    home.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    api_url = f"http://127.0.0.1:{port}/api"
-    log_path = home / "server.log"
-    env = {
-        **prefect_env(home),
-        "PREFECT_API_DATABASE_CONNECTION_URL": database.replace("postgresql://", "postgresql+asyncpg://", 1),
-    }
-    command = [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)]
-    process = start_logged(command, log_path, env=env)
-    server = PrefectServer(api_url, prefect_env(home, api_url), log_path)
-    try:
-        _wait_healthy(process, api_url, timeout, server)
-        yield server
-    finally:
-        stop_process_group(process)
 
 
 @dataclass
@@ -169,7 +145,9 @@ def deployment(pg_server: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
     with (
         fresh_database(pg_server, "lightning_prefect") as prefect_db,
         fresh_database(pg_server, "lightning_store") as store_db,
-        prefect_server_on(tmp_path / "prefect", prefect_db) as prefect,
+        running_prefect_server(
+            tmp_path / "prefect", 180.0, database_url=prefect_db.replace("postgresql://", "postgresql+asyncpg://", 1)
+        ) as prefect,
         store_server_on(store_db, token, tmp_path / "store.log") as store,
     ):
         config_path = tmp_path / "config.yaml"
