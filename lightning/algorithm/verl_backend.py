@@ -444,7 +444,8 @@ class VerlTrainer:
         return self._get(self._actor.step.remote(str(batch_path)), "step", timeout)
 
     def sft_step(self, batch_path: str | Path, *, timeout: float) -> dict[str, float]:
-        raise NotImplementedError(
+        # TrainConfig already refuses warm_start with the verl backend; this guards direct library use.
+        raise RuntimeError(
             "warm_start: the verl backend has no supervised step; run the warm start with the torch trainer (or SFT "
             "with verl's sft_trainer) and give its checkpoint as `model`"
         )
