@@ -124,6 +124,8 @@ class EnqueueRolloutRequest(BaseModel):
     metadata: dict[str, Any] | None = None
     idempotency_key: str | None = Field(default=None, min_length=1, max_length=255)
     """Enqueuing the same key twice returns the first rollout instead of a new one."""
+    queue: str | None = Field(default=None, min_length=1, max_length=255)
+    """The queue it waits in (None: the default queue); runners take from one queue. A training run uses its own."""
 
 
 class Worker(BaseModel):

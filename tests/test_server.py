@@ -28,7 +28,15 @@ from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Status
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as ProtoSpan
 
-from lightning.store import ConflictError, InvalidArgumentError, NotFoundError, SqlLightningStore, StoreError
+from lightning.store import (
+    ConflictError,
+    InvalidArgumentError,
+    LightningStore,
+    NotFoundError,
+    SqlLightningStore,
+    StoreError,
+    contract,
+)
 from lightning.store import client as client_module
 from lightning.store import server as server_module
 from lightning.store.client import HttpLightningStore
@@ -41,19 +49,16 @@ PARENT_ID = "b7ad6b7169203331"
 CHILD_ID = "00f067aa0ba902b7"
 
 
-class FussyStore:
+class FussyStore(LightningStore):
     """A stand-in store whose calls fail the ways a real one can."""
 
-    async def start_attempt(self, rollout_id: str, worker_id: str | None = None) -> Any:
-        raise ConflictError(f"rollout {rollout_id} is cancelled; no new attempts")
-
-    async def get_rollout_by_id(self, rollout_id: str) -> Any:
-        raise StoreError("the SQLite database stayed locked by another process for 30 s")
-
-    async def get_latest_attempt(self, rollout_id: str) -> Any:
-        raise RuntimeError("secret internals /home/me/.ssh")
-
-    async def statistics(self) -> dict[str, Any]:
+    async def handle(self, request: contract.Request) -> Any:
+        if isinstance(request, contract.StartAttempt):
+            raise ConflictError(f"rollout {request.rollout_id} is cancelled; no new attempts")
+        if isinstance(request, contract.GetRolloutById):
+            raise StoreError("the SQLite database stayed locked by another process for 30 s")
+        if isinstance(request, contract.GetLatestAttempt):
+            raise RuntimeError("secret internals /home/me/.ssh")
         return {"rollouts": {}}
 
 
@@ -102,7 +107,7 @@ async def test_errors_map_to_status_codes_with_messages(sql_store: SqlLightningS
 
 
 async def test_conflict_unavailable_and_unexpected_errors() -> None:
-    async with asgi_client(create_app(FussyStore())) as http:  # type: ignore[arg-type]
+    async with asgi_client(create_app(FussyStore())) as http:
         conflict = await http.post("/v1/store/start_attempt", json={"rollout_id": "ro-1"})
         assert conflict.status_code == 409
         assert conflict.json() == {"detail": "rollout ro-1 is cancelled; no new attempts"}
@@ -118,7 +123,7 @@ async def test_conflict_unavailable_and_unexpected_errors() -> None:
 
 
 async def test_client_raises_typed_errors_with_the_server_message(sql_store: SqlLightningStore) -> None:
-    with serving(create_app(FussyStore())) as fussy_url, serving(create_app(sql_store)) as url:  # type: ignore[arg-type]
+    with serving(create_app(FussyStore())) as fussy_url, serving(create_app(sql_store)) as url:
         async with HttpLightningStore(fussy_url, retries=0) as fussy, HttpLightningStore(url) as store:
             with pytest.raises(ConflictError, match="is cancelled"):
                 await fussy.start_attempt("ro-1")
@@ -137,12 +142,12 @@ async def test_openapi_schema_has_a_route_per_store_method(sql_store: SqlLightni
     async with asgi_client(create_app(sql_store)) as http:
         schema = (await http.get("/openapi.json")).json()
     methods = {path.removeprefix("/v1/store/") for path in schema["paths"] if path.startswith("/v1/store/")}
-    protocol = {
-        name
-        for name in dir(HttpLightningStore)
-        if not name.startswith("_") and name not in ("close", "add_otel_span", "base_url")
-    }
-    assert protocol <= methods
+    public = {name for name in dir(LightningStore) if not name.startswith("_")} - {"close", "add_otel_span", "handle"}
+    assert methods == public == {request.method for request in contract.REQUESTS}
+    # Each route's body is its request model, fields and descriptions included.
+    query_spans = schema["paths"]["/v1/store/query_spans"]["post"]
+    body = query_spans["requestBody"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
+    assert set(contract.QuerySpans.model_fields) == set(schema["components"]["schemas"][body]["properties"])
     assert "/v1/traces" in schema["paths"] and "/health" in schema["paths"]
 
 
@@ -346,6 +351,7 @@ async def test_client_works_from_many_threads_and_loops(sql_store: SqlLightningS
 async def test_long_waits_span_several_requests(sql_store: SqlLightningStore, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(server_module, "MAX_WAIT_SECONDS", 0.2)
     monkeypatch.setattr(client_module, "MAX_WAIT_SECONDS", 0.2)
+    monkeypatch.setattr(contract, "MAX_WAIT_SECONDS", 0.2)
     with serving(create_app(sql_store)) as url:
         async with HttpLightningStore(url) as store:
 

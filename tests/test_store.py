@@ -1099,3 +1099,95 @@ async def test_dequeue_with_wait_returns_none_after_the_wait(store: Any) -> None
     started_at = time.monotonic()
     assert await store.dequeue_rollout(wait=0.3) is None
     assert 0.25 < time.monotonic() - started_at < 1.5
+
+
+# --- queues ----------------------------------------------------------------------------------
+
+
+async def test_each_queue_is_dequeued_only_by_its_own_runners(store: Any) -> None:
+    plain = await store.enqueue_rollout("plain")
+    first = await store.enqueue_rollout("a1", queue="run-a")
+    batch = await store.enqueue_many_rollouts(
+        [EnqueueRolloutRequest(input="b1", queue="run-b"), EnqueueRolloutRequest(input="a2", queue="run-a")]
+    )
+
+    assert [r.rollout_id for r in await store.dequeue_many_rollouts(limit=10, queue="run-a")] == [
+        first.rollout_id,
+        batch[1].rollout_id,
+    ]
+    assert await store.dequeue_rollout(queue="run-a") is None
+    claimed = await store.dequeue_rollout()  # no queue: the default one, as agent-lightning's runners ask
+    assert claimed is not None and claimed.rollout_id == plain.rollout_id
+    assert await store.dequeue_rollout() is None
+    assert [r.input for r in await store.query_rollouts(queue="run-b")] == ["b1"]
+    assert {r.input for r in await store.query_rollouts(queue="default")} == {"plain"}
+
+
+async def test_a_retried_rollout_goes_back_to_its_own_queue(store: Any) -> None:
+    config = RolloutConfig(max_attempts=2, retry_condition=["failed"])
+    rollout = await store.enqueue_rollout("x", config=config, queue="run-a")
+    claimed = await store.dequeue_rollout(queue="run-a")
+    await store.update_attempt(rollout.rollout_id, claimed.attempt.attempt_id, status="failed")
+    assert (await must_get(store, rollout.rollout_id)).status == "requeuing"
+    assert await store.dequeue_rollout() is None
+    again = await store.dequeue_rollout(queue="run-a")
+    assert again is not None and again.attempt.sequence_id == 2
+
+
+async def test_counts_past_any_table_size_are_refused_by_name(store: Any) -> None:
+    for method, arguments in (
+        (store.query_rollouts, {"limit": 2**63}),
+        (store.query_rollouts, {"offset": 2**63}),
+        (store.dequeue_many_rollouts, {"limit": 2**64}),
+    ):
+        with pytest.raises(InvalidArgumentError, match="limit|offset"):
+            await method(**arguments)
+
+
+async def test_an_unknown_argument_is_named() -> None:
+    from lightning.store import SqlLightningStore
+
+    async with SqlLightningStore("sqlite://", watchdog_interval=None) as store:
+        with pytest.raises(InvalidArgumentError, match="query_spans: nmae: unknown argument"):
+            await store.query_spans("ro-1", nmae="x")
+        with pytest.raises(InvalidArgumentError, match=r"status: .*\(got 'done'\)"):
+            await store.update_rollout("ro-1", status="done")
+
+
+def test_a_store_from_before_queues_keeps_its_rollouts_in_the_default_queue(tmp_path: Any) -> None:
+    """A SQLite file written before the queue column existed: opened now, its queued rollout is in the default
+    queue, and new rollouts get queues."""
+    import sqlite3
+
+    from lightning.store import SqlLightningStore
+
+    path = tmp_path / "old.db"
+    with sqlite3.connect(path) as db:
+        db.executescript(OLD_ROLLOUTS_TABLE)
+        db.execute(
+            "INSERT INTO rollouts (rollout_id, input, start_time, status, config, queued_at, attempt_count, "
+            "next_span_sequence_id) VALUES ('ro-old', '\"old\"', 1.0, 'queuing', '{}', 1.0, 0, 1)"
+        )
+
+    async def check() -> None:
+        async with SqlLightningStore(f"sqlite:///{path}", watchdog_interval=None) as store:
+            await store.enqueue_rollout("new", queue="run-a")
+            claimed = await store.dequeue_rollout()
+            assert claimed is not None and (claimed.rollout_id, claimed.input) == ("ro-old", "old")
+            assert (await store.dequeue_rollout(queue="run-a")).input == "new"
+
+    asyncio.run(check())
+    with sqlite3.connect(path) as db:
+        indexes = {row[1] for row in db.execute("PRAGMA index_list(rollouts)")}
+    assert "ix_rollouts_queue_head" in indexes and "ix_rollouts_queue" not in indexes
+
+
+OLD_ROLLOUTS_TABLE = """
+CREATE TABLE rollouts (
+    seq INTEGER NOT NULL PRIMARY KEY, rollout_id VARCHAR(64) NOT NULL UNIQUE, input TEXT NOT NULL,
+    start_time FLOAT NOT NULL, end_time FLOAT, mode VARCHAR(16), resources_id VARCHAR(64), status VARCHAR(16) NOT NULL,
+    config TEXT NOT NULL, metadata TEXT, idempotency_key VARCHAR(255), queued_at FLOAT, attempt_count INTEGER NOT NULL,
+    latest_attempt_id VARCHAR(64), next_span_sequence_id INTEGER NOT NULL
+);
+CREATE INDEX ix_rollouts_queue ON rollouts (queued_at, seq) WHERE queued_at IS NOT NULL;
+"""

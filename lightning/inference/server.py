@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import hmac
 import json
 import time
 import uuid
@@ -11,12 +10,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Literal
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from lightning.inference.engine import InferenceEngine, Output, SamplingParams, TokenLogprob
+from lightning.serving import BearerAuth
 
 
 class OpenAIError(Exception):
@@ -84,6 +84,12 @@ class ReloadRequest(BaseModel):
 # ---- the app --------------------------------------------------------------------------------------------------------
 
 
+def _wrong_api_key() -> JSONResponse:
+    return OpenAIError(
+        401, "missing or wrong API key: send 'Authorization: Bearer <key>'", None, "AuthenticationError"
+    ).response()
+
+
 def create_inference_app(
     model_path: str | Path,
     *,
@@ -95,7 +101,7 @@ def create_inference_app(
     """The server for the model in the Hugging Face directory `model_path`; `app.state.engine` is its engine.
 
     The engine thread starts with the app's lifespan, or on the first request when served with lifespan off.
-    With `api_key`, every route but /health needs `Authorization: Bearer <api_key>`.
+    With `api_key`, every route but /health (the API docs too) needs `Authorization: Bearer <api_key>`.
     """
     engine = InferenceEngine(model_path, device=device, max_batch_size=max_batch_size)
     model_name = served_model_name or Path(model_path).resolve().name
@@ -126,16 +132,8 @@ def create_inference_app(
                 messages.append(f"{param}: {error['msg']}")
         return OpenAIError(400, "; ".join(messages), params[0] if params else None).response()
 
-    def check_api_key(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise OpenAIError(
-                401, "missing or wrong API key: send 'Authorization: Bearer <key>'", None, "AuthenticationError"
-            )
-
-    authorized = [Depends(check_api_key)]
+    if api_key is not None:
+        app.add_middleware(BearerAuth, token=api_key, refusal=_wrong_api_key, open_paths=("/health",))
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
@@ -147,7 +145,7 @@ def create_inference_app(
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/v1/models", dependencies=authorized)
+    @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
         model = {
             "id": model_name,
@@ -159,11 +157,11 @@ def create_inference_app(
         }
         return {"object": "list", "data": [model]}
 
-    @app.get("/admin/version", dependencies=authorized)
+    @app.get("/admin/version")
     async def version() -> dict[str, Any]:
         return {"version": engine.version, "path": engine.model_path}
 
-    @app.post("/admin/reload", dependencies=authorized)
+    @app.post("/admin/reload")
     async def reload(body: ReloadRequest) -> dict[str, Any]:
         if not Path(body.path).is_dir():
             raise OpenAIError(
@@ -174,7 +172,7 @@ def create_inference_app(
         except (OSError, ValueError) as exc:
             raise OpenAIError(400, f"path: could not load a model from {body.path!r}: {exc}", "path") from exc
 
-    @app.post("/v1/chat/completions", dependencies=authorized)
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest) -> Any:
         check_model(body.model)
         if body.top_logprobs is not None and not body.logprobs:
@@ -206,7 +204,7 @@ def create_inference_app(
             response["prompt_token_ids"] = prompt_ids
         return response
 
-    @app.post("/v1/completions", dependencies=authorized)
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Any:
         check_model(body.model)
         if body.echo:

@@ -1,6 +1,8 @@
 """The store: rollouts, attempts, spans, resources and workers, and the rules of their lifecycle."""
 
+from lightning.store import contract
 from lightning.store.base import UNSET, LightningStore, Unset
+from lightning.store.contract import DEFAULT_QUEUE
 from lightning.store.errors import ConflictError, InvalidArgumentError, NotFoundError, StoreError
 from lightning.store.sql import DEFAULT_URL, SqlLightningStore
 
@@ -19,6 +21,7 @@ def open_store(url: str, *, token: str | None = None, watchdog_interval: float |
 
 
 __all__ = [
+    "DEFAULT_QUEUE",
     "DEFAULT_URL",
     "UNSET",
     "ConflictError",
@@ -28,5 +31,6 @@ __all__ = [
     "SqlLightningStore",
     "StoreError",
     "Unset",
+    "contract",
     "open_store",
 ]

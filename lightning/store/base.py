@@ -1,28 +1,35 @@
-"""The store protocol: agent-lightning 0.3's LightningStore method set, async, with batch forms.
+"""The store's public face: agent-lightning 0.3's LightningStore method set, async, with batch forms and queues.
 
-One implementation holds the data (`SqlLightningStore`); the HTTP client speaks the same protocol.
+Every method turns its arguments into its request model of `lightning.store.contract` (a bad argument is an
+`InvalidArgumentError` that names it) and hands it to `handle`, which each store implements once:
+`SqlLightningStore` runs it as a transaction, `HttpLightningStore` sends it to a store server. Arguments a method
+lists are its positional ones; the rest (filters, sorting, paging, changed fields) are the request model's
+fields, passed by keyword.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any
 
+import pydantic
+
+from lightning.store import contract
+from lightning.store.contract import FilterLogic, Request, SortOrder  # noqa: F401 (re-exported)
+from lightning.store.errors import InvalidArgumentError
 from lightning.types import (
     Attempt,
     AttemptedRollout,
-    AttemptStatus,
     EnqueueRolloutRequest,
     NamedResources,
     ResourcesUpdate,
     Rollout,
     RolloutConfig,
     RolloutMode,
-    RolloutStatus,
     Span,
     TaskInput,
     Worker,
-    WorkerStatus,
 )
 
 
@@ -47,19 +54,55 @@ class Unset:
 
 
 UNSET: Any = Unset()
-
-SortOrder = Literal["asc", "desc"]
-FilterLogic = Literal["and", "or"]
+"""Passing UNSET is the same as leaving the argument out (an update keeps that field as it is)."""
 
 
-@runtime_checkable
-class LightningStore(Protocol):
-    """Rollouts, attempts, spans, resources and workers, with the lifecycle of lightning.store.lifecycle.
+def describe_validation_error(exc: pydantic.ValidationError, whole: str = "arguments") -> str:
+    """`field.path: what is wrong (got X)` for each problem (the first five), fields named as the caller names them;
+    `whole` names what a problem of no one field is about."""
+    problems = []
+    for error in exc.errors()[:5]:
+        where = ".".join(str(part) for part in error.get("loc", ())) or whole
+        message = error.get("msg", "invalid").removeprefix("Value error, ")
+        if error.get("type") == "extra_forbidden":
+            message = "unknown argument"
+        elif error.get("type") not in ("missing", "json_invalid") and "input" in error:
+            given = repr(error["input"])
+            message += f" (got {given if len(given) <= 80 else given[:77] + '...'})"
+        problems.append(f"{where}: {message}")
+    return "; ".join(problems)
 
-    Unknown ids raise `NotFoundError`; malformed arguments raise `InvalidArgumentError`.
+
+class LightningStore(ABC):
+    """Rollouts, attempts, spans, resources and workers, with the lifecycle of `lightning.store.lifecycle`.
+
+    Unknown ids raise `NotFoundError`; malformed arguments raise `InvalidArgumentError`. Rollouts wait in queues:
+    `enqueue_rollout(..., queue=Q)` and `dequeue_rollout(queue=Q)`; without `queue`, both use the default queue.
     """
 
+    @abstractmethod
+    async def handle(self, request: Request) -> Any:
+        """Carry out one request of `lightning.store.contract` and answer with its `response` type."""
+
+    async def close(self) -> None:  # noqa: B027 (a store that holds nothing has nothing to close)
+        """Release what the store holds (connections, threads); the base holds nothing."""
+
+    async def __aenter__(self) -> LightningStore:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _request(self, request_type: type[Request], /, **arguments: Any) -> Any:
+        fields = {name: value for name, value in arguments.items() if value is not UNSET}
+        try:
+            request = request_type.model_validate(fields)
+        except pydantic.ValidationError as exc:
+            raise InvalidArgumentError(f"{request_type.method}: {describe_validation_error(exc)}") from None
+        return await self.handle(request)
+
     # --- rollouts ----------------------------------------------------------------------------
+
     async def enqueue_rollout(
         self,
         input: TaskInput,
@@ -68,9 +111,19 @@ class LightningStore(Protocol):
         config: RolloutConfig | None = None,
         metadata: dict[str, Any] | None = None,
         idempotency_key: str | None = None,
-    ) -> Rollout: ...
+        **options: Any,
+    ) -> Rollout:
+        """Queue a rollout of `input` (resources: the given id, else the latest); `queue=` picks the queue."""
+        return await self._request(
+            contract.EnqueueRollout, input=input, mode=mode, resources_id=resources_id, config=config,
+            metadata=metadata, idempotency_key=idempotency_key, **options,
+        )  # fmt: skip
 
-    async def enqueue_many_rollouts(self, rollouts: Sequence[EnqueueRolloutRequest]) -> list[Rollout]: ...
+    async def enqueue_many_rollouts(self, rollouts: Sequence[EnqueueRolloutRequest | dict[str, Any]]) -> list[Rollout]:
+        """Queue a batch in one transaction; the rollouts in the batch's order."""
+        if not rollouts:
+            return []
+        return await self._request(contract.EnqueueManyRollouts, rollouts=list(rollouts))
 
     async def start_rollout(
         self,
@@ -80,139 +133,120 @@ class LightningStore(Protocol):
         config: RolloutConfig | None = None,
         metadata: dict[str, Any] | None = None,
         worker_id: str | None = None,
-    ) -> AttemptedRollout: ...
+        **options: Any,
+    ) -> AttemptedRollout:
+        """A rollout that starts now, outside the queue, with its first attempt."""
+        return await self._request(
+            contract.StartRollout, input=input, mode=mode, resources_id=resources_id, config=config,
+            metadata=metadata, worker_id=worker_id, **options,
+        )  # fmt: skip
 
-    async def dequeue_rollout(self, worker_id: str | None = None, *, wait: float = 0.0) -> AttemptedRollout | None:
-        """The oldest queued rollout, now preparing with a new attempt; None if the queue stays empty
-        (at once, or after up to `wait` seconds)."""
-        ...
+    async def dequeue_rollout(self, worker_id: str | None = None, **options: Any) -> AttemptedRollout | None:
+        """The oldest rollout of the queue (`queue=`, default the default queue), now preparing with a new attempt;
+        None if the queue stays empty (at once, or after up to `wait=` seconds)."""
+        return await self._request(contract.DequeueRollout, worker_id=worker_id, **options)
 
-    async def dequeue_many_rollouts(
-        self, *, limit: int = 1, worker_id: str | None = None, wait: float = 0.0
-    ) -> list[AttemptedRollout]: ...
+    async def dequeue_many_rollouts(self, **options: Any) -> list[AttemptedRollout]:
+        """Up to `limit=` rollouts of the queue at once (`worker_id=`, `wait=`, `queue=` as for one)."""
+        return await self._request(contract.DequeueRollouts, **options)
 
-    async def start_attempt(self, rollout_id: str, worker_id: str | None = None) -> AttemptedRollout: ...
+    async def start_attempt(self, rollout_id: str, worker_id: str | None = None) -> AttemptedRollout:
+        return await self._request(contract.StartAttempt, rollout_id=rollout_id, worker_id=worker_id)
 
-    async def get_rollout_by_id(self, rollout_id: str) -> Rollout | None: ...
+    async def get_rollout_by_id(self, rollout_id: str) -> Rollout | None:
+        return await self._request(contract.GetRolloutById, rollout_id=rollout_id)
 
-    async def query_rollouts(
-        self,
-        *,
-        status_in: Sequence[RolloutStatus] | None = None,
-        rollout_id_in: Sequence[str] | None = None,
-        rollout_id_contains: str | None = None,
-        mode: RolloutMode | None = None,
-        filter_logic: FilterLogic = "and",
-        sort_by: str | None = None,
-        sort_order: SortOrder = "asc",
-        limit: int = -1,
-        offset: int = 0,
-    ) -> list[Rollout]: ...
+    async def query_rollouts(self, **filters: Any) -> list[Rollout]:
+        """Rollouts by `status_in`, `rollout_id_in`, `rollout_id_contains`, `mode`, `queue` (see QueryRollouts),
+        sorted and paged."""
+        return await self._request(contract.QueryRollouts, **filters)
 
-    async def update_rollout(
-        self,
-        rollout_id: str,
-        input: TaskInput = UNSET,
-        mode: RolloutMode | None = UNSET,
-        resources_id: str | None = UNSET,
-        status: RolloutStatus = UNSET,
-        config: RolloutConfig = UNSET,
-        metadata: dict[str, Any] | None = UNSET,
-    ) -> Rollout: ...
+    async def update_rollout(self, rollout_id: str, **changes: Any) -> Rollout:
+        """Set the fields given (`input`, `mode`, `resources_id`, `status`, `config`, `metadata`); None clears."""
+        return await self._request(contract.UpdateRollout, rollout_id=rollout_id, **changes)
 
-    async def wait_for_rollouts(self, *, rollout_ids: list[str], timeout: float | None = None) -> list[Rollout]: ...
+    async def wait_for_rollouts(self, *, rollout_ids: list[str], timeout: float | None = None) -> list[Rollout]:
+        """The rollouts among `rollout_ids` that finished, waiting up to `timeout` seconds (None: until all have)."""
+        return await self._request(contract.WaitForRollouts, rollout_ids=rollout_ids, timeout=timeout)
 
     # --- attempts ----------------------------------------------------------------------------
-    async def query_attempts(
-        self,
-        rollout_id: str,
-        *,
-        sort_by: str | None = "sequence_id",
-        sort_order: SortOrder = "asc",
-        limit: int = -1,
-        offset: int = 0,
-    ) -> list[Attempt]: ...
 
-    async def get_latest_attempt(self, rollout_id: str) -> Attempt | None: ...
+    async def query_attempts(self, rollout_id: str, **options: Any) -> list[Attempt]:
+        return await self._request(contract.QueryAttempts, rollout_id=rollout_id, **options)
 
-    async def update_attempt(
-        self,
-        rollout_id: str,
-        attempt_id: str,
-        status: AttemptStatus = UNSET,
-        worker_id: str | None = UNSET,
-        last_heartbeat_time: float = UNSET,
-        metadata: dict[str, Any] | None = UNSET,
-    ) -> Attempt: ...
+    async def get_latest_attempt(self, rollout_id: str) -> Attempt | None:
+        return await self._request(contract.GetLatestAttempt, rollout_id=rollout_id)
+
+    async def update_attempt(self, rollout_id: str, attempt_id: str, **changes: Any) -> Attempt:
+        """Set the fields given (`status`, `worker_id`, `last_heartbeat_time`, `metadata`); None clears."""
+        return await self._request(contract.UpdateAttempt, rollout_id=rollout_id, attempt_id=attempt_id, **changes)
 
     # --- spans -------------------------------------------------------------------------------
-    async def add_span(self, span: Span) -> Span | None: ...
 
-    async def add_many_spans(self, spans: Sequence[Span]) -> list[Span]: ...
+    async def add_span(self, span: Span) -> Span | None:
+        """The span as stored, or None if one with its span_id was there already."""
+        return await self._request(contract.AddSpan, span=span)
+
+    async def add_many_spans(self, spans: Sequence[Span]) -> list[Span]:
+        if not spans:
+            return []
+        return await self._request(contract.AddManySpans, spans=list(spans))
 
     async def add_otel_span(
         self, rollout_id: str, attempt_id: str, readable_span: Any, sequence_id: int | None = None
-    ) -> Span | None: ...
+    ) -> Span | None:
+        """An OpenTelemetry SDK span (ReadableSpan) of the attempt, numbered next unless `sequence_id` is given."""
+        if sequence_id is None:
+            sequence_id = await self.get_next_span_sequence_id(rollout_id, attempt_id)
+        return await self.add_span(Span.from_opentelemetry(readable_span, rollout_id, attempt_id, sequence_id))
 
-    async def get_next_span_sequence_id(self, rollout_id: str, attempt_id: str) -> int: ...
+    async def get_next_span_sequence_id(self, rollout_id: str, attempt_id: str) -> int:
+        return await self._request(contract.GetNextSpanSequenceId, rollout_id=rollout_id, attempt_id=attempt_id)
 
-    async def get_many_span_sequence_ids(self, rollout_attempt_ids: Sequence[tuple[str, str]]) -> list[int]: ...
+    async def get_many_span_sequence_ids(self, rollout_attempt_ids: Sequence[tuple[str, str]]) -> list[int]:
+        if not rollout_attempt_ids:
+            return []
+        return await self._request(contract.GetManySpanSequenceIds, rollout_attempt_ids=list(rollout_attempt_ids))
 
-    async def query_spans(
-        self,
-        rollout_id: str,
-        attempt_id: str | None = None,
-        *,
-        trace_id: str | None = None,
-        span_id: str | None = None,
-        parent_id: str | None = None,
-        name: str | None = None,
-        name_contains: str | None = None,
-        filter_logic: FilterLogic = "and",
-        sort_by: str | None = "sequence_id",
-        sort_order: SortOrder = "asc",
-        limit: int = -1,
-        offset: int = 0,
-    ) -> list[Span]: ...
+    async def query_spans(self, rollout_id: str, attempt_id: str | None = None, **filters: Any) -> list[Span]:
+        """Spans of a rollout (of one attempt; "latest" for its latest), by `trace_id`, `span_id`, `parent_id`,
+        `name`, `name_contains` (see QuerySpans), sorted and paged."""
+        return await self._request(contract.QuerySpans, rollout_id=rollout_id, attempt_id=attempt_id, **filters)
 
     # --- resources ---------------------------------------------------------------------------
-    async def add_resources(self, resources: NamedResources) -> ResourcesUpdate: ...
 
-    async def update_resources(self, resources_id: str, resources: NamedResources) -> ResourcesUpdate: ...
+    async def add_resources(self, resources: NamedResources) -> ResourcesUpdate:
+        return await self._request(contract.AddResources, resources=resources)
 
-    async def get_resources_by_id(self, resources_id: str) -> ResourcesUpdate | None: ...
+    async def update_resources(self, resources_id: str, resources: NamedResources) -> ResourcesUpdate:
+        return await self._request(contract.UpdateResources, resources_id=resources_id, resources=resources)
 
-    async def get_latest_resources(self) -> ResourcesUpdate | None: ...
+    async def get_resources_by_id(self, resources_id: str) -> ResourcesUpdate | None:
+        return await self._request(contract.GetResourcesById, resources_id=resources_id)
 
-    async def query_resources(
-        self,
-        *,
-        resources_id: str | None = None,
-        resources_id_contains: str | None = None,
-        sort_by: str | None = None,
-        sort_order: SortOrder = "asc",
-        limit: int = -1,
-        offset: int = 0,
-    ) -> list[ResourcesUpdate]: ...
+    async def get_latest_resources(self) -> ResourcesUpdate | None:
+        return await self._request(contract.GetLatestResources)
+
+    async def query_resources(self, **filters: Any) -> list[ResourcesUpdate]:
+        return await self._request(contract.QueryResources, **filters)
 
     # --- workers -----------------------------------------------------------------------------
-    async def update_worker(self, worker_id: str, heartbeat_stats: dict[str, Any] = UNSET) -> Worker: ...
 
-    async def get_worker_by_id(self, worker_id: str) -> Worker | None: ...
+    async def update_worker(self, worker_id: str, heartbeat_stats: dict[str, Any] | None = UNSET) -> Worker:
+        """A heartbeat of `worker_id`, with its stats if given (None clears them)."""
+        return await self._request(contract.UpdateWorker, worker_id=worker_id, heartbeat_stats=heartbeat_stats)
 
-    async def query_workers(
-        self,
-        *,
-        status_in: Sequence[WorkerStatus] | None = None,
-        worker_id_contains: str | None = None,
-        filter_logic: FilterLogic = "and",
-        sort_by: str | None = None,
-        sort_order: SortOrder = "asc",
-        limit: int = -1,
-        offset: int = 0,
-    ) -> list[Worker]: ...
+    async def get_worker_by_id(self, worker_id: str) -> Worker | None:
+        return await self._request(contract.GetWorkerById, worker_id=worker_id)
+
+    async def query_workers(self, **filters: Any) -> list[Worker]:
+        return await self._request(contract.QueryWorkers, **filters)
 
     # --- housekeeping ------------------------------------------------------------------------
-    async def statistics(self) -> dict[str, Any]: ...
 
-    async def close(self) -> None: ...
+    async def statistics(self) -> dict[str, Any]:
+        return await self._request(contract.Statistics)
+
+    async def run_watchdog(self) -> int:
+        """One watchdog pass now: mark timed-out and unresponsive attempts, move their rollouts; how many it marked."""
+        return await self._request(contract.RunWatchdog)

@@ -1,15 +1,14 @@
-"""The store over HTTP: one FastAPI route per store method, plus OTLP/HTTP trace ingestion at /v1/traces."""
+"""The store over HTTP: `POST /v1/store/<method>` for every request of `lightning.store.contract` (the request
+model is the body, its `response` the answer), plus OTLP/HTTP trace ingestion at /v1/traces."""
 
 from __future__ import annotations
 
 import base64
-import hmac
 import json
 import logging
-import typing
 import zlib
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Literal
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pydantic
 from fastapi import FastAPI, Request
@@ -23,207 +22,22 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as ProtoSpan
-from pydantic import BaseModel, ConfigDict, Field
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lightning import semconv
-from lightning.store.base import LightningStore
+from lightning.serving import BearerAuth
+from lightning.store import contract
+from lightning.store.base import LightningStore, describe_validation_error
+from lightning.store.contract import MAX_WAIT_SECONDS, REQUESTS
 from lightning.store.errors import ConflictError, InvalidArgumentError, NotFoundError, StoreError
-from lightning.types import (
-    Attempt,
-    AttemptedRollout,
-    AttemptStatus,
-    EnqueueRolloutRequest,
-    Event,
-    Link,
-    NamedResources,
-    OtelResource,
-    ResourcesUpdate,
-    Rollout,
-    RolloutConfig,
-    RolloutMode,
-    RolloutStatus,
-    Span,
-    SpanContext,
-    TaskInput,
-    TraceStatus,
-    Worker,
-    WorkerStatus,
-)
+from lightning.types import Event, Link, OtelResource, Span, SpanContext, TraceStatus
 
 logger = logging.getLogger(__name__)
 
-MAX_WAIT_SECONDS = 30.0
-"""The longest one request waits (dequeue, wait_for_rollouts); the client asks again for longer waits."""
 DISCONNECT_CHECK_SECONDS = 1.0
 """A waiting dequeue looks this often whether its client is gone, so it claims nothing for nobody."""
 MAX_OTLP_BYTES = 64 * 1024 * 1024
 """Largest OTLP payload accepted, after gunzip (a guard against compressed bombs)."""
 PROTOBUF = "application/x-protobuf"
-
-SortOrder = Literal["asc", "desc"]
-FilterLogic = Literal["and", "or"]
-
-
-# --- request bodies ---------------------------------------------------------------------------
-
-
-class _Body(BaseModel):
-    """A request body; unknown fields are a 422 that names them, not silently dropped."""
-
-    model_config = ConfigDict(extra="forbid")
-
-
-class EnqueueManyBody(_Body):
-    rollouts: list[EnqueueRolloutRequest]
-
-
-class StartRolloutBody(_Body):
-    input: TaskInput
-    mode: RolloutMode | None = None
-    resources_id: str | None = None
-    config: RolloutConfig | None = None
-    metadata: dict[str, Any] | None = None
-    worker_id: str | None = None
-
-
-class DequeueBody(_Body):
-    limit: int = 1
-    worker_id: str | None = None
-    wait: float = Field(default=0.0, ge=0, description=f"seconds to wait for work; at most {MAX_WAIT_SECONDS:g}")
-
-
-class StartAttemptBody(_Body):
-    rollout_id: str
-    worker_id: str | None = None
-
-
-class RolloutIdBody(_Body):
-    rollout_id: str
-
-
-class QueryRolloutsBody(_Body):
-    status_in: list[RolloutStatus] | None = None
-    rollout_id_in: list[str] | None = None
-    rollout_id_contains: str | None = None
-    mode: RolloutMode | None = None
-    filter_logic: FilterLogic = "and"
-    sort_by: str | None = None
-    sort_order: SortOrder = "asc"
-    limit: int = -1
-    offset: int = 0
-
-
-class UpdateRolloutBody(_Body):
-    """Fields left out stay as they are; an explicit null clears."""
-
-    rollout_id: str
-    input: TaskInput = None
-    mode: RolloutMode | None = None
-    resources_id: str | None = None
-    status: RolloutStatus | None = None
-    config: RolloutConfig | None = None
-    metadata: dict[str, Any] | None = None
-
-
-class WaitForRolloutsBody(_Body):
-    rollout_ids: list[str]
-    timeout: float | None = Field(default=None, ge=0, description=f"seconds; at most {MAX_WAIT_SECONDS:g}")
-
-
-class QueryAttemptsBody(_Body):
-    rollout_id: str
-    sort_by: str | None = "sequence_id"
-    sort_order: SortOrder = "asc"
-    limit: int = -1
-    offset: int = 0
-
-
-class UpdateAttemptBody(_Body):
-    """Fields left out stay as they are; an explicit null clears."""
-
-    rollout_id: str
-    attempt_id: str
-    status: AttemptStatus | None = None
-    worker_id: str | None = None
-    last_heartbeat_time: float | None = None
-    metadata: dict[str, Any] | None = None
-
-
-class AddManySpansBody(_Body):
-    spans: list[Span]
-
-
-class SequenceIdBody(_Body):
-    rollout_id: str
-    attempt_id: str
-
-
-class ManySequenceIdsBody(_Body):
-    rollout_attempt_ids: list[tuple[str, str]]
-
-
-class QuerySpansBody(_Body):
-    rollout_id: str
-    attempt_id: str | None = None
-    trace_id: str | None = None
-    span_id: str | None = None
-    parent_id: str | None = None
-    name: str | None = None
-    name_contains: str | None = None
-    filter_logic: FilterLogic = "and"
-    sort_by: str | None = "sequence_id"
-    sort_order: SortOrder = "asc"
-    limit: int = -1
-    offset: int = 0
-
-
-class AddResourcesBody(_Body):
-    resources: NamedResources
-
-
-class UpdateResourcesBody(_Body):
-    resources_id: str
-    resources: NamedResources
-
-
-class ResourcesIdBody(_Body):
-    resources_id: str
-
-
-class QueryResourcesBody(_Body):
-    resources_id: str | None = None
-    resources_id_contains: str | None = None
-    sort_by: str | None = None
-    sort_order: SortOrder = "asc"
-    limit: int = -1
-    offset: int = 0
-
-
-class UpdateWorkerBody(_Body):
-    """heartbeat_stats left out keeps the stored stats; null clears them."""
-
-    worker_id: str
-    heartbeat_stats: dict[str, Any] | None = None
-
-
-class WorkerIdBody(_Body):
-    worker_id: str
-
-
-class QueryWorkersBody(_Body):
-    status_in: list[WorkerStatus] | None = None
-    worker_id_contains: str | None = None
-    filter_logic: FilterLogic = "and"
-    sort_by: str | None = None
-    sort_order: SortOrder = "asc"
-    limit: int = -1
-    offset: int = 0
-
-
-def _given(body: BaseModel, *exclude: str) -> dict[str, Any]:
-    """The fields the client sent (explicit nulls included), as keyword arguments."""
-    return {name: getattr(body, name) for name in body.model_fields_set if name not in exclude}
 
 
 # --- errors -----------------------------------------------------------------------------------
@@ -239,46 +53,40 @@ def _status_of(exc: Exception) -> int:
     return 503  # a StoreError the store raised on purpose: it is there but cannot serve now
 
 
-def _validation_message(errors: Sequence[Any]) -> str:
-    """`field.path: what is wrong` for each problem (the first few), the field named as in the body."""
-    problems = []
-    for error in errors[:5]:
-        loc = [str(part) for part in error.get("loc", ())]
-        problems.append(f"{'.'.join(loc) or 'body'}: {error.get('msg', 'invalid')}")
-    return "; ".join(problems)
-
-
 def _error(status_code: int, detail: str) -> JSONResponse:
     return JSONResponse({"detail": detail}, status_code=status_code)
 
 
+def _unauthorised() -> JSONResponse:
+    return JSONResponse(
+        {"detail": "missing or wrong bearer token (Authorization: Bearer <token>)"},
+        status_code=401,
+        headers={"WWW-Authenticate": "Bearer"},
+    )
+
+
 class _StoreRoute(APIRoute):
-    """A route whose endpoint takes `body` (a pydantic model) and/or `request`. FastAPI builds the OpenAPI
-    schema from that signature as usual; a request takes a shorter path than FastAPI's own (a quarter
-    of a millisecond less per call): pydantic validates the body straight from the JSON bytes and dumps
-    the result straight to JSON bytes. Every error becomes status code + message; tracebacks stay in
-    the server log."""
+    """A route whose endpoint takes `body` (a request model) and `request`. FastAPI builds the OpenAPI schema from
+    that signature as usual; a request takes a shorter path than FastAPI's own (a quarter of a millisecond less
+    per call): pydantic validates the body straight from the JSON bytes and dumps the answer straight to JSON
+    bytes. Every error becomes status code + message; tracebacks stay in the server log."""
 
     def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
-        hints = typing.get_type_hints(self.endpoint)
-        body_model: type[BaseModel] | None = hints.get("body")
-        wants_request = "request" in hints
+        body_model: type[pydantic.BaseModel] | None = self.endpoint.__annotations__.get("body")
         answer = pydantic.TypeAdapter(Any if self.response_model is None else self.response_model)
         endpoint = self.endpoint
 
         async def handle(request: Request) -> Response:
             try:
-                arguments: dict[str, Any] = {}
+                arguments: dict[str, Any] = {"request": request}
                 if body_model is not None:
                     arguments["body"] = body_model.model_validate_json(await request.body() or b"{}")
-                if wants_request:
-                    arguments["request"] = request
                 result = await endpoint(**arguments)
                 if isinstance(result, Response):
                     return result
                 return Response(answer.dump_json(result), media_type="application/json")
             except pydantic.ValidationError as exc:
-                return _error(422, _validation_message(exc.errors()))
+                return _error(422, describe_validation_error(exc, "body"))
             except StoreError as exc:
                 return _error(_status_of(exc), str(exc))
             except Exception:
@@ -286,29 +94,6 @@ class _StoreRoute(APIRoute):
                 return _error(500, "internal server error; see the store server's log")
 
         return handle
-
-
-class _BearerAuth:
-    """Every HTTP request, docs included, must carry `Authorization: Bearer <token>`."""
-
-    def __init__(self, app: ASGIApp, token: str) -> None:
-        self.app = app
-        self._expected = f"Bearer {token}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] in ("http", "websocket") and not self._authorised(scope):
-            response = JSONResponse(
-                {"detail": "missing or wrong bearer token (Authorization: Bearer <token>)"},
-                status_code=401,
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-            await response(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
-
-    def _authorised(self, scope: Scope) -> bool:
-        given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
-        return hmac.compare_digest(given, self._expected)
 
 
 # --- the app ----------------------------------------------------------------------------------
@@ -320,176 +105,68 @@ def create_app(store: LightningStore, *, token: str | None = None) -> FastAPI:
     The app does not close the store: whoever opened it does (`lightning store serve` on shutdown)."""
     app = FastAPI(
         title="lightning store",
-        description="The store protocol (lightning.store.base.LightningStore) over HTTP, and OTLP/HTTP traces.",
+        description="The store protocol (lightning.store.contract) over HTTP, and OTLP/HTTP traces.",
         version="1",
     )
     app.state.store = store
     # Routes go on the app itself: through include_router, FastAPI's route matching costs 0.15 ms a request.
     app.router.route_class = _StoreRoute
-    _add_store_routes(app, store)
+
+    @app.get("/health", tags=["health"])
+    async def health(request: Request) -> dict[str, Any]:
+        """The store answers: its statistics."""
+        return {"status": "ok", "statistics": await store.statistics()}
+
+    for request_type in REQUESTS:
+        app.router.add_api_route(
+            f"/v1/store/{request_type.method}",
+            _endpoint(store, request_type),
+            methods=["POST"],
+            response_model=request_type.response,
+            tags=[_tag(request_type.method)],
+            description=request_type.__doc__,
+        )
     _add_otlp_route(app, store)
     if token is not None:
         if not token:
             raise InvalidArgumentError("token must be a non-empty string, or None for no authentication")
-        app.add_middleware(_BearerAuth, token=token)
+        app.add_middleware(BearerAuth, token=token, refusal=_unauthorised)
     return app
 
 
-def _add_store_routes(app: FastAPI, store: LightningStore) -> None:
-    post = app.post
+def _endpoint(store: LightningStore, request_type: type[contract.Request]) -> Callable[..., Awaitable[Any]]:
+    """The route of one store method: the body is its request, handed to the store; waits are capped per request."""
 
-    @app.get("/health", tags=["health"])
-    async def health() -> dict[str, Any]:
-        """The store answers: its statistics."""
-        return {"status": "ok", "statistics": await store.statistics()}
+    async def endpoint(body: contract.Request, request: Request) -> Any:
+        if isinstance(body, contract.DequeueRollout | contract.DequeueRollouts):
+            return await _dequeue(store, body, request)
+        if isinstance(body, contract.WaitForRollouts):
+            timeout = MAX_WAIT_SECONDS if body.timeout is None else min(body.timeout, MAX_WAIT_SECONDS)
+            body = body.model_copy(update={"timeout": timeout})
+        return await store.handle(body)
 
-    # --- rollouts ----------------------------------------------------------------------------
+    endpoint.__name__ = request_type.method
+    endpoint.__doc__ = request_type.__doc__
+    endpoint.__annotations__ = {"body": request_type, "request": Request, "return": request_type.response}
+    return endpoint
 
-    @post("/v1/store/enqueue_rollout", response_model=Rollout, tags=["rollouts"])
-    async def enqueue_rollout(body: EnqueueRolloutRequest) -> Rollout:
-        return await store.enqueue_rollout(**_given(body))
 
-    @post("/v1/store/enqueue_many_rollouts", response_model=list[Rollout], tags=["rollouts"])
-    async def enqueue_many_rollouts(body: EnqueueManyBody) -> list[Rollout]:
-        return list(await store.enqueue_many_rollouts(body.rollouts))
-
-    @post("/v1/store/start_rollout", response_model=AttemptedRollout, tags=["rollouts"])
-    async def start_rollout(body: StartRolloutBody) -> AttemptedRollout:
-        return await store.start_rollout(**_given(body))
-
-    @post("/v1/store/dequeue_rollout", response_model=AttemptedRollout | None, tags=["rollouts"])
-    async def dequeue_rollout(body: DequeueBody, request: Request) -> AttemptedRollout | None:
-        """Claims the oldest queued rollout; null when the queue stays empty for `wait` seconds."""
-        claimed = await _dequeue(store, request, 1, body.worker_id, body.wait)
-        return claimed[0] if claimed else None
-
-    @post("/v1/store/dequeue_many_rollouts", response_model=list[AttemptedRollout], tags=["rollouts"])
-    async def dequeue_many_rollouts(body: DequeueBody, request: Request) -> list[AttemptedRollout]:
-        return await _dequeue(store, request, body.limit, body.worker_id, body.wait)
-
-    @post("/v1/store/start_attempt", response_model=AttemptedRollout, tags=["rollouts"])
-    async def start_attempt(body: StartAttemptBody) -> AttemptedRollout:
-        return await store.start_attempt(body.rollout_id, worker_id=body.worker_id)
-
-    @post("/v1/store/get_rollout_by_id", response_model=Rollout | None, tags=["rollouts"])
-    async def get_rollout_by_id(body: RolloutIdBody) -> Rollout | None:
-        return await store.get_rollout_by_id(body.rollout_id)
-
-    # A rollout with an attempt comes back as AttemptedRollout (listed first so it keeps its attempt).
-    @post("/v1/store/query_rollouts", response_model=list[AttemptedRollout | Rollout], tags=["rollouts"])
-    async def query_rollouts(body: QueryRolloutsBody) -> list[Rollout]:
-        return list(await store.query_rollouts(**body.model_dump()))
-
-    @post("/v1/store/update_rollout", response_model=Rollout, tags=["rollouts"])
-    async def update_rollout(body: UpdateRolloutBody) -> Rollout:
-        """Only the fields present in the body change; an explicit null clears a field."""
-        return await store.update_rollout(body.rollout_id, **_given(body, "rollout_id"))
-
-    @post("/v1/store/wait_for_rollouts", response_model=list[Rollout], tags=["rollouts"])
-    async def wait_for_rollouts(body: WaitForRolloutsBody) -> list[Rollout]:
-        """The finished rollouts among `rollout_ids`, after waiting up to `timeout` seconds for the rest."""
-        timeout = MAX_WAIT_SECONDS if body.timeout is None else min(body.timeout, MAX_WAIT_SECONDS)
-        return await store.wait_for_rollouts(rollout_ids=body.rollout_ids, timeout=timeout)
-
-    # --- attempts ----------------------------------------------------------------------------
-
-    @post("/v1/store/query_attempts", response_model=list[Attempt], tags=["attempts"])
-    async def query_attempts(body: QueryAttemptsBody) -> list[Attempt]:
-        return await store.query_attempts(**body.model_dump())
-
-    @post("/v1/store/get_latest_attempt", response_model=Attempt | None, tags=["attempts"])
-    async def get_latest_attempt(body: RolloutIdBody) -> Attempt | None:
-        return await store.get_latest_attempt(body.rollout_id)
-
-    @post("/v1/store/update_attempt", response_model=Attempt, tags=["attempts"])
-    async def update_attempt(body: UpdateAttemptBody) -> Attempt:
-        """Only the fields present in the body change; an explicit null clears a field."""
-        return await store.update_attempt(body.rollout_id, body.attempt_id, **_given(body, "rollout_id", "attempt_id"))
-
-    # --- spans -------------------------------------------------------------------------------
-
-    @post("/v1/store/add_span", response_model=Span | None, tags=["spans"])
-    async def add_span(body: Span) -> Span | None:
-        """The span as stored, or null if a span with its span_id was already there."""
-        return await store.add_span(body)
-
-    @post("/v1/store/add_many_spans", response_model=list[Span], tags=["spans"])
-    async def add_many_spans(body: AddManySpansBody) -> list[Span]:
-        return list(await store.add_many_spans(body.spans))
-
-    @post("/v1/store/get_next_span_sequence_id", response_model=int, tags=["spans"])
-    async def get_next_span_sequence_id(body: SequenceIdBody) -> int:
-        return await store.get_next_span_sequence_id(body.rollout_id, body.attempt_id)
-
-    @post("/v1/store/get_many_span_sequence_ids", response_model=list[int], tags=["spans"])
-    async def get_many_span_sequence_ids(body: ManySequenceIdsBody) -> list[int]:
-        return list(await store.get_many_span_sequence_ids(body.rollout_attempt_ids))
-
-    @post("/v1/store/query_spans", response_model=list[Span], tags=["spans"])
-    async def query_spans(body: QuerySpansBody) -> list[Span]:
-        fields = body.model_dump()
-        return await store.query_spans(fields.pop("rollout_id"), fields.pop("attempt_id"), **fields)
-
-    # --- resources ---------------------------------------------------------------------------
-
-    @post("/v1/store/add_resources", response_model=ResourcesUpdate, tags=["resources"])
-    async def add_resources(body: AddResourcesBody) -> ResourcesUpdate:
-        return await store.add_resources(body.resources)
-
-    @post("/v1/store/update_resources", response_model=ResourcesUpdate, tags=["resources"])
-    async def update_resources(body: UpdateResourcesBody) -> ResourcesUpdate:
-        return await store.update_resources(body.resources_id, body.resources)
-
-    @post("/v1/store/get_resources_by_id", response_model=ResourcesUpdate | None, tags=["resources"])
-    async def get_resources_by_id(body: ResourcesIdBody) -> ResourcesUpdate | None:
-        return await store.get_resources_by_id(body.resources_id)
-
-    @post("/v1/store/get_latest_resources", response_model=ResourcesUpdate | None, tags=["resources"])
-    async def get_latest_resources() -> ResourcesUpdate | None:
-        return await store.get_latest_resources()
-
-    @post("/v1/store/query_resources", response_model=list[ResourcesUpdate], tags=["resources"])
-    async def query_resources(body: QueryResourcesBody) -> list[ResourcesUpdate]:
-        return await store.query_resources(**body.model_dump())
-
-    # --- workers -----------------------------------------------------------------------------
-
-    @post("/v1/store/update_worker", response_model=Worker, tags=["workers"])
-    async def update_worker(body: UpdateWorkerBody) -> Worker:
-        return await store.update_worker(body.worker_id, **_given(body, "worker_id"))
-
-    @post("/v1/store/get_worker_by_id", response_model=Worker | None, tags=["workers"])
-    async def get_worker_by_id(body: WorkerIdBody) -> Worker | None:
-        return await store.get_worker_by_id(body.worker_id)
-
-    @post("/v1/store/query_workers", response_model=list[Worker], tags=["workers"])
-    async def query_workers(body: QueryWorkersBody) -> list[Worker]:
-        return await store.query_workers(**body.model_dump())
-
-    # --- housekeeping ------------------------------------------------------------------------
-
-    @post("/v1/store/statistics", tags=["housekeeping"])
-    async def statistics() -> dict[str, Any]:
-        return await store.statistics()
-
-    @post("/v1/store/run_watchdog", response_model=int, tags=["housekeeping"])
-    async def run_watchdog() -> int:
-        """One watchdog pass now; how many attempts it marked timeout or unresponsive."""
-        run = getattr(store, "run_watchdog", None)
-        if run is None:
-            raise InvalidArgumentError(f"{type(store).__name__} has no watchdog to run")
-        return await run()
+def _tag(method: str) -> str:
+    for tag in ("span", "attempt", "resources", "worker", "rollout"):
+        if tag in method:
+            return f"{tag}s".replace("resourcess", "resources")
+    return "housekeeping"
 
 
 async def _dequeue(
-    store: LightningStore, request: Request, limit: int, worker_id: str | None, wait: float
-) -> list[AttemptedRollout]:
-    """Claim up to `limit` rollouts, waiting up to `wait` seconds (capped) in slices: a rollout claimed
-    for a client that has gone away would sit in `preparing` until the watchdog notices."""
-    remaining = min(wait, MAX_WAIT_SECONDS)
+    store: LightningStore, body: contract.DequeueRollout | contract.DequeueRollouts, request: Request
+) -> Any:
+    """Claim rollouts, waiting up to `wait` seconds (capped) in slices: a rollout claimed for a client that has
+    gone away would sit in `preparing` until the watchdog notices."""
+    remaining = min(body.wait, MAX_WAIT_SECONDS)
     while True:
         slice_ = min(remaining, DISCONNECT_CHECK_SECONDS)
-        claimed = list(await store.dequeue_many_rollouts(limit=limit, worker_id=worker_id, wait=slice_))
+        claimed = await store.handle(body.model_copy(update={"wait": slice_}))
         remaining -= slice_
         if claimed or remaining <= 0 or await request.is_disconnected():
             return claimed

@@ -24,7 +24,7 @@ import logging
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -50,13 +50,12 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import IntegrityError, OperationalError, StatementError
 from sqlalchemy.pool import StaticPool
 
-from lightning.store import lifecycle
-from lightning.store.base import UNSET, FilterLogic, SortOrder
+from lightning.store import contract, lifecycle
+from lightning.store.base import UNSET, LightningStore
+from lightning.store.contract import DEFAULT_QUEUE, Request
 from lightning.store.errors import InvalidArgumentError, NotFoundError, StoreError
-from lightning.store.tables import attempts, metadata, resources, rollouts, spans, workers
+from lightning.store.tables import attempts, metadata, migrate, resources, rollouts, spans, workers
 from lightning.types import (
-    ATTEMPT_STATUSES,
-    ROLLOUT_STATUSES,
     Attempt,
     AttemptedRollout,
     AttemptStatus,
@@ -65,12 +64,9 @@ from lightning.types import (
     ResourcesUpdate,
     Rollout,
     RolloutConfig,
-    RolloutMode,
     RolloutStatus,
     Span,
-    TaskInput,
     Worker,
-    WorkerStatus,
     new_attempt_id,
     new_resources_id,
     new_rollout_id,
@@ -83,28 +79,6 @@ T = TypeVar("T")
 
 _SPAN_LIST = pydantic.TypeAdapter(list[Span])
 _NAMED_RESOURCES = pydantic.TypeAdapter(NamedResources)
-
-# Columns a caller may sort by, per query method.
-_ROLLOUT_SORT = {"rollout_id", "start_time", "end_time", "status", "mode", "resources_id"}
-_ATTEMPT_SORT = {
-    "sequence_id",
-    "attempt_id",
-    "start_time",
-    "end_time",
-    "status",
-    "worker_id",
-    "last_heartbeat_time",
-}
-_SPAN_SORT = {"sequence_id", "start_time", "end_time", "name", "trace_id", "span_id", "parent_id"}
-_RESOURCES_SORT = {"resources_id", "create_time", "update_time", "version"}
-_WORKER_SORT = {
-    "worker_id",
-    "status",
-    "last_heartbeat_time",
-    "last_dequeue_time",
-    "last_busy_time",
-    "last_idle_time",
-}
 
 _ROLLOUT_COLUMNS = [
     rollouts.c.rollout_id,
@@ -162,7 +136,7 @@ async def _wait(event: asyncio.Event, timeout: float) -> None:
         await asyncio.wait_for(event.wait(), timeout=timeout)
 
 
-class SqlLightningStore:
+class SqlLightningStore(LightningStore):
     """The store. `url`: `sqlite:///path.db` (default `.lightning/store.db`), `sqlite://` (in memory),
     or `postgresql://user:pass@host:port/db`. `watchdog_interval`: seconds between background
     watchdog passes (None: only when `run_watchdog()` is called). `pool_size`: PostgreSQL
@@ -245,14 +219,18 @@ class SqlLightningStore:
         return await loop.run_in_executor(self._executor, self._transaction, fn, args, write)
 
     def _create_tables(self) -> None:
+        def create(tx: _Tx) -> None:
+            metadata.create_all(tx.conn)
+            migrate(tx.conn)
+
         for attempt in range(3):
             try:
                 if self._sqlite_conn is not None:
                     with self._lock:
-                        self._sqlite_transaction(self._sqlite_conn, lambda tx: metadata.create_all(tx.conn), (), True)
+                        self._sqlite_transaction(self._sqlite_conn, create, (), True)
                 else:
                     with self._engine.begin() as conn:
-                        metadata.create_all(conn)
+                        create(_Tx(conn))
                 return
             except (OperationalError, IntegrityError):
                 # Another process created the same tables at the same moment; look again.
@@ -274,40 +252,20 @@ class SqlLightningStore:
             self._executor.shutdown(wait=True)
         self._engine.dispose()
 
-    async def __aenter__(self) -> SqlLightningStore:
-        return self
+    # --- the requests: `handle` runs each as one transaction ---------------------------------
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
+    async def handle(self, request: Request) -> Any:
+        """Carry out `request` (a model of lightning.store.contract) with the method `_<its method name>` below."""
+        return await getattr(self, f"_{request.method}")(request)
 
     # --- rollouts ----------------------------------------------------------------------------
 
-    async def enqueue_rollout(
-        self,
-        input: TaskInput,
-        mode: RolloutMode | None = None,
-        resources_id: str | None = None,
-        config: RolloutConfig | None = None,
-        metadata: dict[str, Any] | None = None,
-        idempotency_key: str | None = None,
-    ) -> Rollout:
-        request = _validated(
-            EnqueueRolloutRequest,
-            input=input,
-            mode=mode,
-            resources_id=resources_id,
-            config=config,
-            metadata=metadata,
-            idempotency_key=idempotency_key,
-        )
-        (rollout,) = await self._run(_op_enqueue, [request], [_json(input, "input")], time.time())
-        self._enqueued.notify()
+    async def _enqueue_rollout(self, request: contract.EnqueueRollout) -> Rollout:
+        (rollout,) = await self._enqueue_many_rollouts(contract.EnqueueManyRollouts(rollouts=[request]))
         return rollout
 
-    async def enqueue_many_rollouts(self, rollouts: Sequence[EnqueueRolloutRequest]) -> list[Rollout]:
-        requests = [
-            r if isinstance(r, EnqueueRolloutRequest) else _validated(EnqueueRolloutRequest, **r) for r in rollouts
-        ]
+    async def _enqueue_many_rollouts(self, request: contract.EnqueueManyRollouts) -> list[Rollout]:
+        requests = request.rollouts
         if not requests:
             return []
         encoded = [_json(r.input, f"rollouts[{i}].input") for i, r in enumerate(requests)]
@@ -315,123 +273,88 @@ class SqlLightningStore:
         self._enqueued.notify()
         return enqueued
 
-    async def start_rollout(
-        self,
-        input: TaskInput,
-        mode: RolloutMode | None = None,
-        resources_id: str | None = None,
-        config: RolloutConfig | None = None,
-        metadata: dict[str, Any] | None = None,
-        worker_id: str | None = None,
-    ) -> AttemptedRollout:
-        request = _validated(
-            EnqueueRolloutRequest,
-            input=input,
-            mode=mode,
-            resources_id=resources_id,
-            config=config,
-            metadata=metadata,
-        )
-        return await self._run(_op_start_rollout, request, _json(input, "input"), worker_id, time.time())
+    async def _start_rollout(self, request: contract.StartRollout) -> AttemptedRollout:
+        encoded_input = _json(request.input, "input")
+        return await self._run(_op_start_rollout, request, encoded_input, time.time())
 
-    async def dequeue_rollout(self, worker_id: str | None = None, *, wait: float = 0.0) -> AttemptedRollout | None:
-        claimed = await self.dequeue_many_rollouts(limit=1, worker_id=worker_id, wait=wait)
+    async def _dequeue_rollout(self, request: contract.DequeueRollout) -> AttemptedRollout | None:
+        fields = request.model_dump()
+        claimed = await self._dequeue_many_rollouts(contract.DequeueRollouts(limit=1, **fields))
         return claimed[0] if claimed else None
 
-    async def dequeue_many_rollouts(
-        self, *, limit: int = 1, worker_id: str | None = None, wait: float = 0.0
-    ) -> list[AttemptedRollout]:
-        """Claim up to `limit` queued rollouts, oldest first. With an empty queue, return [] at once,
-        or with `wait` > 0 keep trying for up to `wait` seconds: an enqueue through this store object
-        wakes the wait at once, others are seen within 0.5 s."""
-        if limit <= 0:
+    async def _dequeue_many_rollouts(self, request: contract.DequeueRollouts) -> list[AttemptedRollout]:
+        """Claim up to `limit` rollouts of the queue, oldest first. With an empty queue, return [] at once, or
+        with `wait` > 0 keep trying for up to `wait` seconds: an enqueue through this store object wakes the wait
+        at once, others are seen within 0.5 s."""
+        if request.limit == 0:
             return []
-        if wait < 0:
-            raise InvalidArgumentError(f"wait must be >= 0 seconds, got {wait}")
-        deadline = time.monotonic() + wait
+        queue = request.queue or DEFAULT_QUEUE
+        deadline = time.monotonic() + request.wait
         with self._enqueued.listening() as enqueued:
             while True:
                 enqueued.clear()
-                claimed = await self._run(_op_dequeue, limit, worker_id, time.time())
+                claimed = await self._run(_op_dequeue, queue, request.limit, request.worker_id, time.time())
                 remaining = deadline - time.monotonic()
                 if claimed or remaining <= 0:
                     return claimed
                 await _wait(enqueued, min(remaining, 0.5))
 
-    async def start_attempt(self, rollout_id: str, worker_id: str | None = None) -> AttemptedRollout:
-        return await self._run(_op_start_attempt, rollout_id, worker_id, time.time())
+    async def _start_attempt(self, request: contract.StartAttempt) -> AttemptedRollout:
+        return await self._run(_op_start_attempt, request.rollout_id, request.worker_id, time.time())
 
-    async def get_rollout_by_id(self, rollout_id: str) -> Rollout | None:
-        found = await self._run(_op_rollouts_by_ids, [rollout_id], write=False)
-        return found.get(rollout_id)
+    async def _get_rollout_by_id(self, request: contract.GetRolloutById) -> Rollout | None:
+        found = await self._run(_op_rollouts_by_ids, [request.rollout_id], write=False)
+        return found.get(request.rollout_id)
 
-    async def query_rollouts(
-        self,
-        *,
-        status_in: Sequence[RolloutStatus] | None = None,
-        rollout_id_in: Sequence[str] | None = None,
-        rollout_id_contains: str | None = None,
-        mode: RolloutMode | None = None,
-        filter_logic: FilterLogic = "and",
-        sort_by: str | None = None,
-        sort_order: SortOrder = "asc",
-        limit: int = -1,
-        offset: int = 0,
-    ) -> list[Rollout]:
+    async def _query_rollouts(self, request: contract.QueryRollouts) -> list[Rollout]:
         conditions: list[ColumnElement[bool]] = []
-        if status_in is not None:
-            conditions.append(rollouts.c.status.in_(_check_statuses("status_in", status_in, ROLLOUT_STATUSES)))
-        if rollout_id_in is not None:
-            conditions.append(rollouts.c.rollout_id.in_(list(rollout_id_in)))
-        if rollout_id_contains is not None:
-            conditions.append(rollouts.c.rollout_id.contains(rollout_id_contains, autoescape=True))
-        if mode is not None:
-            conditions.append(rollouts.c.mode == mode)
+        if request.status_in is not None:
+            conditions.append(rollouts.c.status.in_(request.status_in))
+        if request.rollout_id_in is not None:
+            conditions.append(rollouts.c.rollout_id.in_(request.rollout_id_in))
+        if request.rollout_id_contains is not None:
+            conditions.append(rollouts.c.rollout_id.contains(request.rollout_id_contains, autoescape=True))
+        if request.mode is not None:
+            conditions.append(rollouts.c.mode == request.mode)
+        if request.queue is not None:
+            conditions.append(rollouts.c.queue == request.queue)
         stmt = (
             select(*_ROLLOUT_COLUMNS, *[c.label(f"a_{c.name}") for c in _ATTEMPT_COLUMNS])
             .select_from(rollouts.outerjoin(attempts, attempts.c.attempt_id == rollouts.c.latest_attempt_id))
-            .where(*_combine(conditions, filter_logic))
+            .where(*_combine(conditions, request.filter_logic))
         )
-        stmt = _order_and_page(stmt, rollouts, sort_by, _ROLLOUT_SORT, sort_order, limit, offset, rollouts.c.seq)
+        stmt = _order_and_page(stmt, rollouts, request, rollouts.c.seq)
         return await self._run(_op_select_rollouts, stmt, write=False)
 
-    async def update_rollout(
-        self,
-        rollout_id: str,
-        input: TaskInput = UNSET,
-        mode: RolloutMode | None = UNSET,
-        resources_id: str | None = UNSET,
-        status: RolloutStatus = UNSET,
-        config: RolloutConfig = UNSET,
-        metadata: dict[str, Any] | None = UNSET,
-    ) -> Rollout:
+    async def _update_rollout(self, request: contract.UpdateRollout) -> Rollout:
+        given = request.model_fields_set - {"rollout_id"}
         changes: dict[str, Any] = {}
-        if input is not UNSET:
-            changes["input"] = _json(input, "input")
-        if mode is not UNSET:
-            if mode is not None and mode not in ("train", "val", "test"):
-                raise InvalidArgumentError(f"mode must be 'train', 'val', 'test' or None, got {mode!r}")
-            changes["mode"] = mode
-        if resources_id is not UNSET:
-            changes["resources_id"] = resources_id
-        if config is not UNSET:
-            changes["config"] = _validated(RolloutConfig, **_as_dict(config, "config")).model_dump_json()
-        if metadata is not UNSET:
-            changes["metadata"] = _json_or_none(metadata, "metadata")
-        if status is not UNSET:
-            _check_statuses("status", [status], ROLLOUT_STATUSES)
-        rollout = await self._run(_op_update_rollout, rollout_id, changes, status, time.time())
+        if "input" in given:
+            changes["input"] = _json(request.input, "input")
+        if "mode" in given:
+            changes["mode"] = request.mode
+        if "resources_id" in given:
+            changes["resources_id"] = request.resources_id
+        if "config" in given:
+            if request.config is None:
+                raise InvalidArgumentError("update_rollout: config cannot be null; give a RolloutConfig")
+            changes["config"] = request.config.model_dump_json()
+        if "metadata" in given:
+            changes["metadata"] = _json_or_none(request.metadata, "metadata")
+        status = UNSET
+        if "status" in given:
+            if request.status is None:
+                raise InvalidArgumentError("update_rollout: status cannot be null; give a rollout status")
+            status = request.status
+        rollout = await self._run(_op_update_rollout, request.rollout_id, changes, status, time.time())
         self._notify()
         return rollout
 
-    async def wait_for_rollouts(self, *, rollout_ids: list[str], timeout: float | None = None) -> list[Rollout]:
-        """Return the rollouts among `rollout_ids` that finished, waiting up to `timeout` seconds
-        (None: until all finish). Polls with a growing interval; a rollout finished through this
-        store object wakes the wait at once."""
-        if timeout is not None and timeout < 0:
-            raise InvalidArgumentError(f"timeout must be >= 0 seconds or None, got {timeout}")
-        wanted = list(dict.fromkeys(rollout_ids))
-        deadline = None if timeout is None else time.monotonic() + timeout
+    async def _wait_for_rollouts(self, request: contract.WaitForRollouts) -> list[Rollout]:
+        """The rollouts among `rollout_ids` that finished, waiting up to `timeout` seconds (None: until all
+        finish). Polls with a growing interval; a rollout finished through this store object wakes the wait."""
+        wanted = list(dict.fromkeys(request.rollout_ids))
+        deadline = None if request.timeout is None else time.monotonic() + request.timeout
         finished: dict[str, Rollout] = {}
         pending = wanted
         with self._finished.listening() as wake:
@@ -460,204 +383,147 @@ class SqlLightningStore:
 
     # --- attempts ----------------------------------------------------------------------------
 
-    async def query_attempts(
-        self,
-        rollout_id: str,
-        *,
-        sort_by: str | None = "sequence_id",
-        sort_order: SortOrder = "asc",
-        limit: int = -1,
-        offset: int = 0,
-    ) -> list[Attempt]:
-        stmt = select(*_ATTEMPT_COLUMNS).where(attempts.c.rollout_id == rollout_id)
-        stmt = _order_and_page(stmt, attempts, sort_by, _ATTEMPT_SORT, sort_order, limit, offset, None)
-        return await self._run(_op_query_attempts, rollout_id, stmt, write=False)
+    async def _query_attempts(self, request: contract.QueryAttempts) -> list[Attempt]:
+        stmt = select(*_ATTEMPT_COLUMNS).where(attempts.c.rollout_id == request.rollout_id)
+        stmt = _order_and_page(stmt, attempts, request, None)
+        return await self._run(_op_query_attempts, request.rollout_id, stmt, write=False)
 
-    async def get_latest_attempt(self, rollout_id: str) -> Attempt | None:
-        return await self._run(_op_latest_attempt, rollout_id, write=False)
+    async def _get_latest_attempt(self, request: contract.GetLatestAttempt) -> Attempt | None:
+        return await self._run(_op_latest_attempt, request.rollout_id, write=False)
 
-    async def update_attempt(
-        self,
-        rollout_id: str,
-        attempt_id: str,
-        status: AttemptStatus = UNSET,
-        worker_id: str | None = UNSET,
-        last_heartbeat_time: float = UNSET,
-        metadata: dict[str, Any] | None = UNSET,
-    ) -> Attempt:
-        if status is not UNSET:
-            _check_statuses("status", [status], ATTEMPT_STATUSES)
+    async def _update_attempt(self, request: contract.UpdateAttempt) -> Attempt:
+        given = request.model_fields_set - {"rollout_id", "attempt_id"}
         changes: dict[str, Any] = {}
-        if worker_id is not UNSET:
-            changes["worker_id"] = worker_id
-        if last_heartbeat_time is not UNSET:
-            changes["last_heartbeat_time"] = last_heartbeat_time
-        if metadata is not UNSET:
-            changes["metadata"] = _json_or_none(metadata, "metadata")
-        attempt = await self._run(_op_update_attempt, rollout_id, attempt_id, status, changes, time.time())
+        if "worker_id" in given:
+            changes["worker_id"] = request.worker_id
+        if "last_heartbeat_time" in given:
+            changes["last_heartbeat_time"] = request.last_heartbeat_time
+        if "metadata" in given:
+            changes["metadata"] = _json_or_none(request.metadata, "metadata")
+        status = UNSET
+        if "status" in given:
+            if request.status is None:
+                raise InvalidArgumentError("update_attempt: status cannot be null; give an attempt status")
+            status = request.status
+        attempt = await self._run(
+            _op_update_attempt, request.rollout_id, request.attempt_id, status, changes, time.time()
+        )
         self._notify()
         return attempt
 
     # --- spans -------------------------------------------------------------------------------
 
-    async def add_span(self, span: Span) -> Span | None:
-        added = await self._run(_op_add_spans, [span], [_span_json(span)], time.time())
+    async def _add_span(self, request: contract.AddSpan) -> Span | None:
+        added = await self._run(_op_add_spans, [request.span], [_span_json(request.span)], time.time())
         return added[0] if added else None
 
-    async def add_many_spans(self, spans: Sequence[Span]) -> list[Span]:
-        if not spans:
+    async def _add_many_spans(self, request: contract.AddManySpans) -> list[Span]:
+        if not request.spans:
             return []
-        payloads = [_span_json(span) for span in spans]
-        return await self._run(_op_add_spans, list(spans), payloads, time.time())
+        payloads = [_span_json(span) for span in request.spans]
+        return await self._run(_op_add_spans, request.spans, payloads, time.time())
 
-    async def add_otel_span(
-        self, rollout_id: str, attempt_id: str, readable_span: Any, sequence_id: int | None = None
-    ) -> Span | None:
-        if sequence_id is None:
-            sequence_id = await self.get_next_span_sequence_id(rollout_id, attempt_id)
-        span = Span.from_opentelemetry(readable_span, rollout_id, attempt_id, sequence_id)
-        return await self.add_span(span)
-
-    async def get_next_span_sequence_id(self, rollout_id: str, attempt_id: str) -> int:
-        (sequence_id,) = await self._run(_op_allocate_sequence_ids, [(rollout_id, attempt_id)])
+    async def _get_next_span_sequence_id(self, request: contract.GetNextSpanSequenceId) -> int:
+        (sequence_id,) = await self._run(_op_allocate_sequence_ids, [(request.rollout_id, request.attempt_id)])
         return sequence_id
 
-    async def get_many_span_sequence_ids(self, rollout_attempt_ids: Sequence[tuple[str, str]]) -> list[int]:
-        if not rollout_attempt_ids:
+    async def _get_many_span_sequence_ids(self, request: contract.GetManySpanSequenceIds) -> list[int]:
+        if not request.rollout_attempt_ids:
             return []
-        return await self._run(_op_allocate_sequence_ids, list(rollout_attempt_ids))
+        return await self._run(_op_allocate_sequence_ids, request.rollout_attempt_ids)
 
-    async def query_spans(
-        self,
-        rollout_id: str,
-        attempt_id: str | None = None,
-        *,
-        trace_id: str | None = None,
-        span_id: str | None = None,
-        parent_id: str | None = None,
-        name: str | None = None,
-        name_contains: str | None = None,
-        filter_logic: FilterLogic = "and",
-        sort_by: str | None = "sequence_id",
-        sort_order: SortOrder = "asc",
-        limit: int = -1,
-        offset: int = 0,
-    ) -> list[Span]:
+    async def _query_spans(self, request: contract.QuerySpans) -> list[Span]:
         conditions: list[ColumnElement[bool]] = []
         for column, value in (
-            (spans.c.trace_id, trace_id),
-            (spans.c.span_id, span_id),
-            (spans.c.parent_id, parent_id),
-            (spans.c.name, name),
+            (spans.c.trace_id, request.trace_id),
+            (spans.c.span_id, request.span_id),
+            (spans.c.parent_id, request.parent_id),
+            (spans.c.name, request.name),
         ):
             if value is not None:
                 conditions.append(column == value)
-        if name_contains is not None:
-            conditions.append(spans.c.name.contains(name_contains, autoescape=True))
+        if request.name_contains is not None:
+            conditions.append(spans.c.name.contains(request.name_contains, autoescape=True))
         stmt = None
-        default_shape = sort_by == "sequence_id" and sort_order == "asc" and limit == -1 and offset == 0
+        default_shape = (
+            request.sort_by == "sequence_id"
+            and request.sort_order == "asc"
+            and request.limit == -1
+            and not request.offset
+        )
         if conditions or not default_shape:
             stmt = select(spans.c.payload).where(spans.c.rollout_id == bindparam("r_id"))
-            if attempt_id is not None:
+            if request.attempt_id is not None:
                 stmt = stmt.where(spans.c.attempt_id == bindparam("a_id"))
-            stmt = stmt.where(*_combine(conditions, filter_logic))
-            stmt = _order_and_page(stmt, spans, sort_by, _SPAN_SORT, sort_order, limit, offset, spans.c.pk)
-        elif filter_logic not in ("and", "or"):
-            raise InvalidArgumentError(f"filter_logic must be 'and' or 'or', got {filter_logic!r}")
-        return await self._run(_op_query_spans, rollout_id, attempt_id, stmt, write=False)
+            stmt = stmt.where(*_combine(conditions, request.filter_logic))
+            stmt = _order_and_page(stmt, spans, request, spans.c.pk)
+        return await self._run(_op_query_spans, request.rollout_id, request.attempt_id, stmt, write=False)
 
     # --- resources ---------------------------------------------------------------------------
 
-    async def add_resources(self, resources: NamedResources) -> ResourcesUpdate:
-        encoded = _validated_resources(resources)
+    async def _add_resources(self, request: contract.AddResources) -> ResourcesUpdate:
+        encoded = _NAMED_RESOURCES.dump_json(request.resources).decode()
         return await self._run(_op_put_resources, new_resources_id(), encoded, time.time())
 
-    async def update_resources(self, resources_id: str, resources: NamedResources) -> ResourcesUpdate:
-        """Replace the resources under `resources_id` (creating it if new), bump its version and
-        make it the latest."""
-        encoded = _validated_resources(resources)
-        return await self._run(_op_put_resources, resources_id, encoded, time.time())
+    async def _update_resources(self, request: contract.UpdateResources) -> ResourcesUpdate:
+        encoded = _NAMED_RESOURCES.dump_json(request.resources).decode()
+        return await self._run(_op_put_resources, request.resources_id, encoded, time.time())
 
-    async def get_resources_by_id(self, resources_id: str) -> ResourcesUpdate | None:
-        found = await self._run(
-            _op_select_resources,
-            select(resources).where(resources.c.resources_id == resources_id),
-            write=False,
-        )
+    async def _get_resources_by_id(self, request: contract.GetResourcesById) -> ResourcesUpdate | None:
+        stmt = select(resources).where(resources.c.resources_id == request.resources_id)
+        found = await self._run(_op_select_resources, stmt, write=False)
         return found[0] if found else None
 
-    async def get_latest_resources(self) -> ResourcesUpdate | None:
+    async def _get_latest_resources(self, request: contract.GetLatestResources) -> ResourcesUpdate | None:
         stmt = select(resources).order_by(resources.c.latest_order.desc()).limit(1)
         found = await self._run(_op_select_resources, stmt, write=False)
         return found[0] if found else None
 
-    async def query_resources(
-        self,
-        *,
-        resources_id: str | None = None,
-        resources_id_contains: str | None = None,
-        sort_by: str | None = None,
-        sort_order: SortOrder = "asc",
-        limit: int = -1,
-        offset: int = 0,
-    ) -> list[ResourcesUpdate]:
+    async def _query_resources(self, request: contract.QueryResources) -> list[ResourcesUpdate]:
         stmt = select(resources)
-        if resources_id is not None:
-            stmt = stmt.where(resources.c.resources_id == resources_id)
-        if resources_id_contains is not None:
-            stmt = stmt.where(resources.c.resources_id.contains(resources_id_contains, autoescape=True))
-        stmt = _order_and_page(
-            stmt, resources, sort_by, _RESOURCES_SORT, sort_order, limit, offset, resources.c.create_time
-        )
+        if request.resources_id is not None:
+            stmt = stmt.where(resources.c.resources_id == request.resources_id)
+        if request.resources_id_contains is not None:
+            stmt = stmt.where(resources.c.resources_id.contains(request.resources_id_contains, autoescape=True))
+        stmt = _order_and_page(stmt, resources, request, resources.c.create_time)
         return await self._run(_op_select_resources, stmt, write=False)
 
     # --- workers -----------------------------------------------------------------------------
 
-    async def update_worker(self, worker_id: str, heartbeat_stats: dict[str, Any] = UNSET) -> Worker:
-        """Record a heartbeat of `worker_id` (creating the worker if new), with its stats if given."""
-        if not worker_id:
-            raise InvalidArgumentError("worker_id must be a non-empty string")
+    async def _update_worker(self, request: contract.UpdateWorker) -> Worker:
         values: dict[str, Any] = {"last_heartbeat_time": time.time()}
-        if heartbeat_stats is not UNSET:
-            values["heartbeat_stats"] = _json_or_none(heartbeat_stats, "heartbeat_stats")
-        return await self._run(_op_heartbeat_worker, worker_id, values)
+        if "heartbeat_stats" in request.model_fields_set:
+            values["heartbeat_stats"] = _json_or_none(request.heartbeat_stats, "heartbeat_stats")
+        return await self._run(_op_heartbeat_worker, request.worker_id, values)
 
-    async def get_worker_by_id(self, worker_id: str) -> Worker | None:
-        found = await self._run(
-            _op_select_workers, select(workers).where(workers.c.worker_id == worker_id), write=False
-        )
+    async def _get_worker_by_id(self, request: contract.GetWorkerById) -> Worker | None:
+        stmt = select(workers).where(workers.c.worker_id == request.worker_id)
+        found = await self._run(_op_select_workers, stmt, write=False)
         return found[0] if found else None
 
-    async def query_workers(
-        self,
-        *,
-        status_in: Sequence[WorkerStatus] | None = None,
-        worker_id_contains: str | None = None,
-        filter_logic: FilterLogic = "and",
-        sort_by: str | None = None,
-        sort_order: SortOrder = "asc",
-        limit: int = -1,
-        offset: int = 0,
-    ) -> list[Worker]:
+    async def _query_workers(self, request: contract.QueryWorkers) -> list[Worker]:
         conditions: list[ColumnElement[bool]] = []
-        if status_in is not None:
-            statuses = _check_statuses("status_in", status_in, ("idle", "busy", "unknown"))
-            conditions.append(workers.c.status.in_(statuses))
-        if worker_id_contains is not None:
-            conditions.append(workers.c.worker_id.contains(worker_id_contains, autoescape=True))
-        stmt = select(workers).where(*_combine(conditions, filter_logic))
-        stmt = _order_and_page(stmt, workers, sort_by, _WORKER_SORT, sort_order, limit, offset, workers.c.worker_id)
+        if request.status_in is not None:
+            conditions.append(workers.c.status.in_(request.status_in))
+        if request.worker_id_contains is not None:
+            conditions.append(workers.c.worker_id.contains(request.worker_id_contains, autoescape=True))
+        stmt = select(workers).where(*_combine(conditions, request.filter_logic))
+        stmt = _order_and_page(stmt, workers, request, workers.c.worker_id)
         return await self._run(_op_select_workers, stmt, write=False)
 
     # --- watchdog and housekeeping ------------------------------------------------------------
 
-    async def run_watchdog(self) -> int:
+    async def _run_watchdog(self, request: contract.RunWatchdog) -> int:
         """One watchdog pass now: mark timed-out and unresponsive attempts and move their
         rollouts. Returns how many attempts it marked."""
         marked = await self._run(_op_watchdog, time.time())
         if marked:
             self._notify()
         return marked
+
+    async def _statistics(self, request: contract.Statistics) -> dict[str, Any]:
+        counts = await self._run(_op_statistics, write=False)
+        return {"backend": self.backend, "url": self._url.render_as_string(hide_password=True), **counts}
 
     def _watchdog_loop(self) -> None:
         """The background thread: a watchdog pass, and for a SQLite file a WAL checkpoint, each interval."""
@@ -681,10 +547,6 @@ class SqlLightningStore:
         if self.backend != "sqlite" or self._url.database in (None, "", ":memory:"):
             return None
         return sqlite3.connect(self._url.database, timeout=30, check_same_thread=False)
-
-    async def statistics(self) -> dict[str, Any]:
-        counts = await self._run(_op_statistics, write=False)
-        return {"backend": self.backend, "url": self._url.render_as_string(hide_password=True), **counts}
 
 
 # --- running SQL ------------------------------------------------------------------------------
@@ -799,7 +661,7 @@ _SELECT_LATEST_RESOURCES_ID = _Sql(select(resources.c.resources_id).order_by(res
 _SELECT_RESOURCES_ID = _Sql(select(resources.c.resources_id).where(resources.c.resources_id == _bp("rs_id")))
 _SELECT_QUEUE_HEAD = _Sql(
     select(*_ROLLOUT_COLUMNS, rollouts.c.attempt_count)
-    .where(rollouts.c.queued_at.is_not(None))
+    .where(rollouts.c.queue == _bp("queue"), rollouts.c.queued_at.is_not(None))
     .order_by(rollouts.c.queued_at, rollouts.c.seq)
     .limit(_bp("limit"))
     .with_for_update(skip_locked=True)
@@ -929,7 +791,7 @@ def _op_enqueue(tx: _Tx, requests: list[EnqueueRolloutRequest], encoded: list[st
             config=request.config or _DEFAULT_CONFIG,
             metadata=request.metadata,
         )
-        row = _rollout_row(rollout, encoded[index], key, queued_at=now)
+        row = _rollout_row(rollout, encoded[index], key, request.queue, queued_at=now)
         results[index] = rollout
         if key is None:
             plain_rows.append(row)
@@ -946,9 +808,7 @@ def _op_enqueue(tx: _Tx, requests: list[EnqueueRolloutRequest], encoded: list[st
     return results  # type: ignore[return-value]
 
 
-def _op_start_rollout(
-    tx: _Tx, request: EnqueueRolloutRequest, encoded_input: str, worker_id: str | None, now: float
-) -> AttemptedRollout:
+def _op_start_rollout(tx: _Tx, request: contract.StartRollout, encoded_input: str, now: float) -> AttemptedRollout:
     _check_resources_exist(tx, {request.resources_id} if request.resources_id else set())
     latest = None if request.resources_id else tx.first(_SELECT_LATEST_RESOURCES_ID, {})
     rollout = Rollout(
@@ -961,14 +821,14 @@ def _op_start_rollout(
         config=request.config or _DEFAULT_CONFIG,
         metadata=request.metadata,
     )
-    tx.run(_INSERT_ROLLOUT, _rollout_row(rollout, encoded_input, None, queued_at=None))
-    attempt = _create_attempt(tx, rollout, 1, worker_id, now)
+    tx.run(_INSERT_ROLLOUT, _rollout_row(rollout, encoded_input, None, request.queue, queued_at=None))
+    attempt = _create_attempt(tx, rollout, 1, request.worker_id, now)
     return AttemptedRollout(**rollout.__dict__, attempt=attempt)
 
 
-def _op_dequeue(tx: _Tx, limit: int, worker_id: str | None, now: float) -> list[AttemptedRollout]:
+def _op_dequeue(tx: _Tx, queue: str, limit: int, worker_id: str | None, now: float) -> list[AttemptedRollout]:
     claimed = []
-    for row in tx.rows(_SELECT_QUEUE_HEAD, {"limit": limit}):
+    for row in tx.rows(_SELECT_QUEUE_HEAD, {"queue": queue, "limit": limit}):
         rollout = _rollout(row)
         rollout.status = "preparing"
         attempt = _create_attempt(tx, rollout, row["attempt_count"] + 1, worker_id, now)
@@ -1353,7 +1213,9 @@ def _json_or_none(value: Any, argument: str) -> str | None:
     return None if value is None else _json(value, argument)
 
 
-def _rollout_row(rollout: Rollout, encoded_input: str, key: str | None, queued_at: float | None) -> dict[str, Any]:
+def _rollout_row(
+    rollout: Rollout, encoded_input: str, key: str | None, queue: str | None, queued_at: float | None
+) -> dict[str, Any]:
     return {
         "rollout_id": rollout.rollout_id,
         "input": encoded_input,
@@ -1365,6 +1227,7 @@ def _rollout_row(rollout: Rollout, encoded_input: str, key: str | None, queued_a
         "config": _config_json(rollout.config),
         "metadata": _json_or_none(rollout.metadata, "metadata"),
         "idempotency_key": key,
+        "queue": queue or DEFAULT_QUEUE,
         "queued_at": queued_at,
         "attempt_count": 0,
         "latest_attempt_id": None,
@@ -1441,83 +1304,25 @@ def _check_rollout_exists(tx: _Tx, rollout_id: str, where: str) -> None:
         raise NotFoundError(f"{where}: no rollout {rollout_id!r}")
 
 
-def _check_statuses(argument: str, values: Sequence[str], allowed: Sequence[str]) -> list[str]:
-    if isinstance(values, str):
-        raise InvalidArgumentError(f"{argument} must be a list of statuses, got the string {values!r}")
-    bad = [v for v in values if v not in allowed]
-    if bad:
-        raise InvalidArgumentError(f"{argument}: unknown status {bad[0]!r}; expected one of {', '.join(allowed)}")
-    return list(values)
-
-
 def _combine(conditions: list[ColumnElement[bool]], filter_logic: str) -> list[ColumnElement[bool]]:
-    if filter_logic not in ("and", "or"):
-        raise InvalidArgumentError(f"filter_logic must be 'and' or 'or', got {filter_logic!r}")
     if not conditions:
         return []
     return [and_(*conditions)] if filter_logic == "and" else [or_(*conditions)]
 
 
-def _order_and_page(
-    stmt: Any,
-    table: Any,
-    sort_by: str | None,
-    allowed: set[str],
-    sort_order: str,
-    limit: int,
-    offset: int,
-    default_order: Any,
-) -> Any:
-    if sort_order not in ("asc", "desc"):
-        raise InvalidArgumentError(f"sort_order must be 'asc' or 'desc', got {sort_order!r}")
-    if not isinstance(limit, int) or limit < -1:
-        raise InvalidArgumentError(f"limit must be -1 (no limit) or a count >= 0, got {limit!r}")
-    if not isinstance(offset, int) or offset < 0:
-        raise InvalidArgumentError(f"offset must be >= 0, got {offset!r}")
+def _order_and_page(stmt: Any, table: Any, page: contract.Page, default_order: Any) -> Any:
+    """ORDER BY the request's `sort_by` (then `default_order`, which keeps ties in a stable order), LIMIT, OFFSET."""
+    sort_by = getattr(page, "sort_by", None)
     if sort_by is not None:
-        if sort_by not in allowed:
-            raise InvalidArgumentError(
-                f"sort_by {sort_by!r} is not sortable; choose one of {', '.join(sorted(allowed))}"
-            )
         column = table.c[sort_by]
-        stmt = stmt.order_by(column.desc() if sort_order == "desc" else column.asc())
+        stmt = stmt.order_by(column.desc() if page.sort_order == "desc" else column.asc())
     if default_order is not None:
-        stmt = stmt.order_by(default_order.desc() if sort_order == "desc" and sort_by is None else default_order)
-    if limit >= 0:
-        stmt = stmt.limit(limit)
-    if offset:
-        stmt = stmt.offset(offset)
+        stmt = stmt.order_by(default_order.desc() if page.sort_order == "desc" and sort_by is None else default_order)
+    if page.limit >= 0:
+        stmt = stmt.limit(page.limit)
+    if page.offset:
+        stmt = stmt.offset(page.offset)
     return stmt
-
-
-def _validated(model: type[T], **fields: Any) -> T:
-    """Build a pydantic model, turning a validation error into InvalidArgumentError naming the field."""
-    try:
-        return model.model_validate(fields)  # type: ignore[attr-defined]
-    except pydantic.ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or model.__name__
-        raise InvalidArgumentError(f"{where}: {first['msg']}") from None
-
-
-def _validated_resources(named: Any) -> str:
-    """The resources validated and encoded as JSON text."""
-    if not isinstance(named, dict):
-        raise InvalidArgumentError("resources must be a dict of name -> resource (LLM, ProxyLLM, PromptTemplate)")
-    try:
-        return _NAMED_RESOURCES.dump_json(_NAMED_RESOURCES.validate_python(named)).decode()
-    except pydantic.ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"])
-        raise InvalidArgumentError(f"resources.{where}: {first['msg']}") from None
-
-
-def _as_dict(value: Any, argument: str) -> dict[str, Any]:
-    if isinstance(value, pydantic.BaseModel):
-        return value.model_dump()
-    if isinstance(value, dict):
-        return value
-    raise InvalidArgumentError(f"{argument} must be a {argument.capitalize()} object or a dict, got {type(value)}")
 
 
 def _translate(exc: StatementError) -> Exception:

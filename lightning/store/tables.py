@@ -8,16 +8,19 @@ SQLite and PostgreSQL.
 
 from __future__ import annotations
 
-from sqlalchemy import Column, Index, Text, UniqueConstraint, text
+from typing import Any
+
+from sqlalchemy import Column, Index, String, Text, UniqueConstraint, inspect, text
 from sqlmodel import Field, SQLModel
 
 
 class RolloutRow(SQLModel, table=True):
     __tablename__ = "rollouts"
     __table_args__ = (
-        # Only queued rollouts are in this index, so the queue head is the index's first entry.
+        # Only queued rollouts are in this index, so a queue's head is its first entry under the queue's name.
         Index(
-            "ix_rollouts_queue",
+            "ix_rollouts_queue_head",
+            "queue",
             "queued_at",
             "seq",
             sqlite_where=text("queued_at IS NOT NULL"),
@@ -45,6 +48,8 @@ class RolloutRow(SQLModel, table=True):
     metadata_: str | None = Field(default=None, sa_column=Column("metadata", Text))
     idempotency_key: str | None = Field(default=None, max_length=255)
     """Unique among rollouts that have one (a partial index: rows without a key cost nothing)."""
+    queue: str = Field(sa_column=Column(String(255), nullable=False, server_default="default"))
+    """The queue the rollout waits in, and goes back to on a retry; runners take from one queue."""
     queued_at: float | None = None
     """When the rollout last entered the queue (FIFO order); NULL whenever it is not queued."""
     attempt_count: int = 0
@@ -128,3 +133,14 @@ spans = SpanRow.__table__
 resources = ResourcesRow.__table__
 workers = WorkerRow.__table__
 metadata = SQLModel.metadata
+
+
+def migrate(conn: Any) -> None:
+    """Bring a store written by an earlier version up to these tables: add the columns and indexes it lacks (its
+    rows keep their data; rollouts from before queues existed are in the default queue). Idempotent."""
+    columns = {column["name"] for column in inspect(conn).get_columns("rollouts")}
+    if "queue" not in columns:
+        conn.execute(text("ALTER TABLE rollouts ADD COLUMN queue VARCHAR(255) NOT NULL DEFAULT 'default'"))
+        conn.execute(text("DROP INDEX IF EXISTS ix_rollouts_queue"))
+    for index in RolloutRow.__table__.indexes:
+        index.create(conn, checkfirst=True)

@@ -1,0 +1,403 @@
+"""The store's contract, written once: one typed request model per store method.
+
+Each model is the method's arguments, validated (a bad argument is an error that names it), its name
+(`method`), what it answers (`response`) and whether sending it twice is harmless (`repeatable`). From
+`REQUESTS`:
+
+- `LightningStore` (base.py) turns a call's arguments into the request and hands it to `handle`;
+- `SqlLightningStore` (sql.py) handles it with one transaction;
+- the HTTP server (server.py) serves `POST /v1/store/<method>` with the model as its body (and in its
+  OpenAPI schema), and the client (client.py) sends it there.
+
+Adding a filter to a query is a field here plus its condition in sql.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from lightning.types import (
+    Attempt,
+    AttemptedRollout,
+    AttemptStatus,
+    EnqueueRolloutRequest,
+    NamedResources,
+    ResourcesUpdate,
+    Rollout,
+    RolloutConfig,
+    RolloutMode,
+    RolloutStatus,
+    Span,
+    TaskInput,
+    Worker,
+    WorkerStatus,
+)
+
+DEFAULT_QUEUE = "default"
+"""The queue of rollouts enqueued without one, and the one a runner without a queue takes from. A training run
+enqueues into a queue of its own (its run name), so runs that share a store never take each other's rollouts."""
+
+MAX_WAIT_SECONDS = 30.0
+"""The longest one HTTP request waits (dequeue, wait_for_rollouts); the client asks again for longer waits."""
+MAX_COUNT = 2**53
+"""Largest limit or offset: beyond it SQLite and PostgreSQL overflow, and no store holds that many rows."""
+
+SortOrder = Literal["asc", "desc"]
+FilterLogic = Literal["and", "or"]
+QueueName = str
+
+
+class Request(BaseModel):
+    """A store call's arguments. Unknown fields are an error that names them, not silently dropped; NaN and
+    infinity travel as such (pydantic would turn them into null), so the store can refuse them."""
+
+    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="constants")
+
+    method: ClassVar[str]
+    response: ClassVar[Any]
+
+    def repeatable(self) -> bool:
+        """Sending this request twice does no harm (the client repeats it after a lost answer)."""
+        return False
+
+
+class Read(Request):
+    def repeatable(self) -> bool:
+        return True
+
+
+class Page(Read):
+    """Sorting and paging of a query; `sort_by` names a field of the answer's type."""
+
+    sort_order: SortOrder = "asc"
+    limit: int = Field(default=-1, ge=-1, le=MAX_COUNT, description="-1: no limit")
+    offset: int = Field(default=0, ge=0, le=MAX_COUNT)
+
+
+# --- rollouts ---------------------------------------------------------------------------------
+
+
+class EnqueueRollout(EnqueueRolloutRequest, Request):
+    """Put a rollout of `input` in a queue (`queue`, default the default queue); with `idempotency_key`, a second
+    enqueue of the same key returns the first rollout instead."""
+
+    method: ClassVar[str] = "enqueue_rollout"
+    response: ClassVar[Any] = Rollout
+
+    def repeatable(self) -> bool:
+        return self.idempotency_key is not None
+
+
+class EnqueueManyRollouts(Request):
+    """Enqueue a batch in one transaction; the rollouts in the batch's order."""
+
+    method: ClassVar[str] = "enqueue_many_rollouts"
+    response: ClassVar[Any] = list[Rollout]
+    rollouts: list[EnqueueRolloutRequest]
+
+    def repeatable(self) -> bool:
+        return all(r.idempotency_key is not None for r in self.rollouts)
+
+
+class StartRollout(Request):
+    """A rollout that starts now, outside the queue, with its first attempt (preparing)."""
+
+    method: ClassVar[str] = "start_rollout"
+    response: ClassVar[Any] = AttemptedRollout
+    input: TaskInput
+    mode: RolloutMode | None = None
+    resources_id: str | None = None
+    config: RolloutConfig | None = None
+    metadata: dict[str, Any] | None = None
+    worker_id: str | None = None
+    queue: QueueName | None = Field(default=None, min_length=1, max_length=255)
+    """Where a retry of it is queued (default: the default queue)."""
+
+
+class DequeueRollouts(Request):
+    """Claim up to `limit` rollouts of `queue`, oldest first: each becomes preparing with a new attempt. With an
+    empty queue, answer at once, or wait up to `wait` seconds for work."""
+
+    method: ClassVar[str] = "dequeue_many_rollouts"
+    response: ClassVar[Any] = list[AttemptedRollout]
+    limit: int = Field(default=1, ge=0, le=MAX_COUNT)
+    worker_id: str | None = None
+    wait: float = Field(default=0.0, ge=0, description=f"seconds; one HTTP request waits at most {MAX_WAIT_SECONDS:g}")
+    queue: QueueName | None = Field(default=None, min_length=1, max_length=255)
+    """None: the default queue."""
+
+
+class DequeueRollout(Request):
+    """Claim the oldest rollout of `queue` (None when it stays empty for `wait` seconds)."""
+
+    method: ClassVar[str] = "dequeue_rollout"
+    response: ClassVar[Any] = AttemptedRollout | None
+    worker_id: str | None = None
+    wait: float = Field(default=0.0, ge=0, description=f"seconds; one HTTP request waits at most {MAX_WAIT_SECONDS:g}")
+    queue: QueueName | None = Field(default=None, min_length=1, max_length=255)
+
+
+class StartAttempt(Request):
+    """A new attempt of `rollout_id` (its latest from now on)."""
+
+    method: ClassVar[str] = "start_attempt"
+    response: ClassVar[Any] = AttemptedRollout
+    rollout_id: str
+    worker_id: str | None = None
+
+
+class GetRolloutById(Read):
+    method: ClassVar[str] = "get_rollout_by_id"
+    response: ClassVar[Any] = Rollout | None
+    rollout_id: str
+
+
+class QueryRollouts(Page):
+    """Rollouts matching the filters (all given filters combined with `filter_logic`); those with an attempt come
+    with their latest one."""
+
+    method: ClassVar[str] = "query_rollouts"
+    # AttemptedRollout first: a rollout that comes with its attempt keeps it.
+    response: ClassVar[Any] = list[AttemptedRollout | Rollout]
+    status_in: list[RolloutStatus] | None = None
+    rollout_id_in: list[str] | None = None
+    rollout_id_contains: str | None = None
+    mode: RolloutMode | None = None
+    queue: QueueName | None = None
+    """Only the rollouts of this queue (None: every queue)."""
+    filter_logic: FilterLogic = "and"
+    sort_by: Literal["rollout_id", "start_time", "end_time", "status", "mode", "resources_id"] | None = None
+
+
+class UpdateRollout(Request):
+    """Change the fields given (an explicit null clears one); `status` moves the rollout as the lifecycle says."""
+
+    method: ClassVar[str] = "update_rollout"
+    response: ClassVar[Any] = Rollout
+    rollout_id: str
+    input: TaskInput = None
+    mode: RolloutMode | None = None
+    resources_id: str | None = None
+    status: RolloutStatus | None = None
+    config: RolloutConfig | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class WaitForRollouts(Read):
+    """The rollouts among `rollout_ids` that have finished, waiting up to `timeout` seconds (None: until all have)
+    for the others."""
+
+    method: ClassVar[str] = "wait_for_rollouts"
+    response: ClassVar[Any] = list[Rollout]
+    rollout_ids: list[str]
+    timeout: float | None = Field(
+        default=None, ge=0, description=f"seconds; one HTTP request waits at most {MAX_WAIT_SECONDS:g}"
+    )
+
+
+# --- attempts ---------------------------------------------------------------------------------
+
+
+class QueryAttempts(Page):
+    method: ClassVar[str] = "query_attempts"
+    response: ClassVar[Any] = list[Attempt]
+    rollout_id: str
+    sort_by: (
+        Literal["sequence_id", "attempt_id", "start_time", "end_time", "status", "worker_id", "last_heartbeat_time"]
+        | None
+    ) = "sequence_id"
+
+
+class GetLatestAttempt(Read):
+    method: ClassVar[str] = "get_latest_attempt"
+    response: ClassVar[Any] = Attempt | None
+    rollout_id: str
+
+
+class UpdateAttempt(Request):
+    """Change the fields given (an explicit null clears one); `status` moves the attempt and, for the latest
+    attempt, its rollout."""
+
+    method: ClassVar[str] = "update_attempt"
+    response: ClassVar[Any] = Attempt
+    rollout_id: str
+    attempt_id: str
+    status: AttemptStatus | None = None
+    worker_id: str | None = None
+    last_heartbeat_time: float | None = None
+    metadata: dict[str, Any] | None = None
+
+    def repeatable(self) -> bool:
+        # A heartbeat alone only moves a timestamp forward; anything else may move statuses.
+        return self.model_fields_set == {"rollout_id", "attempt_id", "last_heartbeat_time"}
+
+
+# --- spans ------------------------------------------------------------------------------------
+
+
+class AddSpan(Read):
+    """Store a span (the store ignores a span_id it has, so a repeat cannot duplicate); the span as stored, or
+    null when it was there already."""
+
+    method: ClassVar[str] = "add_span"
+    response: ClassVar[Any] = Span | None
+    span: Span
+
+
+class AddManySpans(Read):
+    method: ClassVar[str] = "add_many_spans"
+    response: ClassVar[Any] = list[Span]
+    spans: list[Span]
+
+
+class GetNextSpanSequenceId(Read):
+    # Repeating it only leaves a gap in the sequence.
+    method: ClassVar[str] = "get_next_span_sequence_id"
+    response: ClassVar[Any] = int
+    rollout_id: str
+    attempt_id: str
+
+
+class GetManySpanSequenceIds(Read):
+    method: ClassVar[str] = "get_many_span_sequence_ids"
+    response: ClassVar[Any] = list[int]
+    rollout_attempt_ids: list[tuple[str, str]]
+
+
+class QuerySpans(Page):
+    """Spans of a rollout (of one attempt, with `attempt_id`), filtered, in `sequence_id` order by default."""
+
+    method: ClassVar[str] = "query_spans"
+    response: ClassVar[Any] = list[Span]
+    rollout_id: str
+    attempt_id: str | None = None
+    trace_id: str | None = None
+    span_id: str | None = None
+    parent_id: str | None = None
+    name: str | None = None
+    name_contains: str | None = None
+    filter_logic: FilterLogic = "and"
+    sort_by: Literal["sequence_id", "start_time", "end_time", "name", "trace_id", "span_id", "parent_id"] | None = (
+        "sequence_id"
+    )
+
+
+# --- resources --------------------------------------------------------------------------------
+
+
+class AddResources(Request):
+    """New resources under a new id (the latest from now on). Not repeatable: each call makes a new id."""
+
+    method: ClassVar[str] = "add_resources"
+    response: ClassVar[Any] = ResourcesUpdate
+    resources: NamedResources
+
+
+class UpdateResources(Request):
+    """Replace the resources under `resources_id` (created if new), bump its version, make it the latest."""
+
+    method: ClassVar[str] = "update_resources"
+    response: ClassVar[Any] = ResourcesUpdate
+    resources_id: str = Field(min_length=1, max_length=64)
+    resources: NamedResources
+
+
+class GetResourcesById(Read):
+    method: ClassVar[str] = "get_resources_by_id"
+    response: ClassVar[Any] = ResourcesUpdate | None
+    resources_id: str
+
+
+class GetLatestResources(Read):
+    method: ClassVar[str] = "get_latest_resources"
+    response: ClassVar[Any] = ResourcesUpdate | None
+
+
+class QueryResources(Page):
+    method: ClassVar[str] = "query_resources"
+    response: ClassVar[Any] = list[ResourcesUpdate]
+    resources_id: str | None = None
+    resources_id_contains: str | None = None
+    sort_by: Literal["resources_id", "create_time", "update_time", "version"] | None = None
+
+
+# --- workers ----------------------------------------------------------------------------------
+
+
+class UpdateWorker(Read):
+    """A heartbeat of `worker_id` (created if new), with its stats if given (null clears them)."""
+
+    method: ClassVar[str] = "update_worker"
+    response: ClassVar[Any] = Worker
+    worker_id: str = Field(min_length=1, max_length=255)
+    heartbeat_stats: dict[str, Any] | None = None
+
+
+class GetWorkerById(Read):
+    method: ClassVar[str] = "get_worker_by_id"
+    response: ClassVar[Any] = Worker | None
+    worker_id: str
+
+
+class QueryWorkers(Page):
+    method: ClassVar[str] = "query_workers"
+    response: ClassVar[Any] = list[Worker]
+    status_in: list[WorkerStatus] | None = None
+    worker_id_contains: str | None = None
+    filter_logic: FilterLogic = "and"
+    sort_by: (
+        Literal["worker_id", "status", "last_heartbeat_time", "last_dequeue_time", "last_busy_time", "last_idle_time"]
+        | None
+    ) = None
+
+
+# --- housekeeping -----------------------------------------------------------------------------
+
+
+class Statistics(Read):
+    """Counts of rollouts, attempts and workers by status, of spans and of resources."""
+
+    method: ClassVar[str] = "statistics"
+    response: ClassVar[Any] = dict[str, Any]
+
+
+class RunWatchdog(Request):
+    """One watchdog pass now; how many attempts it marked timeout or unresponsive."""
+
+    method: ClassVar[str] = "run_watchdog"
+    response: ClassVar[Any] = int
+
+
+REQUESTS: tuple[type[Request], ...] = (
+    EnqueueRollout,
+    EnqueueManyRollouts,
+    StartRollout,
+    DequeueRollout,
+    DequeueRollouts,
+    StartAttempt,
+    GetRolloutById,
+    QueryRollouts,
+    UpdateRollout,
+    WaitForRollouts,
+    QueryAttempts,
+    GetLatestAttempt,
+    UpdateAttempt,
+    AddSpan,
+    AddManySpans,
+    GetNextSpanSequenceId,
+    GetManySpanSequenceIds,
+    QuerySpans,
+    AddResources,
+    UpdateResources,
+    GetResourcesById,
+    GetLatestResources,
+    QueryResources,
+    UpdateWorker,
+    GetWorkerById,
+    QueryWorkers,
+    Statistics,
+    RunWatchdog,
+)
+"""Every store method, in the order of the HTTP API's documentation."""
