@@ -1,8 +1,8 @@
 """What Prefect costs: demo iterations run as the `training_iteration` flow (seven Prefect tasks, results
 persisted, runner tasks fanned out on Prefect's thread pool) against the same stages called directly
-(`lightning.pipeline`, runners on threads likewise), same config and seed. The two runs are interleaved,
-iteration by iteration, so machine noise hits both alike; the first iteration of each is a warm-up and is
-not counted. Prefect's temporary server starts first (not timed) unless PREFECT_API_URL names one.
+(`lightning.stages` on an open `Run` of its own, runners on threads likewise), same config and seed. The two runs
+are interleaved, iteration by iteration, so machine noise hits both alike; the first iteration of each is a warm-up
+and is not counted. Prefect's temporary server starts first (not timed) unless PREFECT_API_URL names one.
 
     .venv/bin/python benchmarks/flow_overhead.py [--iterations 8] [--config examples/copy_task/demo.yaml]
 """
@@ -21,40 +21,41 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from lightning import pipeline  # noqa: E402
+from lightning import stages  # noqa: E402
 from lightning.config import TrainConfig, load_config  # noqa: E402
+from lightning.run import Run  # noqa: E402
 
 
-async def direct_iteration(config: TrainConfig, iteration: int, endpoints: pipeline.Endpoints) -> None:
-    """The body of flows.train.training_iteration, without Prefect."""
-    resources_id = await pipeline.update_resources(config, iteration, endpoints.proxy_url)
-    rollout_ids = await pipeline.enqueue_rollouts(config, iteration, resources_id)
+async def direct_iteration(run: Run, iteration: int) -> None:
+    """The body of flows.train.training_iteration, without Prefect: runner tasks on threads, as Prefect's pool."""
+    resources_id = await stages.update_resources(run, "train")
+    rollout_ids = await stages.enqueue_rollouts(run, iteration, resources_id)
     await asyncio.gather(
         *(
-            asyncio.to_thread(asyncio.run, pipeline.run_runner(config, rollout_ids, index))
-            for index in range(config.n_runners)
+            asyncio.to_thread(asyncio.run, stages.run_runners(run, rollout_ids, index))
+            for index in range(run.config.n_runners)
         )
     )
-    rollouts = await pipeline.wait_for_rollouts(config, rollout_ids)
-    batch = await pipeline.adapt_spans(config, iteration, rollout_ids)
-    metrics = await pipeline.ppo_step(config, iteration, batch["batch_path"])
-    await pipeline.checkpoint(config, iteration, pipeline.iteration_row(iteration, rollouts, batch, metrics, 1.0))
+    rollouts = await stages.wait_for_rollouts(run, rollout_ids)
+    batch = await stages.adapt_spans(run, iteration, rollout_ids)
+    metrics = await stages.ppo_step(run, iteration, batch["batch_path"])
+    await stages.checkpoint(run, iteration, stages.iteration_row(iteration, rollouts, batch, metrics, 1.0))
 
 
 async def measure(base: TrainConfig, iterations: int) -> dict[str, list[float]]:
     from flows.train import training_iteration
 
     configs = {mode: base.model_copy(update={"run_name": f"overhead-{mode}"}) for mode in ("direct", "prefect")}
-    endpoints = {mode: pipeline.start_run(config) for mode, config in configs.items()}
+    runs = {mode: await Run.open(config) for mode, config in configs.items()}
     times: dict[str, list[float]] = {"direct": [], "prefect": []}
     try:
         for iteration in range(iterations + 1):
             for mode in ("direct", "prefect") if iteration % 2 == 0 else ("prefect", "direct"):
                 started = time.perf_counter()
                 if mode == "direct":
-                    await direct_iteration(configs[mode], iteration, endpoints[mode])
+                    await direct_iteration(runs[mode], iteration)
                 else:
-                    await training_iteration(configs[mode], iteration, endpoints[mode])
+                    await training_iteration(runs[mode], iteration)
                 elapsed = time.perf_counter() - started
                 if iteration > 0:
                     times[mode].append(elapsed)
@@ -62,8 +63,8 @@ async def measure(base: TrainConfig, iterations: int) -> dict[str, list[float]]:
                     f"  iteration {iteration} {mode:8s} {elapsed:6.2f} s{'' if iteration else ' (warm-up)'}", flush=True
                 )
     finally:
-        for config in configs.values():
-            await pipeline.stop_run(config)
+        for run in runs.values():
+            await run.close()
     return times
 
 

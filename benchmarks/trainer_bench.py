@@ -2,9 +2,9 @@
 batch size and wall time; prints the held-out reward over time, the time until it first reaches
 1.0 (or the best reached), and seconds per optimiser step.
 
-Our side is the whole product loop: rollouts through runners -> LLM proxy -> embedded inference
-server, spans in a SQLite store, adapter -> TrainingBatch -> torch GRPO step -> checkpoint -> weight
-reload. TRL's side generates in process (benchmarks/trl_grpo.py). Held-out evaluation (greedy, all
+Our side is the whole product loop, `lightning.stages` on an open `Run`: rollouts through runners -> LLM proxy ->
+embedded inference server, spans in a SQLite store, adapter -> TrainingBatch -> GRPO step in the trainer process ->
+checkpoint -> weight reload. TRL's side generates in process (benchmarks/trl_grpo.py). Held-out evaluation (greedy, all
 held-out prompts) is excluded from both training clocks.
 
     .venv/bin/python benchmarks/trainer_bench.py [--seconds 120] [--only ours|trl]
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import sys
 import tempfile
 import time
@@ -25,13 +24,14 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from examples.copy_task.agent import copy_agent, demonstrations, make_tasks  # noqa: E402
-from lightning import training  # noqa: E402
+from examples.copy_task.agent import demonstrations, make_tasks  # noqa: E402
+from lightning import stages  # noqa: E402
 from lightning.algorithm.batch import TrainingBatch  # noqa: E402
 from lightning.algorithm.trainer import TorchTrainer, TrainerConfig  # noqa: E402
-from lightning.checkpoint import save_checkpoint  # noqa: E402
+from lightning.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from lightning.config import load_config  # noqa: E402
 from lightning.models import build_tiny_model  # noqa: E402
-from lightning.store import SqlLightningStore  # noqa: E402
+from lightning.run import Run  # noqa: E402
 
 MAX_NEW_TOKENS = 5
 
@@ -48,15 +48,7 @@ def warm_start(model_dir: Path, tasks: list[dict], *, steps: int, lr: float, roo
     for _ in range(steps):
         loss = trainer.sft_step(batch)["sft_loss"]
     print(f"warm start: {steps} supervised steps on {len(tasks)} prompts, final loss {loss:.3f}", flush=True)
-    return save_checkpoint(root, 0, trainer.model, trainer.tokenizer)
-
-
-async def evaluate(store: Any, resources_id: str, tasks: list[dict], run: str, iteration: int) -> float:
-    ids = await training.enqueue_rollouts(
-        store, tasks, run_name=run, iteration=iteration, resources_id=resources_id, mode="val"
-    )
-    await training.run_runners(store, copy_agent, ids, runners=len(ids))
-    return (await training.summarize_rollouts(store, ids))["reward_mean"]
+    return load_checkpoint(save_checkpoint(root, 0, trainer.model, trainer.tokenizer)).model_dir
 
 
 async def run_ours(
@@ -67,43 +59,41 @@ async def run_ours(
     seconds: float,
     prompts_per_step: int,
     generations: int,
-    lr: float,
     eval_every_s: float,
     workdir: Path,
     config: TrainerConfig,
     server: str = "process",
     seed: int = 0,
 ) -> dict[str, Any]:
-    store = SqlLightningStore(f"sqlite:///{workdir}/store.db", watchdog_interval=None)
-    trainer = TorchTrainer(model_dir, config)
-    rng = random.Random(seed)
+    """The product's loop through `lightning.stages` on an open `Run`: the trainer in its own process, every LLM
+    call through the proxy; MLflow logging and checkpoints as in `flows.train`."""
+    for name, tasks in (("train", train_tasks), ("val", heldout_tasks)):
+        (workdir / f"{name}.jsonl").write_text("".join(json.dumps(task) + "\n" for task in tasks))
+    sampling = {"temperature": 1.0, "max_tokens": MAX_NEW_TOKENS}
+    run_config = load_config(
+        {
+            "run_name": "bench", "model": str(model_dir), "agent": "examples.copy_task.agent:copy_agent",
+            "train_data": str(workdir / "train.jsonl"), "val_data": str(workdir / "val.jsonl"),
+            "batch_size": prompts_per_step, "samples_per_task": generations, "n_runners": 1,
+            "runner_concurrency": prompts_per_step * generations, "sampling": sampling,
+            "eval_sampling": {**sampling, "temperature": 0.0}, "max_prompt_length": 64,
+            "max_response_length": MAX_NEW_TOKENS + 1, "algorithm": config.model_dump(), "iterations": 100_000,
+            "inference": {"in_process": server == "thread"}, "proxy_in_process": server == "thread",
+            "checkpoint": {"keep_last": 1, "log_to_mlflow": False}, "seed": seed,
+            "store_url": f"sqlite:///{workdir}/store.db", "tracking_uri": f"sqlite:///{workdir}/mlflow.db",
+            "output_dir": str(workdir / "runs"),
+        }
+    )  # fmt: skip
     curve: list[tuple[float, int, float]] = []
     train_clock = 0.0
     time_to_one = None
-    stack = training.LocalStack(
-        store, model_dir, server=server, proxy=server, store_url=f"sqlite:///{workdir}/store.db"
-    )
-    with stack:
-        proxy = stack.resource()
-        sampled = await store.add_resources(
-            {
-                "llm": proxy.model_copy(
-                    update={"sampling_parameters": {"temperature": 1.0, "max_tokens": MAX_NEW_TOKENS}}
-                )
-            }
-        )
-        greedy = await store.add_resources(
-            {
-                "llm": proxy.model_copy(
-                    update={"sampling_parameters": {"temperature": 0.0, "max_tokens": MAX_NEW_TOKENS}}
-                )
-            }
-        )
-        step = 0
-        last_eval = -eval_every_s
+    step = 0
+    last_eval = -eval_every_s
+    run = await Run.open(run_config)
+    try:
         while True:
             if train_clock - last_eval >= eval_every_s or train_clock >= seconds:
-                reward = await evaluate(store, greedy.resources_id, heldout_tasks, "bench", step)
+                reward = (await stages.collect_rollouts(run, step, "val"))[1]["reward_mean"]
                 curve.append((train_clock, step, reward))
                 print(f"  ours: {train_clock:6.1f}s step {step:4d} held-out reward {reward:.3f}", flush=True)
                 last_eval = train_clock
@@ -112,22 +102,15 @@ async def run_ours(
                 if train_clock >= seconds or reward >= 1.0:
                     break
             started = time.perf_counter()
-            tasks = rng.sample(train_tasks, prompts_per_step)
-            ids = await training.enqueue_rollouts(
-                store, tasks, run_name="bench", iteration=step, samples_per_task=generations,
-                resources_id=sampled.resources_id,
-            )  # fmt: skip
-            await training.run_runners(store, copy_agent, ids, runners=len(ids))
-            batch_path = workdir / "batches" / f"step-{step}"
-            await training.adapt_spans(
-                store, ids, batch_path, pad_token_id=trainer.tokenizer.pad_token_id,
-                max_prompt_length=64, max_response_length=MAX_NEW_TOKENS + 1,
-            )  # fmt: skip
-            training.ppo_step(trainer, batch_path)
+            ids, rollouts = await stages.collect_rollouts(run, step, "train")
+            rollout_seconds = time.perf_counter() - started
+            batch = await stages.adapt_spans(run, step, ids)
+            metrics = await stages.ppo_step(run, step, batch["batch_path"])
+            await stages.checkpoint(run, step, stages.iteration_row(step, rollouts, batch, metrics, rollout_seconds))
             step += 1
-            training.publish_weights(trainer, workdir / "checkpoints", step, [stack.inference_url], keep_last=1)
             train_clock += time.perf_counter() - started
-    await store.close()
+    finally:
+        await run.close()
     best = max(r for _, _, r in curve)
     return {
         "curve": curve,
@@ -173,7 +156,7 @@ def main() -> None:
         results["ours"] = asyncio.run(
             run_ours(
                 model_dir, train_tasks, heldout_tasks, seconds=args.seconds, prompts_per_step=args.prompts,
-                generations=args.generations, lr=args.lr, eval_every_s=args.eval_every, workdir=workdir,
+                generations=args.generations, eval_every_s=args.eval_every, workdir=workdir,
                 config=TrainerConfig(
                     lr=args.lr, advantage="grpo", ppo_epochs=args.epochs, mini_batch_size=args.mini_batch,
                     micro_batch_size=256,

@@ -1,4 +1,4 @@
-"""Serve the train, evaluate and dev flows from this process, for trying the pipeline without a work pool or a
+"""Serve the train, evaluate and dev flows from this process, for trying the flows without a work pool or a
 worker: the deployments `train/local`, `evaluate/local` and `dev/local` run their flow runs here until Ctrl-C.
 
     python -m deployments.serve [CONFIG.yaml]     # then: prefect deployment run 'train/local', or the UI

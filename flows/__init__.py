@@ -1,1 +1,2 @@
-"""Prefect flows composed from `tasks` (arrives with the pipeline issue)."""
+"""Prefect flows composed from `tasks`: `train` (the main job, running `training_iteration` and `evaluation`
+subflows), `evaluate` and `dev`, which share the rollout phase (`flows/rollouts.py`)."""

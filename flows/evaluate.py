@@ -1,6 +1,7 @@
-"""`evaluate`: the held-out reward of a run's checkpoint (the latest by default), greedy, every val task.
+"""`evaluate`: the held-out reward of a run's checkpoint (the latest by default), greedy, every val task; and
+`evaluation`, the subflow that `train` and `evaluate` both run.
 
-python -m flows.evaluate examples/copy_task/demo.yaml [--set run_name=...]
+    python -m flows.evaluate examples/copy_task/demo.yaml [--set run_name=...]
 """
 
 from __future__ import annotations
@@ -10,25 +11,42 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
-from lightning import pipeline
+from flows.rollouts import collect_rollouts, task_runner
 from lightning.config import TrainConfig
-from tasks import evaluate as evaluate_task
-from tasks import start_run
+from lightning.run import Run, serving_step
+from tasks import log_evaluation, open_run, timed
 from tasks.caching import TRAIN_FLOW_RUN_ID
+
+
+@flow(name="evaluation", flow_run_name="{run.name}-evaluation-{step}")
+async def evaluation(run: Run, step: int) -> dict[str, Any]:
+    """Greedy rollouts of every held-out task on the weights served now (checkpoint `step`; -1: the model before
+    the warm start), then the result logged."""
+    if run.config.val_data is None:
+        return {"step": step, "rollouts": 0, "reward_mean": float("nan")}
+    _, summary = await collect_rollouts(run, step, "val")
+    result = await timed(log_evaluation, run)(run, step, summary)
+    label = "of the initial model (before the warm start)" if step < 0 else f"at step {step}"
+    get_run_logger().info("held-out reward %s: %.3f (%d tasks)", label, result["reward_mean"], result["rollouts"])
+    return result
+
+
+async def evaluate_at(run: Run, step: int) -> dict[str, Any]:
+    """The `evaluation` subflow, its runner tasks where the config puts them (threads or Ray)."""
+    return await evaluation.with_options(task_runner=task_runner(run.config))(run, step)
 
 
 @flow(name="evaluate", flow_run_name="{config.run_name}-evaluate")
 async def evaluate(config: TrainConfig = TrainConfig(), checkpoint: str | None = None) -> dict[str, Any]:  # noqa: B008
-    """Serve `checkpoint` (a step directory; default the run's latest, or the initial model) and evaluate it."""
+    """Serve `checkpoint` (a step directory; default the run's latest, or the initial model) and evaluate it, in a
+    queue of its own beside any training of the same run."""
     TRAIN_FLOW_RUN_ID.set(str(flow_run.get_id()))
-    step = pipeline.serve_checkpoint_step(config, checkpoint)
-    start_run(config, train=False, weights=checkpoint)
+    step = serving_step(config, checkpoint)
+    run = await timed(open_run, config)(config, train=False, weights=checkpoint, queue=f"{config.run_name}.evaluate")
     try:
-        result = await evaluate_task(config, step)
+        return await evaluate_at(run, step)
     finally:
-        await pipeline.stop_run(config)
-    get_run_logger().info("held-out reward of %s at step %d: %.3f", config.run_name, step, result["reward_mean"])
-    return result
+        await run.close()
 
 
 def main(argv: list[str] | None = None) -> None:

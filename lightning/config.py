@@ -16,8 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from lightning.algorithm.trainer import TrainerConfig
-from lightning.algorithm.verl_backend import VerlOptions
+from lightning.algorithm.config import TrainerConfig, VerlOptions
 from lightning.serving import is_loopback
 from lightning.types import RolloutConfig
 

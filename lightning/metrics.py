@@ -81,6 +81,22 @@ class MlflowTracker:
             self._log_params(params)
         return self.run_id
 
+    def find_run(self) -> str | None:
+        """The id of the newest run named `run_name` in the experiment (None: there is none yet)."""
+        experiment = self.client.get_experiment_by_name(self.experiment)
+        if experiment is None or self.run_name is None:
+            return None
+        name = self.run_name.replace("'", "\\'")
+        runs = self.client.search_runs(
+            [experiment.experiment_id], filter_string=f"attributes.run_name = '{name}'",
+            order_by=["attributes.start_time DESC"], max_results=1,
+        )  # fmt: skip
+        return runs[0].info.run_id if runs else None
+
+    def logged_steps(self, key: str) -> set[int]:
+        """The steps at which metric `key` has been logged in this run."""
+        return {metric.step for metric in self.client.get_metric_history(self._run(), key)}
+
     def resume(self, run_id: str) -> str:
         """Continue run `run_id`: later metrics, artifacts and params land in it; the run id."""
         run = self.client.get_run(run_id)

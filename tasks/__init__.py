@@ -1,14 +1,15 @@
-"""Prefect tasks: each a thin wrapper over one `lightning.pipeline` call, with its retries, timeouts, cache key
-and result persistence declared on the decorator."""
+"""Prefect tasks: each a thin wrapper over one `lightning.stages` call (or `Run.open`), with its retries, cache key
+and result persistence declared on the decorator, and its timeout from the run's config (`timed`)."""
 
 from tasks.stages import (
     adapt_spans,
     checkpoint,
     enqueue_rollouts,
-    evaluate,
+    log_evaluation,
+    open_run,
     ppo_step,
     run_runner,
-    start_run,
+    timed,
     update_resources,
     wait_for_rollouts,
     warm_start,
@@ -18,10 +19,11 @@ __all__ = [
     "adapt_spans",
     "checkpoint",
     "enqueue_rollouts",
-    "evaluate",
+    "log_evaluation",
+    "open_run",
     "ppo_step",
     "run_runner",
-    "start_run",
+    "timed",
     "update_resources",
     "wait_for_rollouts",
     "warm_start",

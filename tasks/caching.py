@@ -1,4 +1,4 @@
-"""Cache keys of the stages: (train flow run, run name, iteration, stage, other inputs).
+"""Cache keys of the stages: (train flow run, run queue, iteration, stage, other inputs).
 
 The key holds the id of the *train* flow run, not of the iteration subflow: when a failed train run is retried
 (from the UI or `prefect flow-run retry`), Prefect starts a fresh subflow run for the iteration that failed, and
@@ -19,12 +19,14 @@ workers, which ask Prefect for the root flow run instead)."""
 
 
 def stage_cache_key(context: Any, parameters: dict[str, Any]) -> str:
-    config = parameters["config"]
+    """The run enters the key by its queue (its name, or a dev/evaluate queue of its own), not by its endpoints:
+    a retried flow run is a new process, whose servers listen on other ports."""
+    run = parameters["run"]
     root = TRAIN_FLOW_RUN_ID.get() or _root_flow_run_id() or str(context.task_run.flow_run_id)
-    rest = {name: value for name, value in parameters.items() if name != "config"}
+    rest = {name: value for name, value in parameters.items() if name != "run"}
     digest = hashlib.sha256(json.dumps(rest, sort_keys=True, default=_plain).encode()).hexdigest()[:16]
     iteration = parameters.get("iteration", parameters.get("step", "-"))
-    return f"{root}-{config.run_name}-{iteration}-{context.task.name}-{digest}"
+    return f"{root}-{run.queue}-{iteration}-{context.task.name}-{digest}"
 
 
 def _root_flow_run_id() -> str | None:

@@ -1,91 +1,111 @@
-"""The stages of a training iteration as Prefect tasks. Each body is one `lightning.pipeline` call; what Prefect
-adds is declared on the decorator:
+"""A run's stages as Prefect tasks. Each body is one `lightning.stages` call (or `Run.open`); what Prefect adds is
+declared on the decorator:
 
 - retries with backoff on the stages that can fail transiently (the store or the inference server restarting);
   none on `ppo_step`, whose failures are not transient (a retried flow run re-runs it);
-- a timeout on every stage, the outer bound: the library enforces the config's own deadlines inside (the
-  trainer process is killed at `timeouts.ppo_step`; Prefect's timeout cannot stop blocking code);
 - results persisted as JSON under a (train run, run name, iteration, stage) cache key, so retrying a failed
-  flow run skips the stages that finished;
+  flow run skips the stages that finished. Not cached: `open_run` and `update_resources`, which bring up and point
+  at this process's servers (a retried flow run is a new process);
 - `ppo_step` is tagged `gpu`: `prefect concurrency-limit create gpu 1` (done by `deployments/setup.py`) allows
-  one update per GPU at a time.
+  one update per GPU at a time;
+- a timeout on every stage, from the run's `timeouts` when the flow calls it (`timed`): Prefect's is the outer
+  bound, a minute past the deadline the library enforces inside (it kills the trainer process at
+  `timeouts.ppo_step`, stops waiting for rollouts at `timeouts.rollouts`), whose error names the stage.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import os
+import socket
+from typing import Any, TypeVar
 
-from prefect import task
+from prefect import Task, task
 from prefect.cache_policies import NO_CACHE
 
-from lightning import pipeline
+from lightning import stages
 from lightning.config import TrainConfig
-from lightning.pipeline import Endpoints
+from lightning.run import Run
+from lightning.stages import Mode
 from tasks.caching import stage_cache_key
 
-HOUR = 3600
 STAGE = {"persist_result": True, "result_serializer": "json", "cache_key_fn": stage_cache_key}
 TRANSIENT = {"retries": 2, "retry_delay_seconds": [2, 10], "retry_jitter_factor": 0.5}
+MARGIN_SECONDS = 60.0
+"""Prefect's timeout comes this long after the library's own deadline for the stage."""
+
+T = TypeVar("T", bound=Task[Any, Any])
 
 
-@task(name="start_run", cache_policy=NO_CACHE, timeout_seconds=HOUR, retries=1, retry_delay_seconds=5)
-def start_run(config: TrainConfig, train: bool = True, weights: str | None = None) -> Endpoints:
-    """Bring up the store, inference server, LLM proxy, trainer and MLflow run in this process (never cached:
-    a retried flow run is a new process and needs its own)."""
-    return pipeline.start_run(config, train=train, weights=weights)
+def timed(stage: T, run: Run | TrainConfig) -> T:
+    """`stage` with its Prefect timeout from the run's config."""
+    config = run.config if isinstance(run, Run) else run
+    timeouts = config.timeouts
+    seconds = {
+        "open_run": timeouts.startup,
+        "update_resources": timeouts.update_resources,
+        "enqueue_rollouts": timeouts.enqueue_rollouts,
+        "run_runner": max(timeouts.rollouts, timeouts.evaluate),
+        "wait_for_rollouts": max(timeouts.rollouts, timeouts.evaluate),
+        "adapt_spans": timeouts.adapt_spans,
+        "ppo_step": timeouts.ppo_step,
+        "checkpoint": timeouts.checkpoint,
+        "warm_start": timeouts.ppo_step * (config.warm_start.steps if config.warm_start else 1) + timeouts.checkpoint,
+        "log_evaluation": timeouts.update_resources,
+    }[stage.name]
+    return stage.with_options(timeout_seconds=seconds + MARGIN_SECONDS)
 
 
-@task(name="update_resources", task_run_name="update_resources-{iteration}", timeout_seconds=600, **STAGE, **TRANSIENT)
-async def update_resources(config: TrainConfig, iteration: int, proxy_url: str) -> str:
-    return await pipeline.update_resources(config, iteration, proxy_url)
+@task(name="open_run", task_run_name="open_run-{config.run_name}", cache_policy=NO_CACHE)
+async def open_run(
+    config: TrainConfig, train: bool = True, weights: str | None = None, queue: str | None = None
+) -> Run:
+    """Bring up the run's store, serving parts, trainer and MLflow run in this process (never cached: a retried
+    flow run is a new process and needs its own)."""
+    return await Run.open(config, train=train, weights=weights, queue=queue)
 
 
-@task(name="enqueue_rollouts", task_run_name="enqueue_rollouts-{iteration}", timeout_seconds=600, **STAGE, **TRANSIENT)
-async def enqueue_rollouts(config: TrainConfig, iteration: int, resources_id: str) -> list[str]:
-    return await pipeline.enqueue_rollouts(config, iteration, resources_id)
+@task(name="update_resources", task_run_name="update_resources-{mode}-{iteration}", cache_policy=NO_CACHE, **TRANSIENT)
+async def update_resources(run: Run, iteration: int, mode: Mode) -> str:
+    return await stages.update_resources(run, mode)
 
 
-@task(name="run_runner", task_run_name="run_runner-{iteration}-{index}", timeout_seconds=6 * HOUR, **STAGE, **TRANSIENT)
-async def run_runner(config: TrainConfig, iteration: int, rollout_ids: list[str], index: int) -> dict[str, Any]:
+@task(name="enqueue_rollouts", task_run_name="enqueue_rollouts-{mode}-{iteration}", **STAGE, **TRANSIENT)
+async def enqueue_rollouts(run: Run, iteration: int, resources_id: str, mode: Mode) -> list[str]:
+    return await stages.enqueue_rollouts(run, iteration, resources_id, mode)
+
+
+@task(name="run_runner", task_run_name="run_runner-{mode}-{iteration}-{index}", **STAGE, **TRANSIENT)
+async def run_runner(run: Run, iteration: int, rollout_ids: list[str], index: int, mode: Mode) -> dict[str, Any]:
     """One runner task, on a thread of the flow's process or a Ray worker; its result says where it ran."""
-    import os
-    import socket
-
-    done = await pipeline.run_runner(config, rollout_ids, index)
+    done = await stages.run_runners(run, rollout_ids, index, mode)
     return {**done, "host": socket.gethostname(), "pid": os.getpid()}
 
 
-@task(
-    name="wait_for_rollouts",
-    task_run_name="wait_for_rollouts-{iteration}",
-    timeout_seconds=6 * HOUR,
-    **STAGE,
-    **TRANSIENT,
-)
-async def wait_for_rollouts(config: TrainConfig, iteration: int, rollout_ids: list[str]) -> dict[str, Any]:
-    return await pipeline.wait_for_rollouts(config, rollout_ids)
+@task(name="wait_for_rollouts", task_run_name="wait_for_rollouts-{mode}-{iteration}", **STAGE, **TRANSIENT)
+async def wait_for_rollouts(run: Run, iteration: int, rollout_ids: list[str], mode: Mode) -> dict[str, Any]:
+    return await stages.wait_for_rollouts(run, rollout_ids, mode)
 
 
-@task(name="adapt_spans", task_run_name="adapt_spans-{iteration}", timeout_seconds=HOUR, **STAGE, **TRANSIENT)
-async def adapt_spans(config: TrainConfig, iteration: int, rollout_ids: list[str]) -> dict[str, Any]:
-    return await pipeline.adapt_spans(config, iteration, rollout_ids)
+@task(name="adapt_spans", task_run_name="adapt_spans-{iteration}", **STAGE, **TRANSIENT)
+async def adapt_spans(run: Run, iteration: int, rollout_ids: list[str]) -> dict[str, Any]:
+    return await stages.adapt_spans(run, iteration, rollout_ids)
 
 
-@task(name="ppo_step", task_run_name="ppo_step-{iteration}", tags=["gpu"], timeout_seconds=6 * HOUR, **STAGE)
-async def ppo_step(config: TrainConfig, iteration: int, batch_path: str) -> dict[str, float]:
-    return await pipeline.ppo_step(config, iteration, batch_path)
+@task(name="ppo_step", task_run_name="ppo_step-{iteration}", tags=["gpu"], **STAGE)
+async def ppo_step(run: Run, iteration: int, batch_path: str) -> dict[str, float]:
+    return await stages.ppo_step(run, iteration, batch_path)
 
 
-@task(name="checkpoint", task_run_name="checkpoint-{iteration}", timeout_seconds=HOUR, **STAGE, **TRANSIENT)
-async def checkpoint(config: TrainConfig, iteration: int, metrics: dict[str, Any]) -> dict[str, Any]:
-    return await pipeline.checkpoint(config, iteration, metrics)
+@task(name="checkpoint", task_run_name="checkpoint-{iteration}", **STAGE, **TRANSIENT)
+async def checkpoint(run: Run, iteration: int, row: dict[str, Any]) -> dict[str, Any]:
+    return await stages.checkpoint(run, iteration, row)
 
 
-@task(name="warm_start", timeout_seconds=6 * HOUR, **STAGE)
-async def warm_start(config: TrainConfig) -> dict[str, Any]:
-    return await pipeline.warm_start(config)
+@task(name="warm_start", task_run_name="warm_start", **STAGE)
+async def warm_start(run: Run) -> dict[str, Any]:
+    return await stages.warm_start(run)
 
 
-@task(name="evaluate", task_run_name="evaluate-{step}", timeout_seconds=6 * HOUR, **STAGE, **TRANSIENT)
-async def evaluate(config: TrainConfig, step: int) -> dict[str, Any]:
-    return await pipeline.evaluate(config, step)
+@task(name="log_evaluation", task_run_name="log_evaluation-{step}", **STAGE, **TRANSIENT)
+async def log_evaluation(run: Run, step: int, summary: dict[str, Any]) -> dict[str, Any]:
+    return await stages.log_evaluation(run, step, summary)

@@ -4,7 +4,6 @@ again under the same run name finishes, with every rollout run once to success a
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -20,8 +19,8 @@ from prefect.client.orchestration import SyncPrefectClient
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
 from prefect_server import PrefectServer, start_logged, stop_process_group, tail
 
-from lightning import pipeline
 from lightning.config import TrainConfig, validate_config
+from lightning.run import checkpoints_dir, latest_step, recorded_history
 
 pytest_plugins = ["prefect_server"]
 
@@ -72,9 +71,8 @@ def test_a_run_killed_mid_iteration_resumes_and_runs_each_rollout_once(
     assert code == 0, f"the resumed run exited with {code}\n{tail(log)}"
 
     asyncio.run(assert_each_rollout_ran_once_to_success(config))
-    assert pipeline.completed_iterations(config) == 3
-    history = json.loads((config.run_dir / "run.json").read_text())["history"]
-    assert [row["iteration"] for row in history] == [0, 1, 2]
+    assert latest_step(config) == 3
+    assert [row["iteration"] for row in recorded_history(config)] == [0, 1, 2]
     with SyncPrefectClient(prefect_server.api_url) as client:
         runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["crashed"])))
     assert "COMPLETED" in [run.state.type.value for run in runs], [run.state for run in runs]
@@ -86,7 +84,7 @@ async def wait_until_iteration_1_is_half_done(config: TrainConfig, process: Any,
     from lightning.store import SqlLightningStore
 
     deadline = time.monotonic() + RUN_TIMEOUT
-    checkpoint = pipeline.checkpoints_dir(config) / "step-000001"
+    checkpoint = checkpoints_dir(config) / "step-000001"
     while not checkpoint.is_dir():
         if process.poll() is not None or time.monotonic() > deadline:
             pytest.fail(f"no checkpoint of iteration 0 (exit code {process.poll()})\n{tail(log)}")

@@ -4,6 +4,7 @@ stage that passes its hard deadline, and the command line."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from flows.evaluate import evaluate
 from flows.train import train
 from lightning.checkpoint import latest_checkpoint, load_checkpoint
 from lightning.config import TrainConfig, load_config
+from lightning.run import recorded_history
 from lightning.store import SqlLightningStore
 
 pytestmark = pytest.mark.slow
@@ -56,11 +58,17 @@ def small_config(tmp_path: Path, **changes: Any) -> TrainConfig:
 
 
 async def train_rollouts(config: TrainConfig) -> list[Any]:
-    store = SqlLightningStore(config.store_url, watchdog_interval=None)
-    try:
-        return [r for r in await store.query_rollouts(mode="train") if r.metadata["run_name"] == config.run_name]
-    finally:
-        await store.close()
+    async with SqlLightningStore(config.store_url, watchdog_interval=None) as store:
+        return await store.query_rollouts(mode="train", queue=config.run_name)
+
+
+async def val_rollouts(config: TrainConfig) -> dict[int, list[Any]]:
+    """The run's held-out rollouts by the checkpoint step they evaluated."""
+    async with SqlLightningStore(config.store_url, watchdog_interval=None) as store:
+        by_step: dict[int, list[Any]] = {}
+        for rollout in await store.query_rollouts(mode="val", queue=config.run_name):
+            by_step.setdefault(rollout.metadata["iteration"], []).append(rollout)
+        return by_step
 
 
 async def test_train_runs_two_iterations_of_seven_stages_and_reports_them(tmp_path: Path) -> None:
@@ -73,14 +81,14 @@ async def test_train_runs_two_iterations_of_seven_stages_and_reports_them(tmp_pa
     assert final is not None and load_checkpoint(final).step == 2 and summary["checkpoint"] == str(final)
     rollouts = await train_rollouts(config)
     assert len(rollouts) == 2 * 8 * 4 and {r.status for r in rollouts} == {"succeeded"}
-    state = json.loads((config.run_dir / "run.json").read_text())
-    assert [row["iteration"] for row in state["history"]] == [0, 1]
+    assert [row["iteration"] for row in recorded_history(config)] == [0, 1]
     # Iteration i samples from checkpoint i (0: the initial model): the proxy records it on every LLM span, and the
     # adapter carries it into each training row.
     for iteration in (0, 1):
         rows = json.loads((config.run_dir / "batches" / f"iteration-{iteration:06d}" / "batch.json").read_text())
         assert {row["weight_version"] for row in rows["metadata"]} == {iteration}
-    assert set(state["evaluations"]) == {"0", "2"} and state["evaluations"]["2"]["rollouts"] == 64
+    evaluations = await val_rollouts(config)
+    assert sorted(evaluations) == [0, 2] and len(evaluations[2]) == 64
 
     mlflow = MlflowClient(config.tracking_uri)
     run_id = summary["mlflow_run_id"]
@@ -101,8 +109,8 @@ async def test_train_runs_two_iterations_of_seven_stages_and_reports_them(tmp_pa
         assert iteration.state.is_completed() and iteration.parent_task_run_id is not None
         tasks = await client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [iteration.id]}))
         assert sorted(t.name for t in tasks) == sorted(
-            ["update_resources-1", "enqueue_rollouts-1", "run_runner-1-0", "run_runner-1-1", "wait_for_rollouts-1",
-             "adapt_spans-1", "ppo_step-1", "checkpoint-1"]
+            ["update_resources-train-1", "enqueue_rollouts-train-1", "run_runner-train-1-0", "run_runner-train-1-1",
+             "wait_for_rollouts-train-1", "adapt_spans-1", "ppo_step-1", "checkpoint-1"]
         )  # fmt: skip
         assert all(t.state.is_completed() for t in tasks)
         assert next(t for t in tasks if t.name == "ppo_step-1").tags == ["gpu"]
@@ -123,8 +131,10 @@ async def test_a_finished_run_resumes_for_more_iterations_without_redoing_any(tm
     assert load_checkpoint(more["checkpoint"]).step == 2
     assert more["mlflow_run_id"] == first["mlflow_run_id"]  # one MLflow run for the whole run
     assert len(await train_rollouts(config)) == 2 * 8 * 4
-    history = json.loads((config.run_dir / "run.json").read_text())["history"]
-    assert [row["iteration"] for row in history] == [0, 1]
+    assert [row["iteration"] for row in recorded_history(config)] == [0, 1]
+    mlflow = MlflowClient(config.tracking_uri)
+    assert [m.step for m in mlflow.get_metric_history(more["mlflow_run_id"], "reward")] == [0, 1]
+    assert [m.step for m in mlflow.get_metric_history(more["mlflow_run_id"], "val.reward_mean")] == [0, 1, 2]
 
 
 async def test_a_warm_start_runs_once_before_iteration_zero_and_is_reported(tmp_path: Path) -> None:
@@ -132,17 +142,21 @@ async def test_a_warm_start_runs_once_before_iteration_zero_and_is_reported(tmp_
     config = small_config(tmp_path, iterations=1, warm_start=warm)
     summary = await train(config)
 
-    state = json.loads((config.run_dir / "run.json").read_text())
-    assert state["warm_start"]["steps"] == 3 and state["warm_start"]["demonstrations"] == 192 // 4
-    assert set(state["evaluations"]) == {"-1", "0", "1"}  # initial model, after the warm start, after training
-    assert summary["reward_initial"] == state["evaluations"]["-1"]["reward_mean"]
-    assert summary["reward_before"] == state["evaluations"]["0"]["reward_mean"]
+    warmed = load_checkpoint(config.run_dir / "checkpoints" / "step-000000").meta["warm_start"]
+    assert warmed["steps"] == 3 and warmed["demonstrations"] == 192 // 4
+    assert sorted(await val_rollouts(config)) == [-1, 0, 1]  # initial model, after the warm start, after training
     mlflow = MlflowClient(config.tracking_uri)
-    assert len(mlflow.get_metric_history(summary["mlflow_run_id"], "warm_start.sft_loss")) == 1
-    assert len(mlflow.get_metric_history(summary["mlflow_run_id"], "val_initial.reward_mean")) == 1
+    run_id = summary["mlflow_run_id"]
+    assert len(mlflow.get_metric_history(run_id, "warm_start.sft_loss")) == 1
+    assert [m.value for m in mlflow.get_metric_history(run_id, "val_initial.reward_mean")] == [
+        summary["reward_initial"]
+    ]
+    assert [m.step for m in mlflow.get_metric_history(run_id, "val.reward_mean")] == [0, 1]
+    assert mlflow.get_metric_history(run_id, "val.reward_mean")[0].value == summary["reward_before"]
 
     again = await train(config.model_copy(update={"iterations": 2}))  # resumed: no second warm start
-    assert json.loads((config.run_dir / "run.json").read_text())["warm_start"] == state["warm_start"]
+    assert load_checkpoint(config.run_dir / "checkpoints" / "step-000000").meta["warm_start"] == warmed
+    assert len(mlflow.get_metric_history(run_id, "warm_start.sft_loss")) == 1
     assert again["reward_initial"] == summary["reward_initial"]
 
 
@@ -156,7 +170,26 @@ async def test_evaluate_and_dev_flows(tmp_path: Path) -> None:
 
     dry = await dev(config)
     assert dry["rollouts"]["rollouts"] == 8 * 4 and dry["batch"]["rows"] == 8 * 4
-    assert latest_checkpoint(tmp_path / "runs" / "t-dev" / "checkpoints") is None  # nothing trained
+    assert load_checkpoint(latest_checkpoint(config.run_dir / "checkpoints")).step == 1  # nothing trained
+
+
+async def test_a_train_and_a_dev_run_on_one_store_never_touch_each_other_s_rollouts(tmp_path: Path) -> None:
+    """Both at once, same run name, same store file: each runs exactly its own queue's rollouts."""
+    config = small_config(tmp_path, iterations=2)
+    trained, dry = await asyncio.gather(train(config), dev(config))
+    assert trained["iterations"] == 2 and dry["rollouts"]["succeeded"] == 8 * 4
+
+    async with SqlLightningStore(config.store_url, watchdog_interval=None) as store:
+        counts = {}
+        for queue in ("t", "t.dev"):
+            rollouts = await store.query_rollouts(queue=queue)
+            counts[queue] = len(rollouts)
+            assert {rollout.status for rollout in rollouts} == {"succeeded"}
+            for rollout in rollouts:
+                workers = {attempt.worker_id for attempt in await store.query_attempts(rollout.rollout_id)}
+                assert all(worker.startswith(f"{queue}-runner") for worker in workers), (queue, workers)
+    # Two iterations of 8 x 4 and two evaluations (before, after) of 64 for the training; 8 x 4 for the dry run.
+    assert counts == {"t": 2 * 8 * 4 + 2 * 64, "t.dev": 8 * 4}
 
 
 async def test_a_ppo_step_past_its_deadline_is_killed_and_fails_the_run(tmp_path: Path) -> None:

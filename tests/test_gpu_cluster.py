@@ -9,7 +9,6 @@ Never runs in CI (no GPU there): `pytest -m gpu tests/test_gpu_cluster.py -s`. T
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
 import subprocess
@@ -51,6 +50,7 @@ def run_train(tmp_path: Path, model_dir: Path, backend: str) -> dict[str, Any]:
 
     from flows.train import train
     from lightning.config import load_config
+    from lightning.run import recorded_history
 
     config = load_config(
         {
@@ -73,8 +73,7 @@ def run_train(tmp_path: Path, model_dir: Path, backend: str) -> dict[str, Any]:
     )  # fmt: skip
     with prefect_test_harness(server_startup_timeout=300):
         summary = asyncio.run(train(config))
-    history = json.loads((config.run_dir / "run.json").read_text())["history"]
-    return {"summary": summary, "history": history, "gpu_memory_mib": gpu_memory_used_mib()}
+    return {"summary": summary, "history": recorded_history(config), "gpu_memory_mib": gpu_memory_used_mib()}
 
 
 @pytest.mark.parametrize("backend", ["torch", "verl"])

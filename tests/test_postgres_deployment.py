@@ -192,7 +192,8 @@ def test_the_train_flow_completes_on_both_postgres_servers(deployment: Deploymen
         assert iteration.state.is_completed(), iteration.state
         in_iteration = TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=[iteration.id]))
         tasks = client.read_task_runs(task_run_filter=in_iteration)
-        assert {t.name for t in tasks} >= {"enqueue_rollouts-0", "run_runner-0-0", "run_runner-0-1", "ppo_step-0"}
+        expected = {"enqueue_rollouts-train-0", "run_runner-train-0-0", "run_runner-train-0-1", "ppo_step-0"}
+        assert {t.name for t in tasks} >= expected
         assert all(t.state.is_completed() for t in tasks), [(t.name, t.state) for t in tasks]
 
 

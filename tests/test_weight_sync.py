@@ -1,11 +1,10 @@
-"""Weight sync with vLLM replicas, driven by the pipeline's own stages: two `vllm` servers (the stand-in executable
+"""Weight sync with vLLM replicas, driven by the run's own stages: two `vllm` servers (the stand-in executable
 tests/support/fake_vllm.py, real processes and real HTTP, since vLLM itself needs a GPU) behind the real LLM proxy,
 colocated with the trainer (weight_sync: sleep). The PPO step pauses the proxy and puts both servers to sleep; the
 checkpoint wakes them, reloads the new weights in place, and resumes the proxy under the new weight version."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import stat
 import sys
@@ -14,16 +13,17 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lightning import pipeline
+from lightning import stages
 from lightning.algorithm.batch import TrainingBatch
 from lightning.config import load_config
+from lightning.run import Run
 from lightning.types import Triplet
 
 pytestmark = pytest.mark.slow
 FAKE_VLLM = Path(__file__).parent / "support" / "fake_vllm.py"
 
 
-def test_vllm_replicas_sleep_through_the_ppo_step_and_wake_on_the_new_checkpoint(
+async def test_vllm_replicas_sleep_through_the_ppo_step_and_wake_on_the_new_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("LIGHTNING_PROXY_TOKEN", "proxy-secret")  # as when the proxy is exposed to other machines
@@ -46,29 +46,32 @@ def test_vllm_replicas_sleep_through_the_ppo_step_and_wake_on_the_new_checkpoint
             "output_dir": str(tmp_path / "runs"),
         }
     )  # fmt: skip
-    endpoints = pipeline.start_run(config)
+    run = await Run.open(config)
+    servers = list(run.vllm_servers)
     try:
-        proxy = endpoints.proxy_url
-        assert httpx.get(f"{proxy}/admin/status").status_code == 401
-        status = httpx.get(f"{proxy}/admin/status", headers=auth).json()
-        assert len(status["backends"]) == 2 and status["weight_version"] == 0 and not status["paused"]
+        proxy = run.endpoints.proxy_url
+        async with httpx.AsyncClient(timeout=30) as http:
+            assert (await http.get(f"{proxy}/admin/status")).status_code == 401
+            status = (await http.get(f"{proxy}/admin/status", headers=auth)).json()
+            assert len(status["backends"]) == 2 and status["weight_version"] == 0 and not status["paused"]
 
-        resources_id = asyncio.run(pipeline.update_resources(config, 0, proxy))
-        resources = asyncio.run(pipeline.open_run_store(config).get_resources_by_id(resources_id))
-        assert resources.resources["llm"].api_key == "proxy-secret"  # runners call the proxy with it
+            resources_id = await stages.update_resources(run, "train")
+            resources = await run.store.get_resources_by_id(resources_id)
+            assert resources.resources["llm"].api_key == "proxy-secret"  # runners call the proxy with it
 
-        triplets = [
-            Triplet(prompt=[5, 6], response=[7, 8], reward=float(i % 2), metadata={"group_id": 0}) for i in range(4)
-        ]
-        batch = TrainingBatch.from_triplets(triplets, pad_token_id=0, max_prompt_length=4, max_response_length=4)
-        batch_path = batch.save(tmp_path / "batch")
-        metrics = asyncio.run(pipeline.ppo_step(config, 0, str(batch_path)))
-        assert metrics["step"] == 1.0
-        assert httpx.get(f"{proxy}/admin/status", headers=auth).json()["paused"]  # no call reaches a sleeping server
+            triplets = [
+                Triplet(prompt=[5, 6], response=[7, 8], reward=float(i % 2), metadata={"group_id": 0}) for i in range(4)
+            ]
+            batch = TrainingBatch.from_triplets(triplets, pad_token_id=0, max_prompt_length=4, max_response_length=4)
+            batch_path = batch.save(tmp_path / "batch")
+            metrics = await stages.ppo_step(run, 0, str(batch_path))
+            assert metrics["step"] == 1.0
+            # No call reaches a sleeping server.
+            assert (await http.get(f"{proxy}/admin/status", headers=auth)).json()["paused"]
 
-        saved = asyncio.run(pipeline.checkpoint(config, 0, {"reward": 0.5}))
-        status = httpx.get(f"{proxy}/admin/status", headers=auth).json()
-        assert status["weight_version"] == 1 and not status["paused"]
+            saved = await stages.checkpoint(run, 0, {"iteration": 0, "reward": 0.5})
+            status = (await http.get(f"{proxy}/admin/status", headers=auth)).json()
+            assert status["weight_version"] == 1 and not status["paused"]
 
         admin = [json.loads(line) for line in calls.read_text().splitlines()]
         admin = [c for c in admin if c.get("path") in ("/sleep", "/wake_up", "/collective_rpc")]
@@ -85,4 +88,5 @@ def test_vllm_replicas_sleep_through_the_ppo_step_and_wake_on_the_new_checkpoint
         starts = [json.loads(line) for line in calls.read_text().splitlines() if '"event": "start"' in line]
         assert len(starts) == 2
     finally:
-        asyncio.run(pipeline.stop_run(config))
+        await run.close()
+    assert len(servers) == 2 and not any(server.is_running() for server in servers)  # closing the run stopped them

@@ -5,12 +5,9 @@ Every function is pure; `response_mask` (1 on generated tokens) says which token
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
-LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
-KLKind = Literal["k1", "low_var_kl"]
+from lightning.algorithm.config import KLKind, LossAggMode
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -42,11 +42,9 @@ import logging
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
-from lightning.algorithm.trainer import TrainerConfig
+from lightning.algorithm.config import TrainerConfig, VerlOptions
 
 logger = logging.getLogger(__name__)
 
@@ -64,28 +62,6 @@ VERL_GRPO_EPSILON = 1e-6
 
 VERL_STATE_DIR = "verl"
 """Under the run's checkpoint root: verl's own checkpoints (sharded model, optimizer, extra), one per step."""
-
-
-class VerlOptions(BaseModel):
-    """What verl needs beyond the algorithm's hyperparameters: the cluster shape and FSDP's memory options."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    n_gpus_per_node: int = Field(default=1, ge=1)
-    nnodes: int = Field(default=1, ge=1)
-    strategy: Literal["fsdp", "fsdp2"] = "fsdp2"
-    param_offload: bool = False
-    """Keep FSDP parameters on the CPU between uses (less GPU memory, slower)."""
-    optimizer_offload: bool = False
-    gradient_checkpointing: bool = True
-    use_remove_padding: bool = True
-    """Run the model on packed sequences without padding (needs flash-attention on the GPU stack)."""
-    ray_namespace: str = "lightning"
-    overrides: list[str] = Field(default_factory=list)
-    """verl hydra overrides applied last, as on verl's command line, e.g.
-    `actor_rollout_ref.actor.fsdp_config.fsdp_size=4`."""
-    start_timeout: float = Field(default=1800, gt=0)
-    """Seconds to bring up the worker group (model load and FSDP wrap on every GPU)."""
 
 
 # --- the configuration ------------------------------------------------------------------------------------------

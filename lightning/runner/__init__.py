@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning.agent import Hook, LitAgent, RolloutResult
+from lightning.store import lifecycle
 from lightning.store.base import LightningStore
 from lightning.store.errors import StoreError
 from lightning.types import (
@@ -46,6 +47,7 @@ class Runner:
       under the rollouts' `unresponsive_seconds`.
     - `idle_wait`: longest single wait for work when the queue is empty; an enqueue through the same
       store (or the same store server) wakes the runner at once.
+    - `queue`: the store queue it takes rollouts from (None: the default queue).
     """
 
     def __init__(
@@ -58,6 +60,7 @@ class Runner:
         hooks: Sequence[Hook] = (),
         heartbeat_interval: float = 5.0,
         idle_wait: float = 1.0,
+        queue: str | None = None,
     ) -> None:
         from lightning.tracing import Tracer
 
@@ -69,6 +72,7 @@ class Runner:
         self.hooks = list(hooks)
         self.heartbeat_interval = heartbeat_interval
         self.idle_wait = idle_wait
+        self.queue = queue
 
     async def iter(self, *, stop_event: StopEvent | None = None, max_rollouts: int | None = None) -> int:
         """Claim and run rollouts until `stop_event` is set or `max_rollouts` ran; returns how many ran."""
@@ -77,7 +81,7 @@ class Runner:
         backoff = 0.1
         while (stop_event is None or not stop_event.is_set()) and (max_rollouts is None or ran < max_rollouts):
             try:
-                claimed = await self.store.dequeue_rollout(worker_id=self.worker_id, wait=self.idle_wait)
+                claimed = await self.store.dequeue_rollout(self.worker_id, wait=self.idle_wait, queue=self.queue)
                 if claimed is None:
                     if time.monotonic() - last_beat > self.heartbeat_interval:
                         await self.store.update_worker(self.worker_id)
@@ -103,7 +107,7 @@ class Runner:
     ) -> Rollout:
         """Run one ad-hoc rollout of `input` now, outside the queue; returns the finished rollout."""
         started = await self.store.start_rollout(
-            input, mode=mode, resources_id=resources_id, config=config, worker_id=self.worker_id
+            input, mode=mode, resources_id=resources_id, config=config, worker_id=self.worker_id, queue=self.queue
         )
         await self.run_attempt(started)
         finished = await self.store.get_rollout_by_id(started.rollout_id)
@@ -201,20 +205,24 @@ class Runner:
         """Beat the attempt's heartbeat; return when the attempt is no longer this runner's to finish."""
         while True:
             await asyncio.sleep(self.heartbeat_interval)
-            attempt = await self.store.update_attempt(rollout_id, attempt_id, last_heartbeat_time=time.time())
+            await self.store.update_attempt(rollout_id, attempt_id, last_heartbeat_time=time.time())
             await self.store.update_worker(self.worker_id)
-            if not await self._still_ours(rollout_id, attempt_id, attempt.status):
+            if not await self._still_ours(rollout_id, attempt_id):
                 return
 
-    async def _still_ours(self, rollout_id: str, attempt_id: str, status: AttemptStatus) -> bool:
-        if status not in ("preparing", "running"):
-            return False
-        latest = await self.store.get_latest_attempt(rollout_id)
-        return latest is not None and latest.attempt_id == attempt_id
+    async def _still_ours(self, rollout_id: str, attempt_id: str) -> bool:
+        """The attempt is still active and its rollout's latest, and the rollout was not cancelled."""
+        (rollout,) = await self.store.query_rollouts(rollout_id_in=[rollout_id]) or [None]
+        return (
+            isinstance(rollout, AttemptedRollout)
+            and rollout.status != "cancelled"
+            and rollout.attempt.attempt_id == attempt_id
+            and rollout.attempt.status in lifecycle.ACTIVE_ATTEMPT
+        )
 
     async def _record_outcome(self, rollout_id: str, attempt_id: str, status: AttemptStatus) -> str:
         latest = await self.store.get_latest_attempt(rollout_id)
-        if latest is None or latest.attempt_id != attempt_id or latest.status not in ("preparing", "running"):
+        if latest is None or latest.attempt_id != attempt_id or latest.status not in lifecycle.ACTIVE_ATTEMPT:
             # Timed out, marked unresponsive or superseded meanwhile: the store's verdict stands.
             logger.warning(
                 "rollout %s attempt %s ended as %s elsewhere; not overwritten", rollout_id, attempt_id, status

@@ -4,30 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
 import logging
 import signal
 import sys
 import threading
-from typing import Any
-
-from lightning.agent import LitAgent
-
-
-def load_agent(entry_point: str) -> LitAgent[Any]:
-    """`package.module:name` -> the LitAgent (or @rollout function) it names."""
-    module_name, _, attribute = entry_point.partition(":")
-    if not module_name or not attribute:
-        raise SystemExit(f"--agent must look like package.module:name, got {entry_point!r}")
-    try:
-        agent = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as exc:
-        raise SystemExit(f"--agent {entry_point!r}: {exc}") from None
-    if isinstance(agent, type) and issubclass(agent, LitAgent):
-        agent = agent()
-    if not isinstance(agent, LitAgent):
-        raise SystemExit(f"--agent {entry_point!r} is a {type(agent).__name__}, not a LitAgent or @rollout function")
-    return agent
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -37,6 +17,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--token", default=None, help="bearer token of the store server (or LIGHTNING_STORE_TOKEN)")
     parser.add_argument("--worker-id", default=None)
     parser.add_argument(
+        "--queue",
+        default=None,
+        help="the store queue to take rollouts from: a training run's name (default: the default queue)",
+    )
+    parser.add_argument(
         "--max-rollouts", type=int, default=None, help="stop after this many (default: run until killed)"
     )
     parser.add_argument("--heartbeat-interval", type=float, default=5.0)
@@ -45,10 +30,14 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns what matters
 
+    from lightning.config import ConfigError, load_agent
     from lightning.runner import Runner
     from lightning.store import open_store
 
-    agent = load_agent(args.agent)
+    try:
+        agent = load_agent(args.agent)
+    except ConfigError as exc:
+        raise SystemExit(f"--agent {args.agent!r}: {exc}") from None
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
 
@@ -60,6 +49,7 @@ def main(argv: list[str] | None = None) -> None:
             worker_id=args.worker_id,
             heartbeat_interval=args.heartbeat_interval,
             idle_wait=args.idle_wait,
+            queue=args.queue,
         )
         try:
             return await runner.iter(stop_event=stop, max_rollouts=args.max_rollouts)

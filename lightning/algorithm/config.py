@@ -1,0 +1,90 @@
+"""The algorithm's settings as plain pydantic models, importable without torch: `TrainerConfig` (one PPO/GRPO
+update) and `VerlOptions` (the verl backend's cluster and memory options). `TrainConfig` holds both."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+KLKind = Literal["k1", "low_var_kl"]
+AdvantageKind = Literal["grpo", "grpo_no_std", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+
+
+class TrainerConfig(BaseModel):
+    """Everything one update depends on; defaults follow verl's actor and algorithm defaults."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lr: float = Field(default=1e-6, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = Field(default=0.01, ge=0)
+    warmup_steps: int = Field(default=0, ge=0)
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    total_steps: int | None = Field(default=None, ge=1)
+    """Length of the cosine schedule, in `step` calls; needed for "cosine"."""
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
+    """Where the cosine schedule ends, as a fraction of lr."""
+
+    clip_low: float = Field(default=0.2, ge=0)
+    clip_high: float = Field(default=0.2, ge=0)
+    dual_clip_c: float = Field(default=3.0, gt=1)
+
+    advantage: AdvantageKind = "grpo"
+    adv_eps: float = Field(default=1e-6, gt=0)
+    gamma: float = Field(default=1.0, ge=0, le=1)
+    """Discount of REINFORCE++'s return-to-go."""
+
+    kl_coef: float = Field(default=0.001, ge=0)
+    kl_kind: KLKind = "low_var_kl"
+    use_kl_loss: bool = False
+    """Add kl_coef * KL(policy || reference) to the loss (GRPO's way)."""
+    kl_in_reward: bool = False
+    """Subtract kl_coef * KL(old policy || reference) from token_level_scores before advantages (PPO's way)."""
+
+    loss_agg: LossAggMode = "token-mean"
+    micro_batch_size: int = Field(default=4, ge=1)
+    """Rows per forward/backward; only memory depends on it, not the update."""
+    mini_batch_size: int | None = Field(default=None, ge=1)
+    """Rows per optimizer step; None: the whole batch, one optimizer step per epoch."""
+    ppo_epochs: int = Field(default=1, ge=1)
+    max_grad_norm: float = Field(default=1.0, gt=0)
+    entropy_coef: float = 0.0
+    bf16: bool = True
+    """bf16 autocast for forward passes on CUDA; weights and optimizer stay float32. Ignored on CPU."""
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TrainerConfig:
+        if self.lr_schedule == "cosine" and self.total_steps is None:
+            raise ValueError("lr_schedule 'cosine' needs total_steps")
+        if self.use_kl_loss and self.kl_in_reward:
+            raise ValueError("use_kl_loss and kl_in_reward both apply the KL penalty; choose one")
+        return self
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.use_kl_loss or self.kl_in_reward
+
+
+class VerlOptions(BaseModel):
+    """What verl needs beyond the algorithm's hyperparameters: the cluster shape and FSDP's memory options."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    n_gpus_per_node: int = Field(default=1, ge=1)
+    nnodes: int = Field(default=1, ge=1)
+    strategy: Literal["fsdp", "fsdp2"] = "fsdp2"
+    param_offload: bool = False
+    """Keep FSDP parameters on the CPU between uses (less GPU memory, slower)."""
+    optimizer_offload: bool = False
+    gradient_checkpointing: bool = True
+    use_remove_padding: bool = True
+    """Run the model on packed sequences without padding (needs flash-attention on the GPU stack)."""
+    ray_namespace: str = "lightning"
+    overrides: list[str] = Field(default_factory=list)
+    """verl hydra overrides applied last, as on verl's command line, e.g.
+    `actor_rollout_ref.actor.fsdp_config.fsdp_size=4`."""
+    start_timeout: float = Field(default=1800, gt=0)
+    """Seconds to bring up the worker group (model load and FSDP wrap on every GPU)."""

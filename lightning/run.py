@@ -1,0 +1,428 @@
+"""A training run as one explicit object: `await Run.open(config)` brings up what the run needs in this process (the
+store, the inference server or vLLM, the LLM proxy, the trainer process, the MLflow run), every stage of
+`lightning.stages` takes the open run, and `await run.close()` brings it all down. A stage given a run that is not
+open raises `RunNotOpen`; nothing starts behind the caller's back.
+
+Where a run stands is read from one record, its checkpoints (`<output_dir>/<run_name>/checkpoints`): checkpoint
+`k` holds the weights and trainer state after `k` iterations (0: the initial model after a warm start) and, in its
+meta.json, the run's history up to it. The checkpoint is the record because it is the one thing a resume cannot
+redo cheaply, and because it is written atomically with the weights, the history can never disagree with them.
+Everything else is derived from the store and kept idempotent: enqueuing an iteration's rollouts again returns the
+same rollouts (idempotency keys), so an interrupted iteration or evaluation picks up where it was; MLflow is a view
+that `open` fills in from the history when a metric is missing.
+
+A run owns one queue of the store, named after it: its runners take only its rollouts, so runs that share a store
+(a `train` and a `dev` run, two trainings) never touch each other's work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from pydantic import BaseModel, PrivateAttr
+
+from lightning.config import TrainConfig, load_tasks
+from lightning.store.base import LightningStore
+
+logger = logging.getLogger(__name__)
+
+
+class RunNotOpen(RuntimeError):
+    """A stage was given a run that is not open in this process."""
+
+
+class Endpoints(BaseModel):
+    """Where a run's serving parts answer."""
+
+    proxy_url: str
+    """The LLM proxy, without /v1."""
+    model_name: str
+    inference_urls: list[str] = []
+    """Embedded servers that load each new checkpoint (base URLs)."""
+
+
+@dataclass
+class _Parts:
+    """What an open run holds in this process."""
+
+    store: LightningStore
+    model_dir: Path
+    """The initial policy (the trainer's KL reference)."""
+    trainer: Any = None
+    tracker: Any = None
+    stack: Any = None
+    vllm: list[Any] = field(default_factory=list)
+    """The vLLM servers this run started (inference.backend vllm), one per replica."""
+    closers: list[Any] = field(default_factory=list)
+    tokenizer: Any = None
+    datasets: dict[str, list[Any]] = field(default_factory=dict)
+    history: list[dict[str, Any]] = field(default_factory=list)
+    """One row per trained iteration (`stages.iteration_row`), as the latest checkpoint records it."""
+
+
+class Run(BaseModel):
+    """An open training run. As a Prefect parameter it shows (and is stored) as its config and endpoints; sent to
+    another process (a runner task on a Ray worker) it arrives with those only, and `connect_store` opens a store
+    connection of its own there."""
+
+    config: TrainConfig
+    endpoints: Endpoints
+    queue: str
+    """The store queue of this run's rollouts: the run's name, or a queue of its own for a `dev` or `evaluate`
+    flow that works beside a training run of the same name."""
+    _parts: _Parts | None = PrivateAttr(default=None)
+
+    # --- names and paths ---------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self.config.run_name
+
+    @property
+    def run_dir(self) -> Path:
+        return self.config.run_dir
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return checkpoints_dir(self.config)
+
+    def resources_id(self, mode: str) -> str:
+        """The id of the run's LLM resources for `mode` (train or val): one per run and mode, updated in place, so a
+        rollout enqueued by an earlier process of the run reaches this process's proxy."""
+        digest = hashlib.sha256(f"{self.name}/{mode}".encode()).hexdigest()[:24]
+        return f"rs-run-{digest}-{mode}"
+
+    # --- what only an open run has -----------------------------------------------------------
+
+    @property
+    def is_open(self) -> bool:
+        return self._parts is not None
+
+    def _open_parts(self) -> _Parts:
+        if self._parts is None:
+            raise RunNotOpen(
+                f"run {self.name!r} is not open in this process: open it with `await Run.open(config)` (the flows "
+                "do) and pass that run to the stages"
+            )
+        return self._parts
+
+    @property
+    def store(self) -> LightningStore:
+        return self._open_parts().store
+
+    @property
+    def model_dir(self) -> Path:
+        return self._open_parts().model_dir
+
+    @property
+    def trainer(self) -> Any:
+        trainer = self._open_parts().trainer
+        if trainer is None:
+            raise RunNotOpen(f"run {self.name!r} was opened without a trainer (train=False): it cannot train")
+        return trainer
+
+    @property
+    def tracker(self) -> Any:
+        """The MLflow run (None when the run was opened without training)."""
+        return self._open_parts().tracker
+
+    @property
+    def vllm_servers(self) -> list[Any]:
+        return self._open_parts().vllm
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        return self._open_parts().history
+
+    def tokenizer(self) -> Any:
+        """The policy's tokenizer, loaded once per open run."""
+        parts = self._open_parts()
+        if parts.tokenizer is None:
+            from transformers import AutoTokenizer
+
+            parts.tokenizer = AutoTokenizer.from_pretrained(parts.model_dir)
+        return parts.tokenizer
+
+    def dataset(self, field_name: str) -> list[Any]:
+        """The tasks of `train_data` or `val_data`, loaded once per open run."""
+        parts = self._open_parts()
+        if field_name not in parts.datasets:
+            spec = getattr(self.config, field_name)
+            if spec is None:
+                raise ValueError(f"{field_name} is not set in the run's config")
+            parts.datasets[field_name] = load_tasks(spec, field_name)
+        return parts.datasets[field_name]
+
+    @contextlib.asynccontextmanager
+    async def connect_store(self) -> AsyncIterator[LightningStore]:
+        """The run's store: the open run's own, or, in a process the run was sent to (a Ray worker), a connection
+        of this process's for the duration."""
+        if self._parts is not None:
+            yield self._parts.store
+            return
+        from lightning.store import open_store
+
+        store = open_store(self.config.store_url, watchdog_interval=None)
+        try:
+            yield store
+        finally:
+            await store.close()
+
+    def completed_iterations(self) -> int:
+        """Iterations trained so far: the step of the latest checkpoint (the run resumes at this iteration)."""
+        return self.latest_step() or 0
+
+    def latest_step(self) -> int | None:
+        """The step of the latest checkpoint: None before any (0 after a warm start, k after k iterations)."""
+        return latest_step(self.config)
+
+    def proxy_admin(self, action: str, body: dict[str, Any] | None = None, timeout: float = 600) -> Any:
+        """POST /admin/<action> to the run's own LLM proxy: `pause` holds new calls and waits for the ones in flight,
+        `resume` lets calls through and records `weight_version` on every span from then on."""
+        token = proxy_token()
+        headers = {"authorization": f"Bearer {token}"} if token else {}
+        response = httpx.post(
+            f"{self.endpoints.proxy_url}/admin/{action}", json=body or {}, headers=headers, timeout=timeout + 5
+        )
+        response.raise_for_status()
+        return response.json()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # What crosses to another process is the config and the endpoints; servers, processes and connections stay.
+        state = super().__getstate__()
+        return {**state, "__pydantic_private__": {"_parts": None}}
+
+    # --- opening and closing -----------------------------------------------------------------
+
+    @classmethod
+    async def open(
+        cls, config: TrainConfig, *, train: bool = True, weights: str | None = None, queue: str | None = None
+    ) -> Run:
+        """Bring the run up in this process: the store, the serving parts on the latest weights (or on the
+        checkpoint `weights`) and, with `train`, the trainer process and the MLflow run. `queue`: the store queue
+        of its rollouts (default: the run's name). Rollouts an earlier process left running in that queue are
+        requeued: from now on this process owns it."""
+        config.run_dir.mkdir(parents=True, exist_ok=True)
+        model_dir = await asyncio.to_thread(prepare_model, config)
+        from lightning.checkpoint import latest_checkpoint
+
+        latest = latest_checkpoint(checkpoints_dir(config))
+        serving_dir = Path(weights) if weights else model_dir if latest is None else latest
+        parts = _Parts(store=open_run_store(config), model_dir=model_dir)
+        endpoints = Endpoints(proxy_url="", model_name=config.inference.served_model_name)
+        run = cls(config=config, endpoints=endpoints, queue=queue or config.run_name)
+        run._parts = parts
+        try:
+            parts.history = recorded_history(config)
+            await requeue_orphans(parts.store, run.queue)
+            if train:  # the trainer process loads torch and the model while the servers come up
+                parts.trainer = _trainer(config, model_dir)
+                parts.closers.append(parts.trainer.close)
+                trainer_ready = asyncio.create_task(asyncio.to_thread(parts.trainer.start))
+            run.endpoints = await asyncio.to_thread(_start_serving, config, parts, serving_dir)
+            if train:
+                parts.tracker = await asyncio.to_thread(_start_tracker, config, parts.history)
+                await asyncio.wait_for(trainer_ready, timeout=config.timeouts.startup)
+            if not config.proxy_endpoint:  # every span from now on records the weights that produced it
+                step = serving_step(config, weights)
+                await asyncio.to_thread(run.proxy_admin, "resume", {"weight_version": step})
+        except BaseException:
+            await run.close("FAILED")
+            raise
+        return run
+
+    async def close(self, status: str = "FINISHED") -> None:
+        """Bring down what `open` brought up; `status` ends the MLflow run (FINISHED, FAILED, KILLED)."""
+        parts, self._parts = self._parts, None
+        if parts is None:
+            return
+        if parts.tracker is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(parts.tracker.end, status)
+        for close in reversed(parts.closers):
+            try:
+                await asyncio.to_thread(close)
+            except Exception:
+                logger.exception("shutting down %s failed", close)
+        await parts.store.close()
+
+
+# --- the record: checkpoints -------------------------------------------------------------------------------
+
+
+def checkpoints_dir(config: TrainConfig) -> Path:
+    return config.run_dir / "checkpoints"
+
+
+def latest_step(config: TrainConfig) -> int | None:
+    """The step of the run's latest checkpoint (None: it has none). A run resumes at iteration `step`."""
+    from lightning.checkpoint import latest_checkpoint, load_checkpoint
+
+    latest = latest_checkpoint(checkpoints_dir(config))
+    return None if latest is None else load_checkpoint(latest).step
+
+
+def recorded_history(config: TrainConfig) -> list[dict[str, Any]]:
+    """The run's history as its latest checkpoint records it: one row per trained iteration."""
+    from lightning.checkpoint import latest_checkpoint, load_checkpoint
+
+    latest = latest_checkpoint(checkpoints_dir(config))
+    return [] if latest is None else list(load_checkpoint(latest).meta.get("history", []))
+
+
+def serving_step(config: TrainConfig, checkpoint: str | None = None) -> int:
+    """The step of `checkpoint` (default: the run's latest; 0 when it has none, the initial model)."""
+    from lightning.checkpoint import latest_checkpoint, load_checkpoint
+
+    path = Path(checkpoint) if checkpoint else latest_checkpoint(checkpoints_dir(config))
+    return 0 if path is None else load_checkpoint(path).step
+
+
+async def requeue_orphans(store: LightningStore, queue: str) -> int:
+    """Take over what an earlier process of the run left in its queue (it was killed mid-iteration): rollouts whose
+    attempt was left preparing or running, with nobody to finish it, are requeued and that attempt marked
+    unresponsive. Call it only when no runner of the run is alive. Returns how many it requeued."""
+    orphans = await store.query_rollouts(queue=queue, status_in=["preparing", "running"])
+    for rollout in orphans:
+        await store.update_attempt(rollout.rollout_id, "latest", status="unresponsive")
+        await store.update_rollout(rollout.rollout_id, status="requeuing")
+    if orphans:
+        logger.warning("requeued %d rollouts an earlier process of run %s left running", len(orphans), queue)
+    return len(orphans)
+
+
+# --- bringing the parts up -------------------------------------------------------------------------------
+
+
+def prepare_model(config: TrainConfig) -> Path:
+    """The initial policy's directory: `config.model`, or the tiny local model built once into the run directory."""
+    if config.model != "tiny":
+        path = Path(config.model)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"model: {path} is not a Hugging Face model directory (no config.json); give a local model "
+                "directory or `tiny`"
+            )
+        return path
+    import shutil
+    import tempfile
+
+    from lightning.models import build_tiny_model
+
+    path = config.run_dir / "model"
+    if not (path / "config.json").is_file():
+        # Built aside and renamed into place: a `dev` flow opening the same run at the same moment sees all or none.
+        building = Path(tempfile.mkdtemp(prefix=".model-", dir=config.run_dir))
+        build_tiny_model(building, seed=config.seed)
+        try:
+            building.rename(path)
+        except OSError:  # the other process won; its model is the same (same seed)
+            shutil.rmtree(building, ignore_errors=True)
+    return path
+
+
+def open_run_store(config: TrainConfig) -> LightningStore:
+    from lightning.store import open_store
+
+    if config.store_url.startswith("sqlite:///"):
+        Path(config.store_url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    return open_store(config.store_url)
+
+
+def proxy_token() -> str | None:
+    """The bearer token of the run's own LLM proxy ($LIGHTNING_PROXY_TOKEN), needed when it listens beyond loopback."""
+    return os.environ.get("LIGHTNING_PROXY_TOKEN") or None
+
+
+def _start_serving(config: TrainConfig, parts: _Parts, serving_dir: Path) -> Endpoints:
+    inference = config.inference
+    name = inference.served_model_name
+    if config.proxy_endpoint:
+        return Endpoints(proxy_url=config.proxy_endpoint.rstrip("/"), model_name=name)
+    if inference.backend == "embedded" and inference.endpoint is None:
+        from lightning.stack import LocalStack
+
+        in_memory = config.store_url in ("sqlite://", "sqlite:///:memory:")  # only this process sees that store
+        parts.stack = LocalStack(
+            parts.store, serving_dir, model_name=name, max_batch_size=inference.max_batch_size,
+            server="thread" if inference.in_process else "process",
+            proxy="thread" if config.proxy_in_process or in_memory else "process", store_url=config.store_url,
+        )  # fmt: skip
+        parts.closers.append(parts.stack.close)
+        return Endpoints(proxy_url=parts.stack.proxy_url, model_name=name, inference_urls=[parts.stack.inference_url])
+    backends = [inference.endpoint]
+    if inference.backend == "vllm" and inference.endpoint is None:
+        parts.vllm = _start_vllm(config, serving_dir)
+        parts.closers.extend(server.stop for server in parts.vllm)
+        backends = [server.endpoint for server in parts.vllm]
+    from lightning.proxy import LLMProxy
+
+    proxy = LLMProxy(parts.store, [str(backend) for backend in backends], model_name=name, token=proxy_token())
+    proxy_url = proxy.start(host=config.proxy_host)
+    parts.closers.append(proxy.stop)
+    return Endpoints(proxy_url=proxy_url, model_name=name)
+
+
+def _start_vllm(config: TrainConfig, serving_dir: Path) -> list[Any]:
+    """`inference.replicas` vLLM servers on the policy, started together and waited for; replica i gets its own
+    GPUs when `gpus_per_replica` is set."""
+    from lightning.inference.vllm import VllmConfig, VllmServer
+    from lightning.serving import free_port
+
+    inference = config.inference
+    servers = []
+    for replica in range(inference.replicas):
+        options = dict(inference.vllm)
+        if inference.gpus_per_replica:
+            first = replica * inference.gpus_per_replica
+            devices = ",".join(str(first + i) for i in range(inference.gpus_per_replica))
+            options["env"] = {**options.get("env", {}), "CUDA_VISIBLE_DEVICES": devices}
+        if inference.weight_sync == "sleep":
+            options["enable_sleep_mode"] = True
+        vllm_config = VllmConfig(
+            model=str(serving_dir), served_model_name=inference.served_model_name, port=free_port(), **options
+        )
+        server = VllmServer(vllm_config, log_path=config.run_dir / f"vllm-{replica}.log")
+        server.start()
+        servers.append(server)
+    for server in servers:
+        server.wait_ready()
+    return servers
+
+
+def _trainer(config: TrainConfig, model_dir: Path) -> Any:
+    if config.trainer_backend == "verl":
+        from lightning.algorithm.verl_backend import VerlTrainer
+
+        return VerlTrainer(
+            model_dir, config.algorithm, checkpoints_dir(config), options=config.verl, run_name=config.run_name,
+            rows_per_step=config.batch_size * config.samples_per_task, total_steps=config.iterations,
+            ray_address=config.ray_address,
+        )  # fmt: skip
+    from lightning.algorithm.worker import TrainerWorker
+
+    return TrainerWorker(model_dir, config.algorithm, checkpoints_dir(config), threads=config.trainer_threads)
+
+
+def _start_tracker(config: TrainConfig, history: list[dict[str, Any]]) -> Any:
+    """The run's MLflow run (found by the run's name in the experiment, or created), with every iteration of the
+    history logged: an iteration whose metrics did not reach MLflow before a crash is logged now."""
+    from lightning.metrics import MlflowTracker
+
+    tracker = MlflowTracker(tracking_uri=config.tracking_uri, experiment=config.experiment, run_name=config.run_name)
+    tracker.run_id = tracker.find_run()  # a run whose name exists continues its MLflow run
+    tracker.start({"config": config.model_dump(mode="json")})
+    logged = tracker.logged_steps("reward") if history else set()
+    for row in history:
+        if row["iteration"] not in logged:
+            tracker.log_metrics(row, row["iteration"])
+    return tracker

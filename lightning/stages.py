@@ -1,0 +1,398 @@
+"""The stages of a training run, each a plain function of the open `Run` (lightning/run.py): what the Prefect
+tasks in `tasks/` wrap, one call each, and what scripts and benchmarks call directly.
+
+    one iteration    update_resources -> enqueue_rollouts -> run_runners (x n_runners) -> wait_for_rollouts
+                     -> adapt_spans -> ppo_step -> checkpoint
+    an evaluation    update_resources -> enqueue_rollouts -> run_runners -> wait_for_rollouts -> log_evaluation
+
+The first four are the rollout phase, the same for training, evaluation and `dev` (`collect_rollouts` runs them in
+a row). Stages pass ids, paths and small JSON between them; everything else lives in the store and in the run
+directory. Each is idempotent: enqueuing an iteration again returns the rollouts enqueued the first time (the
+store's idempotency keys), a checkpoint is saved atomically, metrics already in MLflow are not logged twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import time
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import httpx
+
+from lightning.config import load_agent, load_entry_point
+from lightning.run import Run, proxy_token
+from lightning.store.base import LightningStore
+from lightning.types import EnqueueRolloutRequest, ProxyLLM
+
+logger = logging.getLogger(__name__)
+
+Mode = Literal["train", "val"]
+
+FAULTS_ENV = "LIGHTNING_FAULTS"
+"""Injected faults for tests and drills: `stage@iteration[,stage@iteration...]`, e.g. `ppo_step@1`. Each fires
+once per run (a marker file in the run directory remembers it), so a retry of the failed run goes through."""
+
+
+class InjectedFault(RuntimeError):
+    """Raised by a stage named in LIGHTNING_FAULTS."""
+
+
+# --- the rollout phase ------------------------------------------------------------------------------------
+
+
+async def update_resources(run: Run, mode: Mode = "train") -> str:
+    """Point the run's LLM resource for `mode` at this process's proxy, with the mode's sampling parameters; its id
+    (the same for every iteration of the run: rollouts of an earlier process of the run reach this proxy too)."""
+    config = run.config
+    sampling = config.eval_sampling if mode == "val" else config.sampling
+    token = None if config.proxy_endpoint or config.inference.backend == "embedded" else proxy_token()
+    llm = ProxyLLM(
+        endpoint=f"{run.endpoints.proxy_url}/v1", model=run.endpoints.model_name, sampling_parameters=sampling,
+        api_key=token,
+    )  # fmt: skip
+    resources = await run.store.update_resources(run.resources_id(mode), {"llm": llm})
+    return resources.resources_id
+
+
+def select_tasks(run: Run, iteration: int) -> list[Any]:
+    """The iteration's `batch_size` training tasks: epochs over the shuffled dataset, reproducible by seed, so a
+    resumed or retried iteration asks for the same tasks (and the store returns the same rollouts)."""
+    config = run.config
+    tasks = run.dataset("train_data")
+    chosen = []
+    for position in range(iteration * config.batch_size, (iteration + 1) * config.batch_size):
+        epoch, index = divmod(position, len(tasks))
+        order = list(range(len(tasks)))
+        random.Random(f"{config.seed}/{epoch}").shuffle(order)
+        chosen.append(tasks[order[index]])
+    return chosen
+
+
+def group_id(queue: str, mode: str, iteration: int, task_index: int) -> str:
+    """The samples of one task in one iteration form a group (group-relative advantages)."""
+    return f"{queue}/{mode}/{iteration}/{task_index}"
+
+
+async def enqueue_rollouts(run: Run, iteration: int, resources_id: str, mode: Mode = "train") -> list[str]:
+    """Enqueue the iteration's rollouts in the run's queue (train: `samples_per_task` of each selected task; val:
+    one of each held-out task); their ids. Enqueued before (a retry, a resume): the same rollouts."""
+    config = run.config
+    tasks = select_tasks(run, iteration) if mode == "train" else run.dataset("val_data")
+    samples = config.samples_per_task if mode == "train" else 1
+    requests = []
+    for task_index, task in enumerate(tasks):
+        group = group_id(run.queue, mode, iteration, task_index)
+        metadata = {"run_name": run.name, "iteration": iteration, "task_index": task_index, "group_id": group}
+        for sample in range(samples):
+            requests.append(
+                EnqueueRolloutRequest(
+                    input=task,
+                    mode=mode,
+                    resources_id=resources_id,
+                    config=config.rollout,
+                    metadata=metadata,
+                    idempotency_key=f"{group}/{sample}",
+                    queue=run.queue,
+                )  # fmt: skip
+            )
+    return [rollout.rollout_id for rollout in await run.store.enqueue_many_rollouts(requests)]
+
+
+def rollout_deadline(run: Run, mode: Mode) -> float:
+    """Seconds the rollout phase may take: `timeouts.rollouts` in training, `timeouts.evaluate` in evaluation."""
+    return run.config.timeouts.evaluate if mode == "val" else run.config.timeouts.rollouts
+
+
+async def run_runners(run: Run, rollout_ids: Sequence[str], index: int = 0, mode: Mode = "train") -> dict[str, Any]:
+    """One runner task: `runner_concurrency` runners on this event loop claim rollouts of the run's queue until
+    every one of `rollout_ids` has finished, or the phase's deadline passes. Runs where the run is open, or in a
+    process the run was sent to (a Ray worker), with a store connection of its own there."""
+    from lightning.runner import Runner
+    from lightning.tracing import Tracer
+
+    config = run.config
+    started = time.perf_counter()
+    agent = load_agent(config.agent)
+    async with run.connect_store() as store:
+        stop = asyncio.Event()
+        tracer = Tracer(store)  # one exporter for the fleet, not a thread per runner
+        fleet = [
+            Runner(
+                agent,
+                store,
+                tracer=tracer,
+                worker_id=f"{run.queue}-runner{index}-{i}",
+                idle_wait=0.05,
+                queue=run.queue,
+            )  # fmt: skip
+            for i in range(config.runner_concurrency)
+        ]
+        working = [asyncio.create_task(runner.iter(stop_event=stop)) for runner in fleet]
+        try:
+            finished = await store.wait_for_rollouts(rollout_ids=list(rollout_ids), timeout=rollout_deadline(run, mode))
+        finally:
+            stop.set()
+            ran = await asyncio.gather(*working, return_exceptions=True)
+            await asyncio.to_thread(tracer.shutdown)
+    return {
+        "runner": index,
+        "ran": sum(count for count in ran if isinstance(count, int)),
+        "finished": len(finished),
+        "seconds": time.perf_counter() - started,
+    }
+
+
+async def wait_for_rollouts(run: Run, rollout_ids: Sequence[str], mode: Mode = "train") -> dict[str, Any]:
+    """Wait until the rollouts finish (at most the phase's deadline); those still unfinished then are cancelled, so
+    no later stage's runners pick them up. Their counts and mean reward."""
+    deadline = rollout_deadline(run, mode)
+    finished = await run.store.wait_for_rollouts(rollout_ids=list(rollout_ids), timeout=deadline)
+    done = {rollout.rollout_id for rollout in finished}
+    leftovers = [rollout_id for rollout_id in rollout_ids if rollout_id not in done]
+    for rollout_id in leftovers:
+        await run.store.update_rollout(rollout_id, status="cancelled")
+    if leftovers:
+        logger.warning(
+            "%d of %d rollouts unfinished after %.0f s; cancelled", len(leftovers), len(rollout_ids), deadline
+        )
+    return {**await summarize_rollouts(run.store, rollout_ids), "cancelled": len(leftovers)}
+
+
+async def summarize_rollouts(store: LightningStore, rollout_ids: Sequence[str]) -> dict[str, Any]:
+    """Counts by status and the mean final reward of the rollouts that have one."""
+    from lightning.tracing import find_final_reward
+
+    rollouts = await store.query_rollouts(rollout_id_in=list(rollout_ids))
+    statuses = [rollout.status for rollout in rollouts]
+    rewards = []
+    for rollout_id in rollout_ids:
+        reward = find_final_reward(await store.query_spans(rollout_id, "latest"))
+        if reward is not None:
+            rewards.append(reward)
+    return {
+        "rollouts": len(rollout_ids),
+        "succeeded": statuses.count("succeeded"),
+        "failed": len(rollout_ids) - statuses.count("succeeded"),
+        "with_reward": len(rewards),
+        "reward_mean": sum(rewards) / len(rewards) if rewards else float("nan"),
+    }
+
+
+async def collect_rollouts(run: Run, iteration: int, mode: Mode = "train") -> tuple[list[str], dict[str, Any]]:
+    """The rollout phase in one call (the flows run it as four tasks): the rollout ids and their summary."""
+    resources_id = await update_resources(run, mode)
+    rollout_ids = await enqueue_rollouts(run, iteration, resources_id, mode)
+    await asyncio.gather(*(run_runners(run, rollout_ids, index, mode) for index in range(run.config.n_runners)))
+    return rollout_ids, await wait_for_rollouts(run, rollout_ids, mode)
+
+
+# --- training ---------------------------------------------------------------------------------------------
+
+
+async def adapt_spans(run: Run, iteration: int, rollout_ids: Sequence[str]) -> dict[str, Any]:
+    """The rollouts' spans -> triplets -> a TrainingBatch file; its path, rows and what the adapter dropped (and by
+    which rule)."""
+    from lightning.adapter import adapt_rollouts
+    from lightning.algorithm.batch import TrainingBatch
+
+    config = run.config
+    adapted = await adapt_rollouts(run.store, list(rollout_ids), shape=config.adapter_shape)
+    batch = TrainingBatch.from_triplets(
+        adapted.triplets, pad_token_id=run.tokenizer().pad_token_id, max_prompt_length=config.max_prompt_length,
+        max_response_length=config.max_response_length,
+    )  # fmt: skip
+    path = run.run_dir / "batches" / f"iteration-{iteration:06d}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    batch.save(path)
+    return {
+        "batch_path": str(path),
+        "rows": len(batch),
+        "adapter": adapted.report.model_dump(),
+        "batch": batch.report(),
+    }
+
+
+async def ppo_step(run: Run, iteration: int, batch_path: str) -> dict[str, float]:
+    """One policy update in the trainer process (or verl's workers), stopped if it passes `timeouts.ppo_step`.
+    Colocated vLLM (weight_sync: sleep) releases its GPU memory first; `checkpoint` wakes it on the new weights."""
+    _maybe_fail(run, "ppo_step", iteration)
+    config = run.config
+    if run.vllm_servers and config.inference.weight_sync == "sleep":
+        await asyncio.to_thread(run.proxy_admin, "pause", None, config.timeouts.checkpoint)
+        for server in run.vllm_servers:
+            await asyncio.to_thread(server.sleep, 1)
+    return await asyncio.to_thread(run.trainer.step, batch_path, timeout=config.timeouts.ppo_step)
+
+
+async def checkpoint(run: Run, iteration: int, row: dict[str, Any]) -> dict[str, Any]:
+    """Save checkpoint `iteration + 1` with the run's history up to this iteration (`row` last), have the inference
+    servers load it, log the iteration to MLflow."""
+    config = run.config
+    step = iteration + 1
+    history = [earlier for earlier in run.history if earlier["iteration"] < iteration] + [row]
+    path = await _publish(run, step, {"run_name": run.name, "iteration": iteration, "history": history})
+    run.history[:] = history
+    if config.checkpoint.log_to_mlflow and (step % config.checkpoint.log_every == 0 or step == config.iterations):
+        await asyncio.to_thread(run.tracker.log_checkpoint, path, step)
+    await asyncio.to_thread(run.tracker.log_metrics, row, iteration)
+    return {"checkpoint": str(path), "step": step}
+
+
+async def warm_start(run: Run) -> dict[str, Any]:
+    """SFT on demonstrations of the first `warm_start.fraction` of the training tasks, then checkpoint step 0 (what
+    iteration 0 samples from) and have the inference servers load it."""
+    from lightning.algorithm.batch import TrainingBatch
+
+    config = run.config
+    assert config.warm_start is not None
+    tasks = run.dataset("train_data")
+    shown = tasks[: max(1, int(len(tasks) * config.warm_start.fraction))]
+    demonstrate = load_entry_point(config.warm_start.demonstrations, "warm_start.demonstrations")
+    batch = TrainingBatch.from_triplets(
+        demonstrate(run.tokenizer(), shown), pad_token_id=run.tokenizer().pad_token_id,
+        max_prompt_length=config.max_prompt_length, max_response_length=config.max_response_length,
+    )  # fmt: skip
+    path = run.run_dir / "batches" / "warm-start"
+    batch.save(path)
+    metrics: dict[str, Any] = {}
+    for _ in range(config.warm_start.steps):
+        metrics = await asyncio.to_thread(run.trainer.sft_step, path, timeout=config.timeouts.ppo_step)
+    done = {"demonstrations": len(batch), "steps": config.warm_start.steps, **metrics}
+    saved = await _publish(run, 0, {"run_name": run.name, "warm_start": done, "history": []})
+    await asyncio.to_thread(run.tracker.log_metrics, {"warm_start": metrics}, 0)
+    return {**done, "checkpoint": saved}
+
+
+async def _publish(run: Run, step: int, meta: dict[str, Any]) -> str:
+    """Save checkpoint `step` in the trainer and put it into every inference server, with the proxy paused and
+    drained around the swap so no rollout mixes two weight versions; spans from then on record version `step`."""
+    config = run.config
+    path = await asyncio.to_thread(
+        run.trainer.save_checkpoint, step, meta=meta, keep_last=config.checkpoint.keep_last,
+        timeout=config.timeouts.checkpoint,
+    )  # fmt: skip
+    own_proxy = not config.proxy_endpoint
+    if own_proxy:
+        await asyncio.to_thread(run.proxy_admin, "pause", None, config.timeouts.checkpoint)
+    async with httpx.AsyncClient(timeout=config.timeouts.checkpoint) as client:
+        for server in run.endpoints.inference_urls:
+            response = await client.post(f"{server}/admin/reload", json={"path": str(path), "version": step})
+            response.raise_for_status()
+    for server in run.vllm_servers:
+        if config.inference.weight_sync == "sleep" and await asyncio.to_thread(server.is_sleeping):
+            await asyncio.to_thread(server.wake_up)
+        await asyncio.to_thread(server.reload_weights, path, str(step))
+    if own_proxy:
+        await asyncio.to_thread(run.proxy_admin, "resume", {"weight_version": step})
+    return path
+
+
+def _maybe_fail(run: Run, stage: str, iteration: int) -> None:
+    """Raise InjectedFault once if LIGHTNING_FAULTS names `stage@iteration`."""
+    wanted = {item.strip() for item in os.environ.get(FAULTS_ENV, "").split(",") if item.strip()}
+    name = f"{stage}@{iteration}"
+    if name not in wanted:
+        return
+    marker = run.run_dir / "faults" / name
+    if marker.exists():
+        return
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(f"{time.time()}\n")
+    raise InjectedFault(f"injected fault {name} ({FAULTS_ENV}); it fires once per run, so a retry goes through")
+
+
+# --- evaluation and reporting -----------------------------------------------------------------------------
+
+
+async def log_evaluation(run: Run, step: int, summary: dict[str, Any]) -> dict[str, Any]:
+    """Record the held-out evaluation of checkpoint `step` (-1: the model before the warm start): in MLflow as val.*
+    (val_initial.* for -1) unless already there, and as `val_reward` on the history row of the iteration that
+    produced the checkpoint."""
+    result = {"step": step, **summary}
+    if run.tracker is not None:
+        prefix = "val" if step >= 0 else "val_initial"
+        if max(step, 0) not in await asyncio.to_thread(run.tracker.logged_steps, f"{prefix}.reward_mean"):
+            await asyncio.to_thread(run.tracker.log_metrics, {prefix: summary}, max(step, 0))
+    for row in run.history:
+        if row["iteration"] == step - 1:
+            row["val_reward"] = summary["reward_mean"]
+    return result
+
+
+def iteration_row(
+    iteration: int, rollouts: dict[str, Any], batch: dict[str, Any], metrics: dict[str, Any], rollout_seconds: float
+) -> dict[str, Any]:
+    """One line of the run's history (and of MLflow's metrics): reward, loss, KL, rollouts, throughput. Metrics the
+    algorithm does not compute (KL without a KL term) are left out."""
+    response_tokens = metrics.get("response_length_mean", 0.0) * batch["rows"]
+    row = {
+        "iteration": iteration,
+        "reward": rollouts["reward_mean"],
+        "rollouts_ok": rollouts["succeeded"],
+        "rollouts_failed": rollouts["failed"],
+        "rows": batch["rows"],
+        "rollout_seconds": rollout_seconds,
+        "rollout_tokens_per_s": response_tokens / rollout_seconds if rollout_seconds > 0 else 0.0,
+        "train_tokens_per_s": metrics.get("tokens_per_s", 0.0),
+        "pg_loss": metrics.get("pg_loss"),
+        "kl": metrics.get("kl", metrics.get("kl_loss")),
+        "entropy": metrics.get("entropy"),
+        "grad_norm": metrics.get("grad_norm"),
+        "step_time_s": metrics.get("step_time_s"),
+    }
+    return {name: value for name, value in row.items() if value is not None}
+
+
+def progress_line(run: Run, row: dict[str, Any], done: int, elapsed: float) -> str:
+    """`iteration 3/40 | reward 0.412 | loss ... | 9.8 s/it | ETA 6m02s`: this process's rate, the rest's ETA."""
+    iterations = run.config.iterations
+    rate = elapsed / max(done, 1)
+    left = iterations - row["iteration"] - 1
+    val = f" | val {row['val_reward']:.3f}" if "val_reward" in row else ""
+    kl = f" | kl {row['kl']:.4f}" if "kl" in row else ""
+    return (
+        f"iteration {row['iteration'] + 1}/{iterations} | reward {row['reward']:.3f}{val} | "
+        f"pg_loss {row.get('pg_loss', float('nan')):.4f}{kl} | rollouts {row['rollouts_ok']} ok, "
+        f"{row['rollouts_failed']} failed | {row['rollout_tokens_per_s']:.0f} tok/s | {rate:.1f} s/it | "
+        f"ETA {_duration(rate * left)}"
+    )
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def mlflow_link(run: Run) -> str:
+    """Where to look in MLflow: the run's page on a tracking server, or the command that opens the local UI."""
+    tracker = run.tracker
+    if tracker is None:
+        return f"MLflow: `mlflow ui --backend-store-uri {run.config.tracking_uri}`"
+    if run.config.tracking_uri.startswith(("http://", "https://")):
+        return f"[MLflow run]({tracker.run_url})"
+    return f"MLflow run `{tracker.run_id}`: `{tracker.run_url}`"
+
+
+def finish(
+    run: Run, before: dict[str, Any], after: dict[str, Any], initial: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Register the final model if asked; the run's summary."""
+    from lightning.checkpoint import latest_checkpoint
+
+    final = latest_checkpoint(run.checkpoints_dir)
+    if run.config.checkpoint.register_model and final is not None:
+        run.tracker.register_model(final, run.config.checkpoint.register_model)
+    return {
+        "run_name": run.name,
+        "iterations": run.config.iterations,
+        "reward_initial": (initial or before)["reward_mean"],
+        "reward_before": before["reward_mean"],
+        "reward_after": after["reward_mean"],
+        "checkpoint": str(final) if final else None,
+        "mlflow_run_id": run.tracker.run_id,
+        "tracking_uri": run.config.tracking_uri,
+    }
