@@ -243,6 +243,17 @@ def capture_rng_state() -> dict[str, Any]:
     return state
 
 
+def resume_trainer(trainer: Any, checkpoint: Checkpoint) -> None:
+    """Continue `trainer` (built on the checkpoint's weights) where the checkpoint left off: its optimizer,
+    scheduler and step count, then the RNG states saved with them (last: building a trainer draws from the RNGs).
+    The next step is then the one the uninterrupted run would have taken, bit for bit on CPU."""
+    if checkpoint.trainer_state is None:
+        raise CheckpointError(f"checkpoint {checkpoint.path} has no trainer state: cannot resume the optimizer")
+    trainer.load_state_dict(checkpoint.trainer_state)
+    if checkpoint.rng_state is not None:
+        restore_rng_state(checkpoint.rng_state)
+
+
 def restore_rng_state(state: dict[str, Any]) -> None:
     """Set the RNGs that `capture_rng_state` captured back to those states."""
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from lightning.algorithm.config import TrainerConfig, VerlOptions
 from lightning.serving import is_loopback
+from lightning.store.sql import DEFAULT_URL as DEFAULT_STORE_URL
 from lightning.types import RolloutConfig
 
 ENTRY_POINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
@@ -144,7 +145,7 @@ class TrainConfig(BaseModel):
     proxy_in_process: bool = False
     """Run the LLM proxy on a thread of the flow's process instead of a process of its own (which spares the
     runners its share of the interpreter lock)."""
-    store_url: str = "sqlite:///.lightning/store.db"
+    store_url: str = DEFAULT_STORE_URL
     """The store: sqlite:///path, postgresql://user@host/db, or http://host:port of a running store server."""
     tracking_uri: str = "sqlite:///.lightning/mlflow.db"
     """MLflow: a database URI, a directory, or a tracking server's http URL."""

@@ -31,6 +31,7 @@ import httpx
 from pydantic import BaseModel, PrivateAttr
 
 from lightning.config import TrainConfig, load_tasks
+from lightning.store import lifecycle
 from lightning.store.base import LightningStore
 
 logger = logging.getLogger(__name__)
@@ -291,7 +292,7 @@ async def requeue_orphans(store: LightningStore, queue: str) -> int:
     """Take over what an earlier process of the run left in its queue (it was killed mid-iteration): rollouts whose
     attempt was left preparing or running, with nobody to finish it, are requeued and that attempt marked
     unresponsive. Call it only when no runner of the run is alive. Returns how many it requeued."""
-    orphans = await store.query_rollouts(queue=queue, status_in=["preparing", "running"])
+    orphans = await store.query_rollouts(queue=queue, status_in=sorted(lifecycle.ACTIVE_ROLLOUT))
     for rollout in orphans:
         await store.update_attempt(rollout.rollout_id, "latest", status="unresponsive")
         await store.update_rollout(rollout.rollout_id, status="requeuing")

@@ -29,6 +29,7 @@ from lightning.algorithm.losses import (
     token_log_probs,
 )
 from lightning.algorithm.trainer import TorchTrainer, TrainerConfig, loss_normalizers, lr_multiplier
+from lightning.checkpoint import capture_rng_state, restore_rng_state
 from lightning.models import build_tiny_model
 from lightning.types import Triplet
 
@@ -466,10 +467,12 @@ def test_resume_from_state_dict_is_bit_exact(tiny_dir: Path, tmp_path: Path) -> 
     first.model.save_pretrained(tmp_path / "checkpoint")
     first.tokenizer.save_pretrained(tmp_path / "checkpoint")
     torch.save(first.state_dict(), tmp_path / "trainer_state.pt")
+    rng = capture_rng_state()
     third = first.step(tiny_batch(2))
 
     resumed = TorchTrainer(tmp_path / "checkpoint", config, device="cpu")
     resumed.load_state_dict(torch.load(tmp_path / "trainer_state.pt", weights_only=True))
+    restore_rng_state(rng)
     assert resumed.step_count == 2
     resumed_third = resumed.step(tiny_batch(2))
     assert resumed_third["lr"] == third["lr"]
@@ -481,7 +484,7 @@ def test_resume_from_state_dict_is_bit_exact(tiny_dir: Path, tmp_path: Path) -> 
 def test_resume_through_a_saved_checkpoint_is_bit_exact(tiny_dir: Path, tmp_path: Path) -> None:
     """The product's path: lightning.checkpoint writes model + trainer state; a new process's trainer
     loaded from it takes exactly the update the uninterrupted run takes."""
-    from lightning.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from lightning.checkpoint import latest_checkpoint, load_checkpoint, resume_trainer, save_checkpoint
 
     config = TrainerConfig(lr=1e-3, warmup_steps=1, lr_schedule="cosine", total_steps=5, micro_batch_size=2)
     first = TorchTrainer(tiny_dir, config, device="cpu")
@@ -491,7 +494,7 @@ def test_resume_through_a_saved_checkpoint_is_bit_exact(tiny_dir: Path, tmp_path
 
     checkpoint = load_checkpoint(latest_checkpoint(tmp_path / "ckpt"))
     resumed = TorchTrainer(checkpoint.model_dir, config, device="cpu")
-    resumed.load_state_dict(checkpoint.trainer_state)
+    resume_trainer(resumed, checkpoint)
     assert resumed.step(tiny_batch(1))["loss"] == expected["loss"]
     resumed_parameters = dict(resumed.model.named_parameters())
     for name, p in first.model.named_parameters():

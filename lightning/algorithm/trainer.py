@@ -284,21 +284,21 @@ class TorchTrainer:
     # --- checkpoint state ---------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Optimizer, scheduler, step count and RNG states; `torch.load(weights_only=True)` reads it back."""
+        """Optimizer, scheduler and step count; `torch.load(weights_only=True)` reads it back. The RNG states are
+        the checkpoint's to save (`lightning.checkpoint`), with the weights."""
         return {
             "step": self.step_count,
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
-            "rng": rng_state(),
             "config": self.config.model_dump(mode="json"),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume: with the weights saved at the same moment, the next `step` is bit-exact on CPU."""
+        """Resume the optimizer, scheduler and step count. `lightning.checkpoint.resume_trainer` also restores the
+        RNG states saved with them: then the next `step` is bit-exact on CPU."""
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step_count = int(state["step"])
-        set_rng_state(state["rng"])
 
 
 # --- helpers ----------------------------------------------------------------------------------
@@ -343,26 +343,3 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def rng_state() -> dict[str, Any]:
-    """Python, numpy, torch (and CUDA) RNG states, as tensors and plain values only (no numpy in the pickle)."""
-    kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, cached_gaussian),
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    version, internal, gauss_next = state["python"]
-    random.setstate((version, tuple(internal), gauss_next))
-    kind, keys, position, has_gauss, cached_gaussian = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached_gaussian))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])

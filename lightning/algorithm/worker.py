@@ -199,7 +199,7 @@ def _load_trainer(
     import torch
 
     from lightning.algorithm.trainer import TorchTrainer, TrainerConfig
-    from lightning.checkpoint import latest_checkpoint, load_checkpoint, restore_rng_state
+    from lightning.checkpoint import latest_checkpoint, load_checkpoint, resume_trainer
 
     if threads is not None:
         torch.set_num_threads(threads)
@@ -208,15 +208,9 @@ def _load_trainer(
     if latest is None:
         return TorchTrainer(model_dir, trainer_config), None
     checkpoint = load_checkpoint(latest)
-    if checkpoint.trainer_state is None:
-        raise ValueError(f"checkpoint {latest} has no trainer state: cannot resume the optimizer and scheduler")
     reference = model_dir if trainer_config.uses_reference else None
     trainer = TorchTrainer(checkpoint.model_dir, trainer_config, reference=reference)
-    trainer.load_state_dict(checkpoint.trainer_state)
-    if checkpoint.rng_state is not None:
-        # The states load_state_dict just set, captured at the same save; restored last, as building the trainer
-        # draws from the RNGs.
-        restore_rng_state(checkpoint.rng_state)
+    resume_trainer(trainer, checkpoint)
     return trainer, checkpoint.step
 
 
