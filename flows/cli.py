@@ -56,6 +56,6 @@ def where_to_look(config: Any, summary: dict[str, Any]) -> str:
         f"  checkpoint:  {summary['checkpoint']}\n"
         f"  Prefect UI:  .venv/bin/prefect server start   then open http://127.0.0.1:4200/runs "
         f"(flow run {config.run_name!r})\n"
-        f"  MLflow UI:   .venv/bin/mlflow ui --backend-store-uri {config.tracking_uri}   then open "
-        "http://127.0.0.1:5000\n"
+        f"  MLflow UI:   LITELLM_LOCAL_MODEL_COST_MAP=True .venv/bin/mlflow ui --backend-store-uri "
+        f"{config.tracking_uri}   then open http://127.0.0.1:5000\n"
     )
