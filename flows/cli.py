@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import yaml
 
+from lightning import preflight
 from lightning.config import ConfigError, load_config
 
 
@@ -24,6 +28,45 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     return overrides
 
 
+@contextlib.contextmanager
+def temporary_prefect_server(log_path: Path) -> Iterator[None]:
+    """Without a Prefect server configured (PREFECT_API_URL), one for this command, as Prefect would start (the same
+    app, UI off), but under `lightning.lifeline`: it dies with this process even when this process is killed, which
+    Prefect's own temporary server does not (it is stopped at exit, which SIGKILL skips)."""
+    from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
+
+    if PREFECT_API_URL.value():
+        yield
+        return
+    import prefect
+
+    from lightning.serving import free_port
+    from lightning.stack import ServerProcess
+
+    port = free_port()
+    uvicorn = [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(prefect.__file__).parent.parent)]
+    uvicorn += ["--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port)]
+    uvicorn += ["--log-level", "error", "--lifespan", "on"]
+    env = {
+        **get_current_settings().to_environment_variables(exclude_unset=True),
+        "PREFECT_UI_ENABLED": "0",
+        "PREFECT__SERVER_EPHEMERAL": "1",
+        "PREFECT__SERVER_FINAL": "1",
+    }
+    command = [sys.executable, "-m", "lightning.lifeline", "--", *uvicorn]
+    # 15 to 20 s on 2 cores, more under load.
+    server = ServerProcess(
+        "temporary Prefect server", command, env, f"http://127.0.0.1:{port}/api", log_path, start_timeout=300
+    )
+    print(f"Starting a temporary Prefect server on {server.url} (log: {log_path})", file=sys.stderr, flush=True)
+    server.start()
+    try:
+        with temporary_settings({PREFECT_API_URL: server.url}):
+            yield
+    finally:
+        server.stop()
+
+
 def run_flow_cli(flow: Any, argv: list[str] | None, description: str | None) -> Any:
     parser = argparse.ArgumentParser(
         prog=f"python -m flows.{flow.name}",
@@ -35,10 +78,12 @@ def run_flow_cli(flow: Any, argv: list[str] | None, description: str | None) -> 
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config, **parse_overrides(args.set))
+        preflight.check(config)  # seconds, before Prefect or any server starts
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    result = asyncio.run(flow(config))
+    with temporary_prefect_server(config.run_dir / "logs" / "prefect-server.log"):
+        result = asyncio.run(flow(config))
     print(json.dumps(result, indent=2, default=str))
     if isinstance(result, dict) and "reward_after" in result:
         print(where_to_look(config, result))

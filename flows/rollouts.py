@@ -9,23 +9,31 @@ from typing import Any
 from prefect import unmapped
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from lightning import stages
 from lightning.config import TrainConfig
 from lightning.run import Run
 from lightning.stages import Mode
-from tasks import enqueue_rollouts, run_runner, timed, update_resources, wait_for_rollouts
+from tasks import enqueue_rollouts, requeue_unsuccessful, run_runner, timed, update_resources, wait_for_rollouts
 
 
 async def collect_rollouts(run: Run, iteration: int, mode: Mode) -> tuple[list[str], dict[str, Any]]:
     """The iteration's rollouts (for evaluation, `iteration` is the checkpoint step evaluated), run by the run's
-    runners; their ids and summary (counts, mean reward)."""
+    runners; their ids and summary (counts, mean reward). When fewer than `min_success_fraction` succeeded, the
+    others run again (`rollout_retries` rounds) before the phase fails."""
     resources_id = await timed(update_resources, run)(run, iteration, mode)
     rollout_ids = await timed(enqueue_rollouts, run)(run, iteration, resources_id, mode)
-    runners = timed(run_runner, run).map(
-        unmapped(run), unmapped(iteration), unmapped(rollout_ids), range(run.config.n_runners), unmapped(mode)
-    )
-    await asyncio.to_thread(runners.result)
-    summary = await timed(wait_for_rollouts, run)(run, iteration, rollout_ids, mode)
-    return rollout_ids, summary
+    for round_ in range(run.config.rollout_retries + 1):
+        runners = timed(run_runner, run).map(
+            unmapped(run), unmapped(iteration), unmapped(rollout_ids), range(run.config.n_runners), unmapped(mode),
+            unmapped(round_),
+        )  # fmt: skip
+        await asyncio.to_thread(runners.result)
+        summary = await timed(wait_for_rollouts, run)(run, iteration, rollout_ids, mode, round_)
+        if stages.enough_succeeded(run, summary):
+            return rollout_ids, summary
+        if round_ < run.config.rollout_retries:
+            await timed(requeue_unsuccessful, run)(run, iteration, rollout_ids, mode, round_)
+    raise await stages.rollouts_failed(run, iteration, rollout_ids, summary)
 
 
 def task_runner(config: TrainConfig) -> Any:

@@ -22,6 +22,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from flows.evaluate import evaluate_at
 from flows.rollouts import collect_rollouts, task_runner
 from lightning import raycluster, stages
+from lightning.algorithm.worker import UpdateLost
 from lightning.config import TrainConfig
 from lightning.run import Run
 from tasks import adapt_spans, checkpoint, open_run, ppo_step, timed, warm_start
@@ -40,9 +41,18 @@ async def training_iteration(run: Run, iteration: int) -> dict[str, Any]:
             f"iteration {iteration}: no training rows from {rollouts['rollouts']} rollouts "
             f"({rollouts['failed']} failed); adapter report: {batch['adapter']}, batch report: {batch['batch']}"
         )
-    metrics = await timed(ppo_step, run)(run, iteration, batch["batch_path"])
-    row = stages.iteration_row(iteration, rollouts, batch, metrics, rollout_seconds)
-    saved = await timed(checkpoint, run)(run, iteration, row)
+    for attempt in range(2):
+        metrics = await timed(ppo_step, run)(run, iteration, batch["batch_path"])
+        row = stages.iteration_row(iteration, rollouts, batch, metrics, rollout_seconds)
+        try:
+            saved = await timed(checkpoint, run)(run, iteration, row)
+            break
+        except UpdateLost:  # the trainer process died between the two: take the (same) step again, once
+            if attempt:
+                raise
+            get_run_logger().warning(
+                "iteration %d: the trainer lost its update before saving it; taking it again", iteration
+            )
     return {**row, "checkpoint": saved["checkpoint"], "seconds": time.perf_counter() - started}
 
 

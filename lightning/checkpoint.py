@@ -7,13 +7,18 @@ Layout of one checkpoint, `<root>/step-000042/`:
     trainer_state/state.pt                                   the caller's `trainer_state` (torch.save)
     trainer_state/rng.json                                   torch, CUDA, Python and NumPy RNG states
     meta.json                                                step, save time and the caller's `meta`
+    manifest.json                                            every other file's size and SHA-256, written last
 
 A checkpoint is written into `<root>/.tmp-step-000042-<random>/`, every file fsynced, then renamed to its final
 name: a `step-*` directory is complete or absent, never half written. `<root>/latest` names the newest one.
+Whatever happens to it afterwards (a disk filling up, a copy cut short, a stray edit), the manifest tells:
+`latest_checkpoint` passes over a checkpoint whose files do not have their recorded sizes, and
+`verified_latest_checkpoint` (what a resume starts from) checks the checksums too and sets a damaged one aside.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -37,6 +42,8 @@ STEP_DIR = re.compile(r"^step-(\d{6,})$")
 TMP_PREFIX = ".tmp-"
 LATEST = "latest"
 META = "meta.json"
+MANIFEST = "manifest.json"
+DAMAGED_PREFIX = "damaged-"
 TRAINER_STATE = "trainer_state"
 STATE_FILE = "state.pt"
 RNG_FILE = "rng.json"
@@ -115,8 +122,8 @@ def save_checkpoint(
         (state_dir / RNG_FILE).write_text(json.dumps(capture_rng_state()) + "\n")
         if trainer_state is not None:
             torch.save(trainer_state, state_dir / STATE_FILE)
-        # meta.json last: its presence marks that everything before it was written.
         (tmp / META).write_text(meta_text)
+        _write_manifest(tmp)  # last: it vouches for everything before it
         missing = _missing_files(tmp)
         if missing:
             raise CheckpointError(f"saving step {step} produced an incomplete checkpoint in {tmp}: missing {missing}")
@@ -144,7 +151,9 @@ def save_checkpoint(
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
-    """The checkpoint `latest` names if it is complete, else the complete one with the highest step; None if none.
+    """The checkpoint `latest` names if it is whole, else the whole one with the highest step; None if none. Whole:
+    every file its manifest lists is there with its recorded size (a checkpoint from before manifests: the files a
+    checkpoint needs are there).
 
     `latest` lags the newest directory only after a crash between the two renames of a save; either is valid.
     """
@@ -152,15 +161,93 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     pointer = root / LATEST
     if pointer.is_file():
         named = root / pointer.read_text().strip()
-        if STEP_DIR.match(named.name) and named.is_dir() and not _missing_files(named):
+        if STEP_DIR.match(named.name) and named.is_dir() and _damage(named) is None:
             return named
-        logger.warning("%s names %s, which is not a complete checkpoint; using the newest complete one", pointer, named)
     for path in reversed(_step_dirs(root)):
-        missing = _missing_files(path)
-        if not missing:
+        damage = _damage(path)
+        if damage is None:
             return path
-        logger.warning("skipping incomplete checkpoint %s (missing %s)", path, ", ".join(missing))
+        _warn_once(f"skipping checkpoint {path}: {damage}")
     return None
+
+
+def verified_latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest checkpoint whose files match their manifest's sizes and checksums: what a resume starts from. A
+    newer one that does not is set aside (renamed `damaged-step-...`, kept for inspection), in one logged line
+    naming the file, and `latest` is pointed at the one returned."""
+    root = Path(root)
+    for path in reversed(_step_dirs(root)):
+        damage = _damage(path, checksums=True)
+        if damage is None:
+            if (root / LATEST).is_file() and (root / LATEST).read_text().strip() != path.name:
+                _write_latest(root, path.name)
+            return path
+        aside = root / f"{DAMAGED_PREFIX}{path.name}-{secrets.token_hex(4)}"
+        try:
+            os.rename(path, aside)
+        except FileNotFoundError:  # another process set it aside first
+            continue
+        logger.warning("checkpoint %s is damaged (%s); set aside as %s", path, damage, aside.name)
+    if (root / LATEST).is_file():
+        (root / LATEST).unlink()
+    return None
+
+
+def verify_checkpoint(path: str | Path, *, checksums: bool = True) -> None:
+    """Raise CheckpointError naming the first file of checkpoint `path` that is missing or not what its manifest
+    recorded (its size, and with `checksums` its SHA-256)."""
+    damage = _damage(Path(path), checksums=checksums)
+    if damage is not None:
+        raise CheckpointError(f"checkpoint {path} is damaged: {damage}")
+
+
+def _damage(path: Path, *, checksums: bool = False) -> str | None:
+    """What is wrong with checkpoint `path`, in a few words naming the file; None if nothing."""
+    missing = _missing_files(path)
+    if missing:
+        return f"missing {', '.join(missing)}"
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        return None  # saved before manifests existed: the files' presence is all there is to check
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{MANIFEST} is unreadable ({exc})"
+    for name, recorded in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        size = file.stat().st_size
+        if size != recorded["size"]:
+            return f"{name} is {size} bytes, its manifest says {recorded['size']}"
+        if checksums and _sha256(file) != recorded["sha256"]:
+            return f"{name} does not match the checksum its manifest recorded"
+    return None
+
+
+def _write_manifest(path: Path) -> None:
+    files = {}
+    for file in sorted(p for p in path.rglob("*") if p.is_file() and p.name != MANIFEST):
+        files[file.relative_to(path).as_posix()] = {"size": file.stat().st_size, "sha256": _sha256(file)}
+    (path / MANIFEST).write_text(json.dumps({"files": files}, indent=1) + "\n")
+
+
+def _sha256(file: Path) -> str:
+    digest = hashlib.sha256()
+    with open(file, "rb") as stream:
+        while chunk := stream.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """A damaged checkpoint is looked past on every lookup; say so once per process."""
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning(message)
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> Checkpoint:
@@ -170,9 +257,9 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         raise CheckpointError(f"checkpoint {path} does not exist or is not a directory")
     if not STEP_DIR.match(path.name) and _step_dirs(path):
         raise CheckpointError(f"{path} is a checkpoint root, not a checkpoint; pass latest_checkpoint({str(path)!r})")
-    missing = _missing_files(path)
-    if missing:
-        raise CheckpointError(f"checkpoint {path} is incomplete or corrupt: missing {', '.join(missing)}")
+    damage = _damage(path)
+    if damage is not None:
+        raise CheckpointError(f"checkpoint {path} is incomplete or corrupt: {damage}")
     try:
         meta = json.loads((path / META).read_text())
     except (OSError, ValueError) as exc:
@@ -205,7 +292,7 @@ def prune_checkpoints(root: str | Path, keep_last: int) -> list[Path]:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     root = Path(root)
     dirs = _step_dirs(root)
-    complete = [p for p in dirs if not _missing_files(p)]
+    complete = [p for p in dirs if _damage(p) is None]
     kept = set(complete[-keep_last:])
     latest = latest_checkpoint(root)
     if latest is not None:

@@ -16,6 +16,8 @@ from lightning.store.sql import DEFAULT_URL
 
 TOKEN_ENV = "LIGHTNING_STORE_TOKEN"
 PROXY_TOKEN_ENV = "LIGHTNING_PROXY_TOKEN"
+STORE_URL_ENV = "LIGHTNING_STORE_URL"
+BACKEND_KEY_ENV = "LIGHTNING_BACKEND_API_KEY"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
@@ -124,7 +126,13 @@ def _parser() -> argparse.ArgumentParser:
         ),
         epilog=f"The token can also come from ${PROXY_TOKEN_ENV}. Backends' API keys: --backend-api-key.",
     )
-    proxy_serve.add_argument("--store", default=DEFAULT_URL, metavar="URL", help="store database or store server URL")
+    proxy_serve.add_argument(
+        "--store",
+        default=os.environ.get(STORE_URL_ENV, DEFAULT_URL),
+        metavar="URL",
+        help=f"store database or store server URL (default: ${STORE_URL_ENV}, else {DEFAULT_URL}; the variable keeps "
+        "a password off the command line)",
+    )
     proxy_serve.add_argument(
         "--backend",
         action="append",
@@ -137,7 +145,11 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="the backends do not take vLLM's return_token_ids (spans then hold no token ids)",
     )
-    proxy_serve.add_argument("--backend-api-key", default=None, help="API key the backends require")
+    proxy_serve.add_argument(
+        "--backend-api-key",
+        default=os.environ.get(BACKEND_KEY_ENV),
+        help=f"API key the backends require (default: ${BACKEND_KEY_ENV})",
+    )
     proxy_serve.add_argument("--model-name", default="policy", help="model name agents ask for (default: %(default)s)")
     proxy_serve.add_argument(
         "--external-models",
@@ -165,7 +177,13 @@ def _parser() -> argparse.ArgumentParser:
     config_commands = config.add_subparsers(title="commands", metavar="COMMAND")
     defaults = config_commands.add_parser("defaults", help="print every field with its default, as YAML")
     defaults.set_defaults(run=_config_defaults, help_parser=defaults)
-    check = config_commands.add_parser("check", help="validate a config file; errors name each bad field")
+    check = config_commands.add_parser(
+        "check",
+        help="validate a config file, then check in seconds what the run needs (data, agent, model, store)",
+        description="Validate a TrainConfig file (each bad field named), then check what can be checked in seconds: "
+        "the datasets load, the agent imports, the model directory has a config and a tokenizer, the store answers, "
+        "the URLs' ${...} secrets are set. One line per problem; exit code 2 if there is any.",
+    )
     check.add_argument("path", help="a YAML file of TrainConfig fields")
     check.set_defaults(run=_config_check, help_parser=check)
     return parser
@@ -181,14 +199,19 @@ def _config_defaults(args: argparse.Namespace, parser: argparse.ArgumentParser) 
 
 
 def _config_check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from lightning import preflight
     from lightning.config import ConfigError, load_config
 
+    # Agents and datasets named as module:function are imported as `python -m flows.train` would: from here.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         config = load_config(args.path)
+        preflight.check(config)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"{args.path}: a valid TrainConfig (run {config.run_name!r}, {config.iterations} iterations)")
+    print(f"{args.path}: a valid TrainConfig, ready to run (run {config.run_name!r}, {config.iterations} iterations)")
     return 0
 
 
@@ -208,9 +231,11 @@ def _proxy_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
 
     import uvicorn
 
+    from lightning.lifeline import exit_with_parent
     from lightning.proxy import Backend, ExternalModel, LLMProxy
     from lightning.store import open_store
 
+    exit_with_parent()  # started by a run: it dies with the run
     token = _token_or_refuse(args, parser, PROXY_TOKEN_ENV, "use the models and write spans")
     external: list[ExternalModel] = []
     if args.external_models:

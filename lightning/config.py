@@ -52,6 +52,9 @@ class InferenceConfig(BaseModel):
     """vllm backend: servers started for the policy, all behind the LLM proxy (a rollout sticks to one)."""
     gpus_per_replica: int | None = Field(default=None, ge=1)
     """vllm backend: give replica i the GPUs [i * n, (i + 1) * n) through CUDA_VISIBLE_DEVICES; None: leave it."""
+    max_restarts: int = Field(default=3, ge=0)
+    """Times the run restarts each of its serving processes (embedded server, LLM proxy, vLLM replica) that dies or
+    hangs; once one has used them up, the next rollout phase fails naming it."""
     weight_sync: Literal["reload", "sleep"] = "reload"
     """How new weights reach vLLM after each update. reload: the servers re-read the checkpoint in place. sleep: the
     servers share GPUs with the trainer (colocated), so they sleep (weights and KV cache released) during the PPO step
@@ -166,6 +169,11 @@ class TrainConfig(BaseModel):
     runner_concurrency: int = Field(default=32, ge=1)
     """Rollouts each runner task runs at once (async)."""
     rollout: RolloutConfig = Field(default_factory=_default_rollout_config)
+    min_success_fraction: float = Field(default=0.9, ge=0, le=1)
+    """Share of an iteration's rollouts (or an evaluation's) that must succeed: below it the rest are run again
+    (`rollout_retries` rounds), and then the run fails rather than train on the survivors."""
+    rollout_retries: int = Field(default=1, ge=0)
+    """Rounds of running again the rollouts that failed, when fewer than `min_success_fraction` succeeded."""
     sampling: dict[str, Any] = Field(default_factory=lambda: {"temperature": 1.0, "max_tokens": 64})
     """Sampling parameters of training rollouts, passed to the agent with the LLM resource."""
     eval_sampling: dict[str, Any] = Field(default_factory=lambda: {"temperature": 0.0, "max_tokens": 64})
@@ -200,6 +208,17 @@ class TrainConfig(BaseModel):
         if not ENTRY_POINT.match(value):
             raise ValueError(
                 "give the agent as module:function or module:Class, e.g. examples.copy_task.agent:copy_agent"
+            )
+        return value
+
+    @field_validator("store_url")
+    @classmethod
+    def _store_url(cls, value: str) -> str:
+        scheme = value.partition("://")[0].split("+", 1)[0].lower()
+        if scheme not in ("sqlite", "postgresql", "postgres", "http", "https") or "://" not in value:
+            raise ValueError(
+                "give sqlite:///path.db, postgresql://user@host/db (a password as ${ENV_VAR}), or the http:// URL "
+                "of a store server"
             )
         return value
 

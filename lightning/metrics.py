@@ -30,9 +30,12 @@ METRICS_PER_BATCH = 1000
 # A key naming a credential: `api_key`, `password`, `secret` (and kin) anywhere in it, or `token` as its last word. So
 # `openai.api_key`, `hf_token` and `db.password` are dropped, while `max_tokens` and `pad_token_id` are logged.
 SECRET_KEY = re.compile(
-    r"api[_-]?key|apikey|private[_-]?key|passw(or)?d|secret|credential|authorization|(^|[_\-.])token$", re.IGNORECASE
+    r"api[_-]?key|apikey|access[_-]?key|private[_-]?key|passw(or)?d|passphrase|secret|credential|authori[sz]ation"
+    r"|bearer|(^|[_\-.])(auth|token)$",
+    re.IGNORECASE,
 )
-URL_PASSWORD = re.compile(r"(://[^/\s:@]+):[^/\s@]+@")
+URL_PASSWORD = re.compile(r"(://[^/\s:@]*):[^/\s@]+@")
+"""The password of a URL's userinfo (`scheme://user:PASSWORD@host`, and `scheme://:TOKEN@host`)."""
 
 
 class MlflowTracker:
@@ -65,7 +68,10 @@ class MlflowTracker:
             db_path = _sqlite_path(self.tracking_uri)
             if db_path is not None:
                 db_path.parent.mkdir(parents=True, exist_ok=True)
-            self._client = MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
+            from lightning.credentials import expand
+
+            uri = expand(self.tracking_uri)  # a ${VAR} password is read here, never logged
+            self._client = MlflowClient(tracking_uri=uri, registry_uri=uri)
         return self._client
 
     def start(self, params: Mapping[str, Any] | None = None) -> str:

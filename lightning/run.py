@@ -22,6 +22,8 @@ import contextlib
 import hashlib
 import logging
 import os
+import secrets
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +41,10 @@ logger = logging.getLogger(__name__)
 
 class RunNotOpen(RuntimeError):
     """A stage was given a run that is not open in this process."""
+
+
+class ServingError(RuntimeError):
+    """A serving part of the run (inference server, LLM proxy) failed; the message names it and its address."""
 
 
 class Endpoints(BaseModel):
@@ -65,6 +71,15 @@ class _Parts:
     """The vLLM servers this run started (inference.backend vllm), one per replica."""
     closers: list[Any] = field(default_factory=list)
     tokenizer: Any = None
+    supervisor: Any = None
+    serving_lock: threading.Lock = field(default_factory=threading.Lock)
+    """Held while the serving parts change: weights swapped in, a dead part restarted."""
+    weight_version: int = 0
+    """The checkpoint step the inference servers serve."""
+    proxy_token: str | None = None
+    """The bearer token of the run's own LLM proxy (random per run unless $LIGHTNING_PROXY_TOKEN names one)."""
+    inference_headers: dict[str, str] = field(default_factory=dict)
+    """What the run's own embedded inference server wants on admin calls (its random per-run key)."""
     datasets: dict[str, list[Any]] = field(default_factory=dict)
     history: list[dict[str, Any]] = field(default_factory=list)
     """One row per trained iteration (`stages.iteration_row`), as the latest checkpoint records it."""
@@ -144,6 +159,15 @@ class Run(BaseModel):
     def history(self) -> list[dict[str, Any]]:
         return self._open_parts().history
 
+    @property
+    def proxy_token(self) -> str | None:
+        """The run's own LLM proxy's bearer token (None for a proxy the run did not start: `proxy_endpoint`)."""
+        return self._open_parts().proxy_token
+
+    @property
+    def inference_headers(self) -> dict[str, str]:
+        return self._open_parts().inference_headers
+
     def tokenizer(self) -> Any:
         """The policy's tokenizer, loaded once per open run."""
         parts = self._open_parts()
@@ -186,15 +210,45 @@ class Run(BaseModel):
         """The step of the latest checkpoint: None before any (0 after a warm start, k after k iterations)."""
         return latest_step(self.config)
 
+    def serving(self, model_dir: Path, step: int) -> None:
+        """The inference servers now serve checkpoint `step` at `model_dir`: a restarted one starts on it."""
+        parts = self._open_parts()
+        parts.weight_version = step
+        if parts.stack is not None:
+            parts.stack.loaded(model_dir)
+
+    @contextlib.asynccontextmanager
+    async def serving_parts_held(self) -> AsyncIterator[None]:
+        """While held, the supervisor restarts nothing: a weight swap (pause, reload, resume) is never cut in two."""
+        lock = self._open_parts().serving_lock
+        await asyncio.to_thread(lock.acquire)
+        try:
+            yield
+        finally:
+            lock.release()
+
+    def check_serving(self) -> None:
+        """Raise ServingError if a serving part died more often than it may be restarted."""
+        supervisor = self._open_parts().supervisor
+        if supervisor is not None and supervisor.failure is not None:
+            raise ServingError(supervisor.failure)
+
+    def restarts(self) -> int:
+        """Restarts of the run's serving parts so far (this process)."""
+        supervisor = self._open_parts().supervisor
+        return 0 if supervisor is None else supervisor.restarts
+
     def proxy_admin(self, action: str, body: dict[str, Any] | None = None, timeout: float = 600) -> Any:
         """POST /admin/<action> to the run's own LLM proxy: `pause` holds new calls and waits for the ones in flight,
         `resume` lets calls through and records `weight_version` on every span from then on."""
-        token = proxy_token()
+        token = self.proxy_token
         headers = {"authorization": f"Bearer {token}"} if token else {}
-        response = httpx.post(
-            f"{self.endpoints.proxy_url}/admin/{action}", json=body or {}, headers=headers, timeout=timeout + 5
-        )
-        response.raise_for_status()
+        url = f"{self.endpoints.proxy_url}/admin/{action}"
+        try:
+            response = httpx.post(url, json=body or {}, headers=headers, timeout=timeout + 5)
+            response.raise_for_status()
+        except httpx.HTTPError as exc:
+            raise ServingError(f"the run's LLM proxy at {self.endpoints.proxy_url}: {action} failed: {exc!r}") from exc
         return response.json()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -211,12 +265,17 @@ class Run(BaseModel):
         """Bring the run up in this process: the store, the serving parts on the latest weights (or on the
         checkpoint `weights`) and, with `train`, the trainer process and the MLflow run. `queue`: the store queue
         of its rollouts (default: the run's name). Rollouts an earlier process left running in that queue are
-        requeued: from now on this process owns it."""
+        requeued: from now on this process owns it. First, what can be checked in seconds is (`preflight`): a
+        missing dataset or an agent that does not import is one clear error, before any server starts."""
+        from lightning import preflight
+
+        await asyncio.to_thread(preflight.check, config)
         config.run_dir.mkdir(parents=True, exist_ok=True)
         model_dir = await asyncio.to_thread(prepare_model, config)
-        from lightning.checkpoint import latest_checkpoint
+        from lightning.checkpoint import verified_latest_checkpoint
 
-        latest = latest_checkpoint(checkpoints_dir(config))
+        # Checksums checked here, once: a damaged newest checkpoint is set aside and the run resumes before it.
+        latest = await asyncio.to_thread(verified_latest_checkpoint, checkpoints_dir(config))
         serving_dir = Path(weights) if weights else model_dir if latest is None else latest
         parts = _Parts(store=open_run_store(config), model_dir=model_dir)
         endpoints = Endpoints(proxy_url="", model_name=config.inference.served_model_name)
@@ -233,9 +292,12 @@ class Run(BaseModel):
             if train:
                 parts.tracker = await asyncio.to_thread(_start_tracker, config, parts.history)
                 await asyncio.wait_for(trainer_ready, timeout=config.timeouts.startup)
+            parts.weight_version = serving_step(config, weights)
             if not config.proxy_endpoint:  # every span from now on records the weights that produced it
-                step = serving_step(config, weights)
-                await asyncio.to_thread(run.proxy_admin, "resume", {"weight_version": step})
+                await asyncio.to_thread(run.proxy_admin, "resume", {"weight_version": parts.weight_version})
+            if parts.stack is not None or parts.vllm:
+                parts.supervisor = Supervisor(run, max_restarts=config.inference.max_restarts)
+                parts.closers.append(parts.supervisor.stop)
         except BaseException:
             await run.close("FAILED")
             raise
@@ -255,6 +317,68 @@ class Run(BaseModel):
             except Exception:
                 logger.exception("shutting down %s failed", close)
         await parts.store.close()
+
+
+# --- supervision -----------------------------------------------------------------------------------------
+
+
+class Supervisor:
+    """A thread of the open run that restarts a serving process (the embedded inference server, the LLM proxy, a
+    vLLM replica) that has exited or stopped answering, on its port and on the weights being served, at most
+    `max_restarts` times each; each restart is logged, and counted in the iteration's metrics (`restarts`). Once
+    a part has used up its restarts, `failure` says which and where, and the next rollout phase fails with it."""
+
+    def __init__(self, run: Run, *, max_restarts: int, interval: float = 1.0) -> None:
+        self.run = run
+        self.max_restarts = max_restarts
+        self.interval = interval
+        self.restarts = 0
+        self.failure: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="run-supervisor", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.interval) and self.failure is None:
+            parts = self.run._parts
+            if parts is None:
+                return
+            try:
+                with parts.serving_lock:
+                    self._check(parts)
+            except Exception as exc:
+                self.failure = f"restarting the run's serving parts failed: {exc}"
+                logger.exception(self.failure)
+
+    def _check(self, parts: _Parts) -> None:
+        if parts.stack is not None:
+            for child in parts.stack.processes:
+                if self._stop.is_set() or child.healthy():
+                    continue
+                if child.restarts >= self.max_restarts:
+                    self.failure = (
+                        f"the {child.name} at {child.url} died or hung again after {child.restarts} restarts "
+                        f"(inference.max_restarts); the end of its log {child.log_path}:\n{child.log_tail()}"
+                    )
+                    return
+                code = None if child.process is None else child.process.poll()
+                logger.warning(
+                    "the %s at %s %s; restarting it (restart %d of at most %d)", child.name, child.url,
+                    "stopped answering" if code is None else f"exited with code {code}", child.restarts + 1,
+                    self.max_restarts,
+                )  # fmt: skip
+                child.restart()
+                self.restarts += 1
+                if child.name == "LLM proxy":  # a new proxy starts paused at version 0
+                    self.run.proxy_admin("resume", {"weight_version": parts.weight_version})
+        for server in parts.vllm:
+            if not self._stop.is_set() and server.restart_if_dead():
+                self.restarts += 1
+                logger.warning("vLLM at %s exited; restarted it (restart %d)", server.base_url, server.restarts)
 
 
 # --- the record: checkpoints -------------------------------------------------------------------------------
@@ -357,20 +481,31 @@ def _start_serving(config: TrainConfig, parts: _Parts, serving_dir: Path) -> End
             parts.store, serving_dir, model_name=name, max_batch_size=inference.max_batch_size,
             server="thread" if inference.in_process else "process",
             proxy="thread" if config.proxy_in_process or in_memory else "process", store_url=config.store_url,
+            log_dir=config.run_dir / "logs",
         )  # fmt: skip
         parts.closers.append(parts.stack.close)
+        parts.proxy_token = parts.stack.proxy_token
+        parts.inference_headers = parts.stack.inference_headers
         return Endpoints(proxy_url=parts.stack.proxy_url, model_name=name, inference_urls=[parts.stack.inference_url])
-    backends = [inference.endpoint]
+    from lightning.proxy import Backend, LLMProxy
+
     if inference.backend == "vllm" and inference.endpoint is None:
         parts.vllm = _start_vllm(config, serving_dir)
         parts.closers.extend(server.stop for server in parts.vllm)
-        backends = [server.endpoint for server in parts.vllm]
-    from lightning.proxy import LLMProxy
-
-    proxy = LLMProxy(parts.store, [str(backend) for backend in backends], model_name=name, token=proxy_token())
+        backends = [Backend(url=server.endpoint, api_key=_vllm_key(server)) for server in parts.vllm]
+    else:
+        api_key = os.environ.get(inference.api_key_env) if inference.api_key_env else None
+        backends = [Backend(url=str(inference.endpoint), api_key=api_key)]
+    parts.proxy_token = proxy_token() or secrets.token_urlsafe(24)
+    proxy = LLMProxy(parts.store, backends, model_name=name, token=parts.proxy_token)
     proxy_url = proxy.start(host=config.proxy_host)
     parts.closers.append(proxy.stop)
     return Endpoints(proxy_url=proxy_url, model_name=name)
+
+
+def _vllm_key(server: Any) -> str | None:
+    key = server.config.api_key
+    return None if key is None else key.get_secret_value()
 
 
 def _start_vllm(config: TrainConfig, serving_dir: Path) -> list[Any]:
@@ -389,6 +524,7 @@ def _start_vllm(config: TrainConfig, serving_dir: Path) -> list[Any]:
             options["env"] = {**options.get("env", {}), "CUDA_VISIBLE_DEVICES": devices}
         if inference.weight_sync == "sleep":
             options["enable_sleep_mode"] = True
+        options.setdefault("api_key", secrets.token_urlsafe(24))  # a random key of the run's unless one is given
         vllm_config = VllmConfig(
             model=str(serving_dir), served_model_name=inference.served_model_name, port=free_port(), **options
         )

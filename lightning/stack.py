@@ -1,12 +1,21 @@
 """The embedded serving parts of a run on one machine: the inference server for a model directory and the LLM
-proxy in front of it, each on a thread of this process or in a process of its own."""
+proxy in front of it, each on a thread of this process or in a process of its own.
+
+Each listens on 127.0.0.1 behind a random token of its own (the proxy's goes to agents inside the LLM resource),
+so another user of the machine can neither generate on the model, reload it, nor write spans. A process of its
+own dies with this one (`lightning.lifeline`), gets its secrets through its environment (never its command line,
+which `ps` shows), and writes its output to `log_dir`. `restart_dead()` starts again, on the same port, a process
+that has exited or stopped answering: the supervision of a run (`lightning.run`) calls it.
+"""
 
 from __future__ import annotations
 
+import secrets
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -15,16 +24,98 @@ import httpx
 from lightning.store.base import LightningStore
 from lightning.types import ProxyLLM
 
+START_TIMEOUT = 120.0
+HEALTH_TIMEOUT = 5.0
+STRIKES = 3
+"""Health checks in a row a live process may fail before it is taken for hung, killed and restarted."""
+
+
+@dataclass
+class ServerProcess:
+    """One server in a process of its own: how to start it, where it answers, what it has done."""
+
+    name: str
+    """What errors and logs call it ("inference server", "LLM proxy")."""
+    command: list[str]
+    env: dict[str, str]
+    url: str
+    log_path: Path
+    start_timeout: float = START_TIMEOUT
+    process: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    strikes: int = field(default=0, repr=False)
+
+    def start(self) -> None:
+        from lightning.lifeline import child_env
+
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        # Output goes to a file, not a pipe: nobody drains a pipe after start-up, and a full one blocks the server.
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n==> {time.strftime('%Y-%m-%d %H:%M:%S')} starting {self.name} on {self.url}\n".encode())
+            log.flush()
+            self.process = subprocess.Popen(
+                self.command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=child_env(**self.env)
+            )
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"the {self.name} ({self.url}) exited with code {self.process.returncode} while starting; the "
+                    f"end of its log {self.log_path}:\n{self.log_tail()}"
+                )
+            if self.answers(timeout=1.0):
+                self.strikes = 0
+                return
+            time.sleep(0.1)
+        self.stop()
+        raise TimeoutError(
+            f"the {self.name} did not answer on {self.url} within {self.start_timeout:g} s; see {self.log_path}"
+        )
+
+    def answers(self, timeout: float = HEALTH_TIMEOUT) -> bool:
+        try:
+            return httpx.get(f"{self.url}/health", timeout=timeout).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def healthy(self) -> bool:
+        """Running and answering; a process that fails STRIKES health checks in a row counts as hung."""
+        if self.process is None or self.process.poll() is not None:
+            return False
+        self.strikes = 0 if self.answers() else self.strikes + 1
+        return self.strikes < STRIKES
+
+    def restart(self) -> None:
+        self.stop()
+        self.restarts += 1
+        self.start()
+
+    def stop(self) -> None:
+        process, self.process = self.process, None
+        if process is None:
+            return
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
 
 class LocalStack:
-    """The embedded serving pieces of a training run on one machine: the inference server for
-    `model_dir` and the LLM proxy in front of it, storing spans in `store`.
+    """The embedded serving pieces of a training run on one machine: the inference server for `model_dir` and the
+    LLM proxy in front of it, storing spans in `store`.
 
-    Each runs on a thread of this process (the default: tests reach the engine as
-    `inference_app.state.engine` and the proxy as `proxy`), or in a process of its own
-    (`server="process"`, `proxy="process"` with the store's `store_url`), which gives it a core of its
-    own instead of sharing this process's interpreter lock with the runners and the trainer. `proxy_port`: where
-    the proxy listens (0: any free port).
+    Each runs on a thread of this process (tests reach the engine as `inference_app.state.engine` and the proxy as
+    `proxy`), or in a process of its own (`server="process"`, `proxy="process"` with the store's `store_url`),
+    which gives it a core of its own instead of sharing this process's interpreter lock with the runners and the
+    trainer. `log_dir`: where those processes write (default: a temporary directory).
     """
 
     def __init__(
@@ -37,9 +128,9 @@ class LocalStack:
         server: str = "thread",
         proxy: str = "thread",
         store_url: str | None = None,
-        proxy_port: int = 0,
+        log_dir: Path | None = None,
     ) -> None:
-        from lightning.proxy import LLMProxy
+        from lightning.proxy import Backend, LLMProxy
         from lightning.serving import free_port
 
         if server not in ("thread", "process") or proxy not in ("thread", "process"):
@@ -48,73 +139,97 @@ class LocalStack:
             raise ValueError("LocalStack(proxy='process') needs store_url: the proxy process opens the store itself")
         self.store = store
         self.model_name = model_name
+        self.model_dir = Path(model_dir)
+        """The weights a restarted inference server starts on: the latest loaded (`loaded`)."""
+        self.inference_key = secrets.token_urlsafe(24)
+        self.proxy_token = secrets.token_urlsafe(24)
         self.inference_app: Any = None
         self.proxy: LLMProxy | None = None
+        self.processes: list[ServerProcess] = []
         self._inference: Any = None
-        self._processes: list[subprocess.Popen[bytes]] = []
-        if server == "thread":
-            self.inference_url = self._start_thread(model_dir, model_name, max_batch_size)
-        else:
-            port = free_port()
-            command = [sys.executable, "-m", "lightning.inference", "--model", str(model_dir), "--port", str(port)]
-            command += ["--served-model-name", model_name, "--max-batch-size", str(max_batch_size), "--threads", "1"]
-            self.inference_url = self._start_process(command, port)
-        if proxy == "thread":
-            self.proxy = LLMProxy(store, [f"{self.inference_url}/v1"], model_name=model_name)
-            self.proxy_url = self.proxy.start(port=proxy_port)
-        else:
-            port = proxy_port or free_port()
-            command = [sys.executable, "-m", "lightning.cli", "proxy", "serve", "--store", str(store_url)]
-            command += ["--backend", f"{self.inference_url}/v1", "--model-name", model_name, "--port", str(port)]
-            self.proxy_url = self._start_process(command, port)
+        log_dir = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="lightning-stack-"))
+        try:
+            if server == "thread":
+                self.inference_url = self._start_thread(model_dir, model_name, max_batch_size)
+            else:
+                port = free_port()
+                command = [sys.executable, "-m", "lightning.inference", "--model", str(model_dir), "--port", str(port)]
+                command += ["--served-model-name", model_name, "--max-batch-size", str(max_batch_size)]
+                command += ["--threads", "1"]
+                env = {"LIGHTNING_INFERENCE_API_KEY": self.inference_key}
+                log = log_dir / "inference.log"
+                self.inference_url = self._start_process("inference server", command, env, port, log)
+            backend = f"{self.inference_url}/v1"
+            if proxy == "thread":
+                backends = [Backend(url=backend, api_key=self.inference_key)]
+                self.proxy = LLMProxy(store, backends, model_name=model_name, token=self.proxy_token)
+                self.proxy_url = self.proxy.start()
+            else:
+                port = free_port()
+                command = [sys.executable, "-m", "lightning.cli", "proxy", "serve", "--backend", backend]
+                command += ["--model-name", model_name, "--port", str(port)]
+                env = {
+                    "LIGHTNING_STORE_URL": str(store_url),
+                    "LIGHTNING_PROXY_TOKEN": self.proxy_token,
+                    "LIGHTNING_BACKEND_API_KEY": self.inference_key,
+                }
+                self.proxy_url = self._start_process("LLM proxy", command, env, port, log_dir / "proxy.log")
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def inference_headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.inference_key}"}
+
+    @property
+    def proxy_headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.proxy_token}"}
 
     def resource(self) -> ProxyLLM:
-        """The proxy as a resource for the store; runners route it to each attempt."""
-        return ProxyLLM(endpoint=f"{self.proxy_url}/v1", model=self.model_name)
+        """The proxy as a resource for the store (its token as the API key); runners route it to each attempt."""
+        return ProxyLLM(endpoint=f"{self.proxy_url}/v1", model=self.model_name, api_key=self.proxy_token)
+
+    def loaded(self, model_dir: Path) -> None:
+        """The inference server now serves `model_dir`: a restart starts it on those weights."""
+        self.model_dir = Path(model_dir)
+        for child in self.processes:
+            if child.name == "inference server":
+                child.command[child.command.index("--model") + 1] = str(model_dir)
+
+    def restart_dead(self) -> list[ServerProcess]:
+        """Start again each server process that has exited or stopped answering; the ones restarted."""
+        restarted = []
+        for child in self.processes:
+            if not child.healthy():
+                child.restart()
+                restarted.append(child)
+        return restarted
 
     def _start_thread(self, model_dir: Path, model_name: str, max_batch_size: int) -> str:
         from lightning.inference import create_inference_app
         from lightning.serving import ThreadedServer
 
         self.inference_app = create_inference_app(
-            model_dir, served_model_name=model_name, max_batch_size=max_batch_size
+            model_dir, served_model_name=model_name, max_batch_size=max_batch_size, api_key=self.inference_key
         )
         self._inference = ThreadedServer(self.inference_app)
         return self._inference.start()
 
-    def _start_process(self, command: list[str], port: int) -> str:
-        url = f"http://127.0.0.1:{port}"
-        # stderr goes to a file, not a pipe: nobody drains a pipe after start-up, and a full one blocks the server.
-        log = tempfile.TemporaryFile()  # noqa: SIM115 (lives as long as the server; closed with it)
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log)
-        self._processes.append(process)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                log.seek(0)
-                error = log.read().decode(errors="replace")[-2000:]
-                raise RuntimeError(f"{' '.join(command[:4])} exited while starting: {error}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    return url
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        self.close()
-        raise TimeoutError(f"{' '.join(command[:4])} did not answer on {url} within 120 s")
+    def _start_process(self, name: str, command: list[str], env: dict[str, str], port: int, log_path: Path) -> str:
+        child = ServerProcess(name, command, env, f"http://127.0.0.1:{port}", log_path)
+        self.processes.append(child)
+        child.start()
+        return child.url
 
     def close(self) -> None:
         if self.proxy is not None:
             self.proxy.stop()
         if self._inference is not None:
             self._inference.stop()
-        for process in reversed(self._processes):
-            process.terminate()
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        self._processes.clear()
+        for child in reversed(self.processes):
+            child.stop()
+        self.processes.clear()
 
     def __enter__(self) -> LocalStack:
         return self

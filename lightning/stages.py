@@ -18,15 +18,16 @@ import logging
 import os
 import random
 import time
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import httpx
 
 from lightning.config import load_agent, load_entry_point
-from lightning.run import Run, proxy_token
+from lightning.run import Run, ServingError, proxy_token
 from lightning.store.base import LightningStore
-from lightning.types import EnqueueRolloutRequest, ProxyLLM
+from lightning.types import AttemptedRollout, EnqueueRolloutRequest, ProxyLLM
 
 logger = logging.getLogger(__name__)
 
@@ -41,15 +42,20 @@ class InjectedFault(RuntimeError):
     """Raised by a stage named in LIGHTNING_FAULTS."""
 
 
+class RolloutsFailed(RuntimeError):
+    """Too few of an iteration's rollouts succeeded, even after running the others again."""
+
+
 # --- the rollout phase ------------------------------------------------------------------------------------
 
 
 async def update_resources(run: Run, mode: Mode = "train") -> str:
     """Point the run's LLM resource for `mode` at this process's proxy, with the mode's sampling parameters; its id
     (the same for every iteration of the run: rollouts of an earlier process of the run reach this proxy too)."""
+    run.check_serving()
     config = run.config
     sampling = config.eval_sampling if mode == "val" else config.sampling
-    token = None if config.proxy_endpoint or config.inference.backend == "embedded" else proxy_token()
+    token = proxy_token() if config.proxy_endpoint else run.proxy_token
     llm = ProxyLLM(
         endpoint=f"{run.endpoints.proxy_url}/v1", model=run.endpoints.model_name, sampling_parameters=sampling,
         api_key=token,
@@ -182,12 +188,47 @@ async def summarize_rollouts(store: LightningStore, rollout_ids: Sequence[str]) 
     }
 
 
+def enough_succeeded(run: Run, summary: dict[str, Any]) -> bool:
+    """At least `min_success_fraction` of the rollouts succeeded."""
+    return summary["succeeded"] >= run.config.min_success_fraction * summary["rollouts"]
+
+
+async def requeue_unsuccessful(run: Run, rollout_ids: Sequence[str]) -> int:
+    """Put the rollouts that failed or were cancelled back in the run's queue for another round of runners; how
+    many. A run whose inference server or proxy is past its restarts fails here, naming it."""
+    run.check_serving()
+    again = await run.store.query_rollouts(rollout_id_in=list(rollout_ids), status_in=["failed", "cancelled"])
+    for rollout in again:
+        await run.store.update_rollout(rollout.rollout_id, status="requeuing")
+    logger.warning("running %d of %d rollouts again", len(again), len(rollout_ids))
+    return len(again)
+
+
+async def rollouts_failed(run: Run, iteration: int, rollout_ids: Sequence[str], summary: dict[str, Any]) -> Exception:
+    """The error of a rollout phase that stayed short of `min_success_fraction`: counts, how the attempts ended,
+    and what the serving parts went through."""
+    rollouts = await run.store.query_rollouts(rollout_id_in=list(rollout_ids))
+    endings = Counter(r.attempt.status if isinstance(r, AttemptedRollout) else "no attempt" for r in rollouts)
+    return RolloutsFailed(
+        f"iteration {iteration}: {summary['succeeded']} of {summary['rollouts']} rollouts succeeded after "
+        f"{run.config.rollout_retries} more round(s) for the others, short of min_success_fraction "
+        f"{run.config.min_success_fraction:g}; latest attempts: {dict(endings)}; serving restarts so far: "
+        f"{run.restarts()}; the agent's errors are in the rollouts' spans (query_spans)"
+    )
+
+
 async def collect_rollouts(run: Run, iteration: int, mode: Mode = "train") -> tuple[list[str], dict[str, Any]]:
-    """The rollout phase in one call (the flows run it as four tasks): the rollout ids and their summary."""
+    """The rollout phase in one call (the flows run it as tasks): the rollout ids and their summary."""
     resources_id = await update_resources(run, mode)
     rollout_ids = await enqueue_rollouts(run, iteration, resources_id, mode)
-    await asyncio.gather(*(run_runners(run, rollout_ids, index, mode) for index in range(run.config.n_runners)))
-    return rollout_ids, await wait_for_rollouts(run, rollout_ids, mode)
+    for round_ in range(run.config.rollout_retries + 1):
+        await asyncio.gather(*(run_runners(run, rollout_ids, index, mode) for index in range(run.config.n_runners)))
+        summary = await wait_for_rollouts(run, rollout_ids, mode)
+        if enough_succeeded(run, summary):
+            return rollout_ids, summary
+        if round_ < run.config.rollout_retries:
+            await requeue_unsuccessful(run, rollout_ids)
+    raise await rollouts_failed(run, iteration, rollout_ids, summary)
 
 
 # --- training ---------------------------------------------------------------------------------------------
@@ -233,6 +274,7 @@ async def checkpoint(run: Run, iteration: int, row: dict[str, Any]) -> dict[str,
     servers load it, log the iteration to MLflow."""
     config = run.config
     step = iteration + 1
+    row = {**row, "restarts": run.restarts()}  # of the serving parts, so far
     history = [earlier for earlier in run.history if earlier["iteration"] < iteration] + [row]
     path = await _publish(run, step, {"run_name": run.name, "iteration": iteration, "history": history})
     run.history[:] = history
@@ -275,20 +317,30 @@ async def _publish(run: Run, step: int, meta: dict[str, Any]) -> str:
         run.trainer.save_checkpoint, step, meta=meta, keep_last=config.checkpoint.keep_last,
         timeout=config.timeouts.checkpoint,
     )  # fmt: skip
+    async with run.serving_parts_held():
+        await _swap_weights(run, step, path)
+    return path
+
+
+async def _swap_weights(run: Run, step: int, path: str) -> None:
+    config = run.config
     own_proxy = not config.proxy_endpoint
     if own_proxy:
         await asyncio.to_thread(run.proxy_admin, "pause", None, config.timeouts.checkpoint)
-    async with httpx.AsyncClient(timeout=config.timeouts.checkpoint) as client:
+    async with httpx.AsyncClient(timeout=config.timeouts.checkpoint, headers=run.inference_headers) as client:
         for server in run.endpoints.inference_urls:
-            response = await client.post(f"{server}/admin/reload", json={"path": str(path), "version": step})
-            response.raise_for_status()
+            try:
+                response = await client.post(f"{server}/admin/reload", json={"path": str(path), "version": step})
+                response.raise_for_status()
+            except httpx.HTTPError as exc:
+                raise ServingError(f"inference server at {server}: loading checkpoint {path} failed: {exc!r}") from exc
+    run.serving(path, step)
     for server in run.vllm_servers:
         if config.inference.weight_sync == "sleep" and await asyncio.to_thread(server.is_sleeping):
             await asyncio.to_thread(server.wake_up)
         await asyncio.to_thread(server.reload_weights, path, str(step))
     if own_proxy:
         await asyncio.to_thread(run.proxy_admin, "resume", {"weight_version": step})
-    return path
 
 
 def _maybe_fail(run: Run, stage: str, iteration: int) -> None:

@@ -42,3 +42,11 @@ def _root_flow_run_id() -> str | None:
 
 def _plain(value: Any) -> Any:
     return value.model_dump(mode="json") if hasattr(value, "model_dump") else str(value)
+
+
+def ppo_step_cache_key(context: Any, parameters: dict[str, Any]) -> str:
+    """A stage's key plus the trainer process: the update lives in that process until it is checkpointed, so where
+    the trainer is another process (a retried flow run is a new process; a crashed trainer was restarted), the
+    update is taken again rather than taken for done."""
+    trainer = parameters["run"].trainer
+    return f"{stage_cache_key(context, parameters)}-trainer{getattr(trainer, 'pid', None) or 'remote'}"

@@ -23,10 +23,11 @@ from prefect import Task, task
 from prefect.cache_policies import NO_CACHE
 
 from lightning import stages
+from lightning.algorithm.worker import TrainerCrashed, UpdateLost
 from lightning.config import TrainConfig
 from lightning.run import Run
 from lightning.stages import Mode
-from tasks.caching import stage_cache_key
+from tasks.caching import ppo_step_cache_key, stage_cache_key
 
 STAGE = {"persist_result": True, "result_serializer": "json", "cache_key_fn": stage_cache_key}
 TRANSIENT = {"retries": 2, "retry_delay_seconds": [2, 10], "retry_jitter_factor": 0.5}
@@ -34,6 +35,22 @@ MARGIN_SECONDS = 60.0
 """Prefect's timeout comes this long after the library's own deadline for the stage."""
 
 T = TypeVar("T", bound=Task[Any, Any])
+
+
+def _retry_unless(*kinds: type[BaseException]) -> Any:
+    """A retry condition: retry, unless the failure is one of `kinds` (which a retry would only repeat)."""
+
+    def condition(task: Any, task_run: Any, state: Any) -> bool:
+        return not isinstance(state.data, kinds)
+
+    return condition
+
+
+def _retry_only(*kinds: type[BaseException]) -> Any:
+    def condition(task: Any, task_run: Any, state: Any) -> bool:
+        return isinstance(state.data, kinds)
+
+    return condition
 
 
 def timed(stage: T, run: Run | TrainConfig) -> T:
@@ -46,6 +63,7 @@ def timed(stage: T, run: Run | TrainConfig) -> T:
         "enqueue_rollouts": timeouts.enqueue_rollouts,
         "run_runner": max(timeouts.rollouts, timeouts.evaluate),
         "wait_for_rollouts": max(timeouts.rollouts, timeouts.evaluate),
+        "requeue_unsuccessful": timeouts.enqueue_rollouts,
         "adapt_spans": timeouts.adapt_spans,
         "ppo_step": timeouts.ppo_step,
         "checkpoint": timeouts.checkpoint,
@@ -75,15 +93,25 @@ async def enqueue_rollouts(run: Run, iteration: int, resources_id: str, mode: Mo
 
 
 @task(name="run_runner", task_run_name="run_runner-{mode}-{iteration}-{index}", **STAGE, **TRANSIENT)
-async def run_runner(run: Run, iteration: int, rollout_ids: list[str], index: int, mode: Mode) -> dict[str, Any]:
-    """One runner task, on a thread of the flow's process or a Ray worker; its result says where it ran."""
+async def run_runner(
+    run: Run, iteration: int, rollout_ids: list[str], index: int, mode: Mode, round_: int = 0
+) -> dict[str, Any]:
+    """One runner task, on a thread of the flow's process or a Ray worker; its result says where it ran. `round_`:
+    0, or the round of running failed rollouts again."""
     done = await stages.run_runners(run, rollout_ids, index, mode)
     return {**done, "host": socket.gethostname(), "pid": os.getpid()}
 
 
 @task(name="wait_for_rollouts", task_run_name="wait_for_rollouts-{mode}-{iteration}", **STAGE, **TRANSIENT)
-async def wait_for_rollouts(run: Run, iteration: int, rollout_ids: list[str], mode: Mode) -> dict[str, Any]:
+async def wait_for_rollouts(
+    run: Run, iteration: int, rollout_ids: list[str], mode: Mode, round_: int = 0
+) -> dict[str, Any]:
     return await stages.wait_for_rollouts(run, rollout_ids, mode)
+
+
+@task(name="requeue_unsuccessful", task_run_name="requeue_unsuccessful-{mode}-{iteration}", **STAGE, **TRANSIENT)
+async def requeue_unsuccessful(run: Run, iteration: int, rollout_ids: list[str], mode: Mode, round_: int) -> int:
+    return await stages.requeue_unsuccessful(run, rollout_ids)
 
 
 @task(name="adapt_spans", task_run_name="adapt_spans-{iteration}", **STAGE, **TRANSIENT)
@@ -91,12 +119,20 @@ async def adapt_spans(run: Run, iteration: int, rollout_ids: list[str]) -> dict[
     return await stages.adapt_spans(run, iteration, rollout_ids)
 
 
-@task(name="ppo_step", task_run_name="ppo_step-{iteration}", tags=["gpu"], **STAGE)
+@task(
+    name="ppo_step", task_run_name="ppo_step-{iteration}", tags=["gpu"],
+    **{**STAGE, "cache_key_fn": ppo_step_cache_key}, retries=1, retry_condition_fn=_retry_only(TrainerCrashed),
+)  # fmt: skip
 async def ppo_step(run: Run, iteration: int, batch_path: str) -> dict[str, float]:
+    """Retried once if the trainer process died (it restarts from the latest checkpoint and takes the same step);
+    its cache key names the trainer process, whose memory holds the update until `checkpoint` saves it."""
     return await stages.ppo_step(run, iteration, batch_path)
 
 
-@task(name="checkpoint", task_run_name="checkpoint-{iteration}", **STAGE, **TRANSIENT)
+@task(
+    name="checkpoint", task_run_name="checkpoint-{iteration}", **STAGE, **TRANSIENT,
+    retry_condition_fn=_retry_unless(UpdateLost),
+)  # fmt: skip
 async def checkpoint(run: Run, iteration: int, row: dict[str, Any]) -> dict[str, Any]:
     return await stages.checkpoint(run, iteration, row)
 

@@ -24,6 +24,52 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+SESSION_MARKER = "LIGHTNING_TEST_SESSION"
+"""Set in the test process's environment, so every process the suite starts carries it (whatever its parent
+becomes): at the end, any process still carrying it was left behind, and fails the run."""
+LEFTOVER_GRACE_SECONDS = 15.0
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    os.environ.setdefault(SESSION_MARKER, uuid.uuid4().hex)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """No process the suite started may outlive it: wait a little for stragglers, then kill what is left and fail."""
+    marker = f"{SESSION_MARKER}={os.environ[SESSION_MARKER]}".encode()
+    deadline = time.monotonic() + LEFTOVER_GRACE_SECONDS
+    while (leftovers := _processes_carrying(marker)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if not leftovers:
+        return
+    report = "\n".join(f"  pid {pid}: {command}" for pid, command in leftovers.items())
+    for pid in leftovers:
+        with contextlib.suppress(OSError):
+            os.kill(pid, 9)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    message = f"FAILED: {len(leftovers)} process(es) started by the tests outlived them (now killed):\n{report}"
+    if reporter is not None:
+        reporter.write_line(message, red=True)
+    else:
+        print(message, file=sys.stderr)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _processes_carrying(marker: bytes) -> dict[int, str]:
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if marker in (entry / "environ").read_bytes().split(b"\0"):
+                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+                if command:  # a zombie has no command line and is gone but for its exit status
+                    found[int(entry.name)] = command[:300]
+        except OSError:
+            continue
+    return found
+
+
 DEFAULT_PG_URL = "postgresql://postgres@127.0.0.1:5432/test"
 BACKENDS = ("sqlite_file", "sqlite_memory", "postgres")
 SHARED_BACKENDS = ("sqlite_file", "postgres")

@@ -18,12 +18,15 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning.checkpoint import (
+    MANIFEST,
     CheckpointError,
     latest_checkpoint,
     load_checkpoint,
     prune_checkpoints,
     restore_rng_state,
     save_checkpoint,
+    verified_latest_checkpoint,
+    verify_checkpoint,
 )
 from lightning.models import build_tiny_model
 
@@ -221,6 +224,9 @@ def test_corrupt_checkpoint_errors_name_path_and_what_is_missing(tmp_path: Path,
     assert latest_checkpoint(tmp_path) == first
 
     (first / "trainer_state" / "state.pt").write_bytes(b"not a torch file")
+    with pytest.raises(CheckpointError, match=rf"{first}.*trainer_state/state\.pt is 16 bytes, its manifest says"):
+        load_checkpoint(first)
+    (first / MANIFEST).unlink()  # a checkpoint from before manifests: only loading the file tells
     with pytest.raises(CheckpointError, match=rf"{first}: cannot load trainer_state/state\.pt"):
         load_checkpoint(first)
 
@@ -228,3 +234,41 @@ def test_corrupt_checkpoint_errors_name_path_and_what_is_missing(tmp_path: Path,
         load_checkpoint(tmp_path)
     with pytest.raises(CheckpointError, match="does not exist"):
         load_checkpoint(tmp_path / "step-000009")
+
+
+@pytest.mark.parametrize(
+    ("damage", "said"),
+    [
+        ("truncate model", "model.safetensors is 100 bytes, its manifest says"),
+        ("garble config", "config.json does not match the checksum its manifest recorded"),
+        ("truncate state", "trainer_state/state.pt is 100 bytes"),
+    ],
+)
+def test_a_damaged_newest_checkpoint_is_set_aside_and_the_one_before_resumed(
+    tmp_path: Path, model, tokenizer, caplog: pytest.LogCaptureFixture, damage: str, said: str
+) -> None:
+    save_checkpoint(tmp_path, 1, model, tokenizer, trainer_state={"iteration": 1})
+    newest = save_checkpoint(tmp_path, 2, model, tokenizer, trainer_state={"iteration": 2})
+    target = {"truncate model": "model.safetensors", "garble config": "config.json"}.get(
+        damage, "trainer_state/state.pt"
+    )
+    file = newest / target
+    if damage == "garble config":  # same size, other bytes: only the checksum tells
+        file.write_bytes(bytes(b ^ 0x20 for b in file.read_bytes()))
+    else:
+        file.write_bytes(file.read_bytes()[:100])
+
+    with caplog.at_level("WARNING", logger="lightning.checkpoint"):
+        resumed = verified_latest_checkpoint(tmp_path)
+    assert resumed == tmp_path / "step-000001" and load_checkpoint(resumed).trainer_state == {"iteration": 1}
+    # One line names the checkpoint, the file and what is wrong with it; the checkpoint is kept, set aside.
+    lines = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
+    assert len(lines) == 1 and str(newest) in lines[0] and said in lines[0], lines
+    assert [p.name.startswith("damaged-step-000002-") for p in tmp_path.iterdir() if p.name.startswith("damaged")] == [
+        True
+    ]
+    assert latest_checkpoint(tmp_path) == resumed and (tmp_path / "latest").read_text().strip() == "step-000001"
+    # The run then saves step 2 again, whole.
+    again = save_checkpoint(tmp_path, 2, model, tokenizer, trainer_state={"iteration": 2})
+    verify_checkpoint(again)
+    assert verified_latest_checkpoint(tmp_path) == again

@@ -44,7 +44,11 @@ async def test_two_iterations_update_the_policy_log_to_mlflow_and_reload_the_ser
             row = stages.iteration_row(iteration, summary, batch, metrics, rollout_seconds=1.0)
             saved = await stages.checkpoint(run, iteration, row)
         async with httpx.AsyncClient() as http:
-            loaded = (await http.get(f"{run.endpoints.inference_urls[0]}/admin/version")).json()
+            version = f"{run.endpoints.inference_urls[0]}/admin/version"
+            # The run's own servers take only its random per-run keys: no other local user reloads or generates.
+            assert (await http.get(version)).status_code == 401
+            assert (await http.post(f"{run.endpoints.proxy_url}/admin/pause")).status_code == 401
+            loaded = (await http.get(version, headers=run.inference_headers)).json()
         run_id = run.tracker.run_id
     finally:
         await run.close()

@@ -37,6 +37,10 @@ class TrainerError(RuntimeError):
     """The trainer raised inside the child; the child is still running and usable."""
 
 
+class UpdateLost(RuntimeError):
+    """A checkpoint was asked of a trainer process that did not take the update it would hold."""
+
+
 class TrainerWorker:
     """TorchTrainer in a child process, started lazily and restarted from the latest checkpoint after a timeout or
     crash. Batches travel as files (TrainingBatch.save), so only small JSON messages cross the pipe."""
@@ -75,7 +79,8 @@ class TrainerWorker:
         self._stop(kill=True)
         context = multiprocessing.get_context("spawn")
         parent_conn, child_conn = context.Pipe()
-        args = (child_conn, self.model_dir, self.config.model_dump(mode="json"), self.checkpoint_root, self.threads)
+        config = self.config.model_dump(mode="json")
+        args = (child_conn, self.model_dir, config, self.checkpoint_root, self.threads, os.getpid())
         self._process = context.Process(target=_serve, args=args, name="trainer-worker", daemon=True)
         self._process.start()
         child_conn.close()  # the child holds its own copy; closing ours makes the child's death an EOF here
@@ -140,6 +145,8 @@ class TrainerWorker:
         if "error" in reply:
             if op == "start":
                 self._stop(kill=True)
+            if reply["error"].startswith(f"{UpdateLost.__name__}:"):
+                raise UpdateLost(reply["error"].split(": ", 1)[1])
             raise TrainerError(f"trainer {op} failed: {reply['error']}\n{reply['traceback']}")
         return reply if op == "start" else reply["result"]
 
@@ -165,14 +172,21 @@ class TrainerWorker:
 # --- the child --------------------------------------------------------------------------------
 
 
-def _serve(conn: Connection, model_dir: str, config: dict[str, Any], checkpoint_root: str, threads: int | None) -> None:
-    """The child's loop: load the trainer, say ready, then answer one request at a time until told to close."""
+def _serve(
+    conn: Connection, model_dir: str, config: dict[str, Any], checkpoint_root: str, threads: int | None, parent: int
+) -> None:
+    """The child's loop: load the trainer, say ready, then answer one request at a time until told to close. It
+    dies with its parent: a trainer never goes on (and writes a checkpoint) for a run that is gone."""
+    from lightning.lifeline import exit_with_parent
+
+    exit_with_parent(parent)
     try:
         trainer, resumed_from = _load_trainer(model_dir, config, checkpoint_root, threads)
     except Exception as exc:
         _send(conn, _error_reply(exc))
         return
     _send(conn, {"ready": True, "resumed_from": resumed_from})
+    session = _Session(trainer, checkpoint_root, saved_step=resumed_from)
     while True:
         try:
             request = json.loads(conn.recv_bytes())
@@ -181,7 +195,7 @@ def _serve(conn: Connection, model_dir: str, config: dict[str, Any], checkpoint_
         if request["op"] == "close":
             break
         try:
-            _send(conn, {"result": _handle(trainer, checkpoint_root, request)})
+            _send(conn, {"result": session.handle(request)})
         except Exception as exc:
             _send(conn, _error_reply(exc))
     # Skip the interpreter's teardown, over a second with torch and transformers loaded: checkpoints are fsynced
@@ -214,30 +228,53 @@ def _load_trainer(
     return trainer, checkpoint.step
 
 
-def _handle(trainer: TorchTrainer, checkpoint_root: str, request: dict[str, Any]) -> Any:
-    from lightning.algorithm.batch import TrainingBatch
-    from lightning.checkpoint import save_checkpoint
+class _Session:
+    """What the child has done since it started: the step whose weights it holds as saved, and whether an update
+    since then waits to be saved. A checkpoint is written only for an update this process took: when the process
+    that took it died, saving "step k+1" again would pass the weights of checkpoint k off as the next step."""
 
-    op = request["op"]
-    if op == "step":
-        return trainer.step(TrainingBatch.load(request["batch_path"]))
-    if op == "sft_step":
-        return trainer.sft_step(TrainingBatch.load(request["batch_path"]))
-    if op == "save_checkpoint":
+    def __init__(self, trainer: TorchTrainer, checkpoint_root: str, saved_step: int | None) -> None:
+        self.trainer = trainer
+        self.checkpoint_root = checkpoint_root
+        self.saved_step = saved_step
+        self.pending = False
+
+    def handle(self, request: dict[str, Any]) -> Any:
+        from lightning.algorithm.batch import TrainingBatch
+
+        op = request["op"]
+        if op == "step":
+            metrics = self.trainer.step(TrainingBatch.load(request["batch_path"]))
+            self.pending = True
+            return metrics
+        if op == "sft_step":
+            metrics = self.trainer.sft_step(TrainingBatch.load(request["batch_path"]))
+            self.pending = True
+            return metrics
+        if op == "save_checkpoint":
+            return self.save(request["step"], request["meta"], request["keep_last"])
+        if op == "sleep":  # for tests only: a call guaranteed to pass a short deadline
+            time.sleep(request["seconds"])
+            return None
+        raise ValueError(f"unknown request {op!r}")
+
+    def save(self, step: int, meta: dict[str, Any] | None, keep_last: int | None) -> str:
+        from lightning.checkpoint import checkpoint_dir, save_checkpoint
+
+        if not self.pending:
+            if self.saved_step == step:  # saved already (a retried checkpoint stage): the same checkpoint
+                return str(checkpoint_dir(self.checkpoint_root, step))
+            held = "the initial model" if self.saved_step is None else f"checkpoint {self.saved_step}"
+            raise UpdateLost(
+                f"nothing to save as step {step}: this trainer process started from {held} and has taken no step "
+                "since (the process that took the update is gone); the update must be taken again"
+            )
         path = save_checkpoint(
-            checkpoint_root,
-            request["step"],
-            trainer.model,
-            trainer.tokenizer,
-            trainer_state=trainer.state_dict(),
-            meta=request["meta"],
-            keep_last=request["keep_last"],
-        )
+            self.checkpoint_root, step, self.trainer.model, self.trainer.tokenizer,
+            trainer_state=self.trainer.state_dict(), meta=meta, keep_last=keep_last,
+        )  # fmt: skip
+        self.saved_step, self.pending = step, False
         return str(path)
-    if op == "sleep":  # for tests only: a call guaranteed to pass a short deadline
-        time.sleep(request["seconds"])
-        return None
-    raise ValueError(f"unknown request {op!r}")
 
 
 def _send(conn: Connection, message: dict[str, Any]) -> None:

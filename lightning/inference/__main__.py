@@ -9,6 +9,7 @@ import torch
 import uvicorn
 
 from lightning.inference.server import create_inference_app
+from lightning.lifeline import exit_with_parent
 from lightning.serving import is_loopback
 
 
@@ -23,6 +24,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores but one)")
     args = parser.parse_args(argv)
+    exit_with_parent()  # started by a run: it dies with the run
     if not is_loopback(args.host) and not args.api_key:
         # Anyone who can reach the port could otherwise generate on, and reload, this model.
         parser.error(

@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Mapping
@@ -211,6 +213,11 @@ class VllmServer:
         if self.process is not None:
             self.stop()  # reap what a crashed server left in its process group
         command = build_vllm_command(self.config)
+        if shutil.which(command[0]) is None:
+            raise VllmError(
+                f"cannot run {self.config.executable!r}: no such executable; install the `gpu` extra "
+                "(pip install '.[gpu]') or set executable"
+            )
         env = build_vllm_env(self.config, os.environ)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
@@ -219,8 +226,9 @@ class VllmServer:
             try:
                 # A new session makes the server the leader of its own process group, so that stop() reaches the
                 # engine-core and worker processes it forks as well.
+                # Under lightning.lifeline, which ends the group when this process is gone (killed, even).
                 self.process = subprocess.Popen(
-                    command,
+                    [sys.executable, "-m", "lightning.lifeline", "--", *command],
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,

@@ -10,13 +10,14 @@ from lightning.store.sql import DEFAULT_URL, SqlLightningStore
 def open_store(url: str, *, token: str | None = None, watchdog_interval: float | None = 1.0) -> LightningStore:
     """The store at `url`: `http(s)://host:port` is a store server (`lightning store serve`), anything
     else a database URL for SqlLightningStore. `token`: the server's bearer token (default: env
-    LIGHTNING_STORE_TOKEN)."""
+    LIGHTNING_STORE_TOKEN). A `${VAR}` in the URL (a password) is expanded from the environment here."""
     if url.startswith(("http://", "https://")):
         import os
 
+        from lightning.credentials import expand
         from lightning.store.client import HttpLightningStore
 
-        return HttpLightningStore(url, token=token or os.environ.get("LIGHTNING_STORE_TOKEN"))
+        return HttpLightningStore(expand(url), token=token or os.environ.get("LIGHTNING_STORE_TOKEN"))
     return SqlLightningStore(url, watchdog_interval=watchdog_interval)
 
 

@@ -50,6 +50,7 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import IntegrityError, OperationalError, StatementError
 from sqlalchemy.pool import StaticPool
 
+from lightning.credentials import expand
 from lightning.store import contract, lifecycle
 from lightning.store.base import UNSET, LightningStore
 from lightning.store.contract import DEFAULT_QUEUE, Request
@@ -149,7 +150,7 @@ class SqlLightningStore(LightningStore):
         watchdog_interval: float | None = 1.0,
         pool_size: int = 8,
     ) -> None:
-        self._url = _normalise_url(url)
+        self._url = _normalise_url(expand(url) if isinstance(url, str) else url)
         self.backend = "sqlite" if self._url.get_backend_name() == "sqlite" else "postgresql"
         self._lock = threading.RLock()
         self._executor: ThreadPoolExecutor | None = None

@@ -1,0 +1,49 @@
+"""Secrets kept out of configs: a URL (`store_url`, `tracking_uri`, a store server's database) may name its password
+as `${VAR}`, an environment variable, or `${secret:NAME}`, a Prefect Secret block that the flows put in the
+environment as `LIGHTNING_SECRET_<NAME>` before the run opens. The reference is expanded only where a connection is
+made, so the config that Prefect stores, MLflow logs and command lines show holds the reference, never the value;
+child processes inherit the environment, not the secret on their command line.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+REFERENCE = re.compile(r"\$\{(?:(secret):)?([A-Za-z_][A-Za-z0-9_-]*)\}")
+
+
+class MissingSecret(KeyError):
+    """A `${...}` reference names nothing in the environment."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def secret_env_name(name: str) -> str:
+    """The environment variable that holds Prefect Secret block `name` for this process and its children."""
+    return "LIGHTNING_SECRET_" + re.sub(r"[^A-Za-z0-9]", "_", name).upper()
+
+
+def references(text: str) -> list[tuple[str, str]]:
+    """The `${...}` references in `text`, as (kind, name): kind "" (environment variable) or "secret"."""
+    return [(kind or "", name) for kind, name in REFERENCE.findall(text)]
+
+
+def expand(text: str) -> str:
+    """`text` with each `${VAR}` replaced by the variable's value and each `${secret:NAME}` by the Secret block's;
+    a reference to nothing is an error naming it and where to set it."""
+
+    def value(match: re.Match[str]) -> str:
+        kind, name = match.group(1), match.group(2)
+        variable = secret_env_name(name) if kind == "secret" else name
+        if variable not in os.environ:
+            where = (
+                f"a Prefect Secret block {name!r} (the flows put it in ${variable}), or ${variable} itself"
+                if kind == "secret"
+                else f"the environment variable ${name}"
+            )
+            raise MissingSecret(f"{match.group(0)} names {where}, which is not set")
+        return os.environ[variable]
+
+    return REFERENCE.sub(value, text)

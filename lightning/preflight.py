@@ -1,0 +1,105 @@
+"""What can be checked of a training run in seconds, before anything starts: the datasets load, the agent and
+the demonstrations import, the model directory has a config and a tokenizer, the store answers, the URLs'
+secrets are set. `lightning config check` and the flows run it first; each problem is one line."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+from typing import Any
+
+from lightning.config import ConfigError, TrainConfig, load_agent, load_entry_point, load_tasks
+from lightning.credentials import MissingSecret, expand
+
+STORE_TIMEOUT = 5.0
+
+
+def problems(config: TrainConfig) -> list[str]:
+    """One line per thing that would stop `config`'s run; empty when it can start."""
+    found: list[str] = []
+    for field in ("train_data", "val_data"):
+        spec = getattr(config, field)
+        if spec is not None:
+            _check(found, field, lambda spec=spec, field=field: load_tasks(spec, field))
+    _check(found, "agent", lambda: load_agent(config.agent))
+    if config.warm_start is not None:
+        spec = config.warm_start.demonstrations
+        _check(found, "warm_start.demonstrations", lambda: load_entry_point(spec, "warm_start.demonstrations"))
+    if config.model != "tiny":
+        _check(found, "model", lambda: _model_problem(Path(config.model)))
+    for field in ("store_url", "tracking_uri"):
+        _check(found, field, lambda field=field: expand(getattr(config, field)))
+    if not any(line.startswith("store_url:") for line in found):
+        _check(found, "store_url", lambda: _store_problem(config.store_url))
+    return found
+
+
+def check(config: TrainConfig) -> None:
+    """Raise ConfigError listing every problem (one line each) if there is any."""
+    found = problems(config)
+    if found:
+        raise ConfigError("the run cannot start:\n" + "\n".join(f"  {line}" for line in found))
+
+
+def _check(found: list[str], field: str, attempt: Any) -> None:
+    try:
+        attempt()
+    except (ConfigError, MissingSecret) as exc:
+        message = str(exc)
+        found.append(message if message.startswith(f"{field}:") else f"{field}: {message}")
+    except Exception as exc:
+        found.append(f"{field}: {type(exc).__name__}: {_one_line(str(exc))}")
+
+
+def _model_problem(path: Path) -> None:
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model: {path} is not a Hugging Face model directory (no config.json)")
+    from transformers import AutoConfig, AutoTokenizer
+
+    from lightning.models.files import no_progress_bars
+
+    with no_progress_bars():
+        AutoConfig.from_pretrained(path)
+        AutoTokenizer.from_pretrained(path)
+
+
+def _store_problem(url: str) -> None:
+    """The store answers within STORE_TIMEOUT seconds (a SQLite file: its directory can be made and written)."""
+    from lightning.store import open_store
+
+    if url.startswith("sqlite:///") and url not in ("sqlite:///:memory:",):
+        path = Path(url.removeprefix("sqlite:///").split("?", 1)[0])
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    async def ask() -> None:
+        store = open_store(url, watchdog_interval=None)
+        try:
+            await asyncio.wait_for(store.statistics(), timeout=STORE_TIMEOUT)
+        finally:
+            await store.close()
+
+    # On a thread of its own, so that a database that never answers (a connect that hangs) costs STORE_TIMEOUT.
+    outcome: list[BaseException | None] = []
+    thread = threading.Thread(target=lambda: outcome.append(_run(ask)), name="preflight-store", daemon=True)
+    thread.start()
+    thread.join(STORE_TIMEOUT + 1)
+    if not outcome:
+        raise ConfigError(f"store_url: no answer from the store within {STORE_TIMEOUT:g} s")
+    if outcome[0] is not None:
+        raise outcome[0]
+
+
+def _run(ask: Any) -> BaseException | None:
+    try:
+        asyncio.run(ask())
+    except TimeoutError:
+        return ConfigError(f"store_url: no answer from the store within {STORE_TIMEOUT:g} s")
+    except BaseException as exc:
+        return exc
+    return None
+
+
+def _one_line(text: str) -> str:
+    first = text.strip().splitlines()[0] if text.strip() else "(no message)"
+    return first if len(first) <= 300 else first[:297] + "..."
