@@ -86,6 +86,9 @@ def _parser() -> argparse.ArgumentParser:
         help=f"require 'Authorization: Bearer TOKEN' on every request (default: ${TOKEN_ENV}, else none); "
         "required when --host is not a loopback address",
     )
+    serve.add_argument(
+        "--max-body-mb", type=float, default=32, help="answer 413 to a request body larger than this (default: 32)"
+    )
     serve.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="(default: %(default)s)")
     serve.add_argument(
         "--access-log",
@@ -186,7 +189,31 @@ def _parser() -> argparse.ArgumentParser:
     )
     check.add_argument("path", help="a YAML file of TrainConfig fields")
     check.set_defaults(run=_config_check, help_parser=check)
+    debug = commands.add_parser(
+        "debug",
+        help="diagnose a run: `lightning debug stacks RUN` prints the Python stacks of its processes",
+        description="Diagnose a run that is stuck or slow.",
+    )
+    debug.set_defaults(help_parser=debug)
+    debug_commands = debug.add_subparsers(title="commands", metavar="COMMAND")
+    stacks = debug_commands.add_parser(
+        "stacks",
+        help="print the Python stacks (all threads) of every live process of a run",
+        description="Send SIGUSR1 to every live process of the run (the flow's, the inference server, the LLM proxy, "
+        "the trainer); each writes its stacks to <run_dir>/stacks/, which this prints.",
+    )
+    stacks.add_argument("run", help="the run's name (under --output-dir) or its directory")
+    stacks.add_argument("--output-dir", default=".lightning/runs", help="where runs live (default: %(default)s)")
+    stacks.set_defaults(run=_debug_stacks, help_parser=stacks)
     return parser
+
+
+def _debug_stacks(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from lightning.diagnose import collect_stacks
+
+    run_dir = Path(args.run) if Path(args.run).is_dir() else Path(args.output_dir) / args.run
+    print(collect_stacks(run_dir / "stacks"))
+    return 0
 
 
 def _config_defaults(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -231,11 +258,13 @@ def _proxy_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
 
     import uvicorn
 
+    from lightning.diagnose import dump_stacks_on_signal
     from lightning.lifeline import exit_with_parent
     from lightning.proxy import Backend, ExternalModel, LLMProxy
     from lightning.store import open_store
 
     exit_with_parent()  # started by a run: it dies with the run
+    dump_stacks_on_signal(None, "llm-proxy")  # into the run's stacks directory, when a run started it
     token = _token_or_refuse(args, parser, PROXY_TOKEN_ENV, "use the models and write spans")
     external: list[ExternalModel] = []
     if args.external_models:
@@ -273,7 +302,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         auth = "bearer token required" if token else "no token"
         print(f"lightning store: {store!r} on http://{args.host}:{args.port} ({auth})", file=sys.stderr, flush=True)
-        app = create_app(store, token=token)
+        app = create_app(store, token=token, max_body_bytes=int(args.max_body_mb * 1024 * 1024))
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log)
     finally:
         asyncio.run(store.close())

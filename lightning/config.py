@@ -96,6 +96,8 @@ class StageTimeouts(BaseModel):
     ppo_step: float = Field(default=1800, gt=0)
     checkpoint: float = Field(default=600, gt=0)
     evaluate: float = Field(default=1800, gt=0)
+    stall_warning: float = Field(default=900, gt=0)
+    """Nothing finished (a stage, a rollout) for this long: the run logs the stacks of its processes."""
 
 
 class WarmStart(BaseModel):

@@ -24,6 +24,7 @@ import logging
 import os
 import secrets
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ import httpx
 from pydantic import BaseModel, PrivateAttr
 
 from lightning.config import TrainConfig, load_tasks
+from lightning.diagnose import collect_stacks, dump_stacks_on_signal
 from lightning.store import lifecycle
 from lightning.store.base import LightningStore
 
@@ -76,6 +78,8 @@ class _Parts:
     """Held while the serving parts change: weights swapped in, a dead part restarted."""
     weight_version: int = 0
     """The checkpoint step the inference servers serve."""
+    last_progress: float = field(default_factory=time.monotonic)
+    progress_note: str = "the run opened"
     proxy_token: str | None = None
     """The bearer token of the run's own LLM proxy (random per run unless $LIGHTNING_PROXY_TOKEN names one)."""
     inference_headers: dict[str, str] = field(default_factory=dict)
@@ -227,6 +231,13 @@ class Run(BaseModel):
         finally:
             lock.release()
 
+    def made_progress(self, what: str) -> None:
+        """A stage finished, or a rollout: the run is not stuck (the supervisor warns when nothing finishes for
+        `timeouts.stall_warning` seconds)."""
+        if self._parts is not None:
+            self._parts.last_progress = time.monotonic()
+            self._parts.progress_note = what
+
     def check_serving(self) -> None:
         """Raise ServingError if a serving part died more often than it may be restarted."""
         supervisor = self._open_parts().supervisor
@@ -271,6 +282,7 @@ class Run(BaseModel):
 
         await asyncio.to_thread(preflight.check, config)
         config.run_dir.mkdir(parents=True, exist_ok=True)
+        dump_stacks_on_signal(config.run_dir / "stacks", "flow")
         model_dir = await asyncio.to_thread(prepare_model, config)
         from lightning.checkpoint import verified_latest_checkpoint
 
@@ -295,9 +307,7 @@ class Run(BaseModel):
             parts.weight_version = serving_step(config, weights)
             if not config.proxy_endpoint:  # every span from now on records the weights that produced it
                 await asyncio.to_thread(run.proxy_admin, "resume", {"weight_version": parts.weight_version})
-            if parts.stack is not None or parts.vllm:
-                parts.supervisor = Supervisor(run, max_restarts=config.inference.max_restarts)
-                parts.closers.append(parts.supervisor.stop)
+            parts.supervisor = Supervisor(run, max_restarts=config.inference.max_restarts)
         except BaseException:
             await run.close("FAILED")
             raise
@@ -305,9 +315,12 @@ class Run(BaseModel):
 
     async def close(self, status: str = "FINISHED") -> None:
         """Bring down what `open` brought up; `status` ends the MLflow run (FINISHED, FAILED, KILLED)."""
-        parts, self._parts = self._parts, None
+        parts = self._parts
         if parts is None:
             return
+        if parts.supervisor is not None:  # first: nothing is restarted while the parts go down
+            await asyncio.to_thread(parts.supervisor.stop)
+        self._parts = None
         if parts.tracker is not None:
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(parts.tracker.end, status)
@@ -326,7 +339,9 @@ class Supervisor:
     """A thread of the open run that restarts a serving process (the embedded inference server, the LLM proxy, a
     vLLM replica) that has exited or stopped answering, on its port and on the weights being served, at most
     `max_restarts` times each; each restart is logged, and counted in the iteration's metrics (`restarts`). Once
-    a part has used up its restarts, `failure` says which and where, and the next rollout phase fails with it."""
+    a part has used up its restarts, `failure` says which and where, and the next rollout phase fails with it.
+    When nothing has finished (a stage, a rollout) for `timeouts.stall_warning` seconds, it logs the stacks of the
+    run's processes (`lightning.diagnose`) and how to get them again."""
 
     def __init__(self, run: Run, *, max_restarts: int, interval: float = 1.0) -> None:
         self.run = run
@@ -353,6 +368,19 @@ class Supervisor:
             except Exception as exc:
                 self.failure = f"restarting the run's serving parts failed: {exc}"
                 logger.exception(self.failure)
+            self._check_stall(parts)
+
+    def _check_stall(self, parts: _Parts) -> None:
+        stalled = time.monotonic() - parts.last_progress
+        if stalled < self.run.config.timeouts.stall_warning:
+            return
+        stacks = collect_stacks(self.run.run_dir / "stacks")
+        logger.warning(
+            "run %s: nothing has finished for %.0f s (the last: %s). Stacks of its processes follow; `lightning debug "
+            "stacks %s` takes them again, into %s.\n%s", self.run.name, stalled, parts.progress_note,
+            self.run.run_dir, self.run.run_dir / "stacks", stacks,
+        )  # fmt: skip
+        parts.last_progress = time.monotonic()  # the next warning after another stall_warning seconds
 
     def _check(self, parts: _Parts) -> None:
         if parts.stack is not None:
@@ -481,7 +509,7 @@ def _start_serving(config: TrainConfig, parts: _Parts, serving_dir: Path) -> End
             parts.store, serving_dir, model_name=name, max_batch_size=inference.max_batch_size,
             server="thread" if inference.in_process else "process",
             proxy="thread" if config.proxy_in_process or in_memory else "process", store_url=config.store_url,
-            log_dir=config.run_dir / "logs",
+            log_dir=config.run_dir / "logs", stacks_dir=config.run_dir / "stacks",
         )  # fmt: skip
         parts.closers.append(parts.stack.close)
         parts.proxy_token = parts.stack.proxy_token
@@ -547,7 +575,10 @@ def _trainer(config: TrainConfig, model_dir: Path) -> Any:
         )  # fmt: skip
     from lightning.algorithm.worker import TrainerWorker
 
-    return TrainerWorker(model_dir, config.algorithm, checkpoints_dir(config), threads=config.trainer_threads)
+    return TrainerWorker(
+        model_dir, config.algorithm, checkpoints_dir(config), threads=config.trainer_threads,
+        stacks_dir=config.run_dir / "stacks",
+    )  # fmt: skip
 
 
 def _start_tracker(config: TrainConfig, history: list[dict[str, Any]]) -> Any:

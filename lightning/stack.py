@@ -115,7 +115,8 @@ class LocalStack:
     Each runs on a thread of this process (tests reach the engine as `inference_app.state.engine` and the proxy as
     `proxy`), or in a process of its own (`server="process"`, `proxy="process"` with the store's `store_url`),
     which gives it a core of its own instead of sharing this process's interpreter lock with the runners and the
-    trainer. `log_dir`: where those processes write (default: a temporary directory).
+    trainer. `log_dir`: where those processes write (default: a temporary directory); `stacks_dir`: where they
+    dump their stacks on SIGUSR1 (`lightning.diagnose`).
     """
 
     def __init__(
@@ -129,6 +130,7 @@ class LocalStack:
         proxy: str = "thread",
         store_url: str | None = None,
         log_dir: Path | None = None,
+        stacks_dir: Path | None = None,
     ) -> None:
         from lightning.proxy import Backend, LLMProxy
         from lightning.serving import free_port
@@ -148,6 +150,7 @@ class LocalStack:
         self.processes: list[ServerProcess] = []
         self._inference: Any = None
         log_dir = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="lightning-stack-"))
+        diagnosis = {"LIGHTNING_STACKS_DIR": str(stacks_dir)} if stacks_dir is not None else {}
         try:
             if server == "thread":
                 self.inference_url = self._start_thread(model_dir, model_name, max_batch_size)
@@ -156,7 +159,7 @@ class LocalStack:
                 command = [sys.executable, "-m", "lightning.inference", "--model", str(model_dir), "--port", str(port)]
                 command += ["--served-model-name", model_name, "--max-batch-size", str(max_batch_size)]
                 command += ["--threads", "1"]
-                env = {"LIGHTNING_INFERENCE_API_KEY": self.inference_key}
+                env = {"LIGHTNING_INFERENCE_API_KEY": self.inference_key, **diagnosis}
                 log = log_dir / "inference.log"
                 self.inference_url = self._start_process("inference server", command, env, port, log)
             backend = f"{self.inference_url}/v1"
@@ -172,6 +175,7 @@ class LocalStack:
                     "LIGHTNING_STORE_URL": str(store_url),
                     "LIGHTNING_PROXY_TOKEN": self.proxy_token,
                     "LIGHTNING_BACKEND_API_KEY": self.inference_key,
+                    **diagnosis,
                 }
                 self.proxy_url = self._start_process("LLM proxy", command, env, port, log_dir / "proxy.log")
         except BaseException:

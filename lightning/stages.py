@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import random
 import time
 from collections import Counter
@@ -24,6 +23,7 @@ from typing import Any, Literal
 
 import httpx
 
+from lightning.agent import Hook
 from lightning.config import load_agent, load_entry_point
 from lightning.run import Run, ServingError, proxy_token
 from lightning.store.base import LightningStore
@@ -32,15 +32,6 @@ from lightning.types import AttemptedRollout, EnqueueRolloutRequest, ProxyLLM
 logger = logging.getLogger(__name__)
 
 Mode = Literal["train", "val"]
-
-FAULTS_ENV = "LIGHTNING_FAULTS"
-"""Injected faults for tests and drills: `stage@iteration[,stage@iteration...]`, e.g. `ppo_step@1`. Each fires
-once per run (a marker file in the run directory remembers it), so a retry of the failed run goes through."""
-
-
-class InjectedFault(RuntimeError):
-    """Raised by a stage named in LIGHTNING_FAULTS."""
-
 
 class RolloutsFailed(RuntimeError):
     """Too few of an iteration's rollouts succeeded, even after running the others again."""
@@ -61,6 +52,7 @@ async def update_resources(run: Run, mode: Mode = "train") -> str:
         api_key=token,
     )  # fmt: skip
     resources = await run.store.update_resources(run.resources_id(mode), {"llm": llm})
+    run.made_progress(f"update_resources ({mode})")
     return resources.resources_id
 
 
@@ -105,7 +97,9 @@ async def enqueue_rollouts(run: Run, iteration: int, resources_id: str, mode: Mo
                     queue=run.queue,
                 )  # fmt: skip
             )
-    return [rollout.rollout_id for rollout in await run.store.enqueue_many_rollouts(requests)]
+    enqueued = [rollout.rollout_id for rollout in await run.store.enqueue_many_rollouts(requests)]
+    run.made_progress(f"enqueue_rollouts ({mode} {iteration})")
+    return enqueued
 
 
 def rollout_deadline(run: Run, mode: Mode) -> float:
@@ -152,6 +146,16 @@ async def run_runners(run: Run, rollout_ids: Sequence[str], index: int = 0, mode
     }
 
 
+class _Progress(Hook):
+    """Each rollout a runner finishes is progress (the run's stall warning waits for none)."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+
+    async def on_rollout_end(self, **_: Any) -> None:
+        self.run.made_progress("a rollout")
+
+
 async def wait_for_rollouts(run: Run, rollout_ids: Sequence[str], mode: Mode = "train") -> dict[str, Any]:
     """Wait until the rollouts finish (at most the phase's deadline); those still unfinished then are cancelled, so
     no later stage's runners pick them up. Their counts and mean reward."""
@@ -165,6 +169,7 @@ async def wait_for_rollouts(run: Run, rollout_ids: Sequence[str], mode: Mode = "
         logger.warning(
             "%d of %d rollouts unfinished after %.0f s; cancelled", len(leftovers), len(rollout_ids), deadline
         )
+    run.made_progress(f"wait_for_rollouts ({mode})")
     return {**await summarize_rollouts(run.store, rollout_ids), "cancelled": len(leftovers)}
 
 
@@ -249,6 +254,7 @@ async def adapt_spans(run: Run, iteration: int, rollout_ids: Sequence[str]) -> d
     path = run.run_dir / "batches" / f"iteration-{iteration:06d}"
     path.parent.mkdir(parents=True, exist_ok=True)
     batch.save(path)
+    run.made_progress(f"adapt_spans ({iteration})")
     return {
         "batch_path": str(path),
         "rows": len(batch),
@@ -260,13 +266,14 @@ async def adapt_spans(run: Run, iteration: int, rollout_ids: Sequence[str]) -> d
 async def ppo_step(run: Run, iteration: int, batch_path: str) -> dict[str, float]:
     """One policy update in the trainer process (or verl's workers), stopped if it passes `timeouts.ppo_step`.
     Colocated vLLM (weight_sync: sleep) releases its GPU memory first; `checkpoint` wakes it on the new weights."""
-    _maybe_fail(run, "ppo_step", iteration)
     config = run.config
     if run.vllm_servers and config.inference.weight_sync == "sleep":
         await asyncio.to_thread(run.proxy_admin, "pause", None, config.timeouts.checkpoint)
         for server in run.vllm_servers:
             await asyncio.to_thread(server.sleep, 1)
-    return await asyncio.to_thread(run.trainer.step, batch_path, timeout=config.timeouts.ppo_step)
+    metrics = await asyncio.to_thread(run.trainer.step, batch_path, timeout=config.timeouts.ppo_step)
+    run.made_progress(f"ppo_step ({iteration})")
+    return metrics
 
 
 async def checkpoint(run: Run, iteration: int, row: dict[str, Any]) -> dict[str, Any]:
@@ -281,6 +288,7 @@ async def checkpoint(run: Run, iteration: int, row: dict[str, Any]) -> dict[str,
     if config.checkpoint.log_to_mlflow and (step % config.checkpoint.log_every == 0 or step == config.iterations):
         await asyncio.to_thread(run.tracker.log_checkpoint, path, step)
     await asyncio.to_thread(run.tracker.log_metrics, row, iteration)
+    run.made_progress(f"checkpoint {step}")
     return {"checkpoint": str(path), "step": step}
 
 
@@ -301,8 +309,9 @@ async def warm_start(run: Run) -> dict[str, Any]:
     path = run.run_dir / "batches" / "warm-start"
     batch.save(path)
     metrics: dict[str, Any] = {}
-    for _ in range(config.warm_start.steps):
+    for step in range(config.warm_start.steps):
         metrics = await asyncio.to_thread(run.trainer.sft_step, path, timeout=config.timeouts.ppo_step)
+        run.made_progress(f"warm-start step {step + 1}")
     done = {"demonstrations": len(batch), "steps": config.warm_start.steps, **metrics}
     saved = await _publish(run, 0, {"run_name": run.name, "warm_start": done, "history": []})
     await asyncio.to_thread(run.tracker.log_metrics, {"warm_start": metrics}, 0)
@@ -341,20 +350,6 @@ async def _swap_weights(run: Run, step: int, path: str) -> None:
         await asyncio.to_thread(server.reload_weights, path, str(step))
     if own_proxy:
         await asyncio.to_thread(run.proxy_admin, "resume", {"weight_version": step})
-
-
-def _maybe_fail(run: Run, stage: str, iteration: int) -> None:
-    """Raise InjectedFault once if LIGHTNING_FAULTS names `stage@iteration`."""
-    wanted = {item.strip() for item in os.environ.get(FAULTS_ENV, "").split(",") if item.strip()}
-    name = f"{stage}@{iteration}"
-    if name not in wanted:
-        return
-    marker = run.run_dir / "faults" / name
-    if marker.exists():
-        return
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.write_text(f"{time.time()}\n")
-    raise InjectedFault(f"injected fault {name} ({FAULTS_ENV}); it fires once per run, so a retry goes through")
 
 
 # --- evaluation and reporting -----------------------------------------------------------------------------

@@ -10,7 +10,14 @@ import os
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+NO_NUL = r"^[^\x00]*$"
+StoreText = Annotated[str, StringConstraints(pattern=NO_NUL)]
+"""Text the store keeps in a column of its own (ids, names, keys): anything but NUL, which PostgreSQL cannot hold.
+Checked by pydantic's compiled pattern, so it costs a span nothing measurable."""
+MAX_SEQUENCE_ID = 2**31 - 1
+"""The largest span sequence id (a 32-bit column)."""
 
 RolloutStatus = Literal["queuing", "preparing", "running", "succeeded", "failed", "cancelled", "requeuing"]
 AttemptStatus = Literal["preparing", "running", "succeeded", "failed", "timeout", "unresponsive"]
@@ -119,12 +126,12 @@ class EnqueueRolloutRequest(BaseModel):
 
     input: TaskInput
     mode: RolloutMode | None = None
-    resources_id: str | None = None
+    resources_id: StoreText | None = None
     config: RolloutConfig | None = None
     metadata: dict[str, Any] | None = None
-    idempotency_key: str | None = Field(default=None, min_length=1, max_length=255)
+    idempotency_key: StoreText | None = Field(default=None, min_length=1, max_length=255)
     """Enqueuing the same key twice returns the first rollout instead of a new one."""
-    queue: str | None = Field(default=None, min_length=1, max_length=255)
+    queue: StoreText | None = Field(default=None, min_length=1, max_length=255)
     """The queue it waits in (None: the default queue); runners take from one queue. A training run uses its own."""
 
 
@@ -279,13 +286,13 @@ class Span(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    rollout_id: str
-    attempt_id: str
-    sequence_id: int
-    trace_id: str
-    span_id: str
-    parent_id: str | None = None
-    name: str
+    rollout_id: StoreText
+    attempt_id: StoreText
+    sequence_id: int = Field(le=MAX_SEQUENCE_ID)
+    trace_id: StoreText
+    span_id: StoreText
+    parent_id: StoreText | None = None
+    name: StoreText
     status: TraceStatus = Field(default_factory=TraceStatus)
     attributes: Attributes = Field(default_factory=dict)
     events: list[Event] = Field(default_factory=list)

@@ -29,12 +29,34 @@ from lightning.run import Run
 from lightning.stages import Mode
 from tasks.caching import ppo_step_cache_key, stage_cache_key
 
+FAULTS_ENV = "LIGHTNING_FAULTS"
+"""Fault drills: `stage@iteration[,stage@iteration...]` (e.g. `ppo_step@1`, `wait_for_rollouts@2`, `checkpoint@0`)
+makes that stage's task fail once per run (a marker file in the run directory remembers it), so that retrying the
+failed flow run goes through. Every task below takes part; for evaluations the iteration is the step evaluated."""
+
 STAGE = {"persist_result": True, "result_serializer": "json", "cache_key_fn": stage_cache_key}
 TRANSIENT = {"retries": 2, "retry_delay_seconds": [2, 10], "retry_jitter_factor": 0.5}
 MARGIN_SECONDS = 60.0
 """Prefect's timeout comes this long after the library's own deadline for the stage."""
 
 T = TypeVar("T", bound=Task[Any, Any])
+
+
+class InjectedFault(RuntimeError):
+    """Raised by a task that LIGHTNING_FAULTS names."""
+
+
+def drill(run: Run, stage: str, iteration: int) -> None:
+    """Fail once if LIGHTNING_FAULTS names `stage@iteration`."""
+    name = f"{stage}@{iteration}"
+    if name not in {item.strip() for item in os.environ.get(FAULTS_ENV, "").split(",")}:
+        return
+    marker = run.run_dir / "faults" / name
+    if marker.exists():
+        return
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text("fired\n")
+    raise InjectedFault(f"injected fault {name} ({FAULTS_ENV}); it fires once per run, so a retry goes through")
 
 
 def _retry_unless(*kinds: type[BaseException]) -> Any:
@@ -84,11 +106,13 @@ async def open_run(
 
 @task(name="update_resources", task_run_name="update_resources-{mode}-{iteration}", cache_policy=NO_CACHE, **TRANSIENT)
 async def update_resources(run: Run, iteration: int, mode: Mode) -> str:
+    drill(run, "update_resources", iteration)
     return await stages.update_resources(run, mode)
 
 
 @task(name="enqueue_rollouts", task_run_name="enqueue_rollouts-{mode}-{iteration}", **STAGE, **TRANSIENT)
 async def enqueue_rollouts(run: Run, iteration: int, resources_id: str, mode: Mode) -> list[str]:
+    drill(run, "enqueue_rollouts", iteration)
     return await stages.enqueue_rollouts(run, iteration, resources_id, mode)
 
 
@@ -98,6 +122,7 @@ async def run_runner(
 ) -> dict[str, Any]:
     """One runner task, on a thread of the flow's process or a Ray worker; its result says where it ran. `round_`:
     0, or the round of running failed rollouts again."""
+    drill(run, "run_runner", iteration)
     done = await stages.run_runners(run, rollout_ids, index, mode)
     return {**done, "host": socket.gethostname(), "pid": os.getpid()}
 
@@ -106,16 +131,19 @@ async def run_runner(
 async def wait_for_rollouts(
     run: Run, iteration: int, rollout_ids: list[str], mode: Mode, round_: int = 0
 ) -> dict[str, Any]:
+    drill(run, "wait_for_rollouts", iteration)
     return await stages.wait_for_rollouts(run, rollout_ids, mode)
 
 
 @task(name="requeue_unsuccessful", task_run_name="requeue_unsuccessful-{mode}-{iteration}", **STAGE, **TRANSIENT)
 async def requeue_unsuccessful(run: Run, iteration: int, rollout_ids: list[str], mode: Mode, round_: int) -> int:
+    drill(run, "requeue_unsuccessful", iteration)
     return await stages.requeue_unsuccessful(run, rollout_ids)
 
 
 @task(name="adapt_spans", task_run_name="adapt_spans-{iteration}", **STAGE, **TRANSIENT)
 async def adapt_spans(run: Run, iteration: int, rollout_ids: list[str]) -> dict[str, Any]:
+    drill(run, "adapt_spans", iteration)
     return await stages.adapt_spans(run, iteration, rollout_ids)
 
 
@@ -126,6 +154,7 @@ async def adapt_spans(run: Run, iteration: int, rollout_ids: list[str]) -> dict[
 async def ppo_step(run: Run, iteration: int, batch_path: str) -> dict[str, float]:
     """Retried once if the trainer process died (it restarts from the latest checkpoint and takes the same step);
     its cache key names the trainer process, whose memory holds the update until `checkpoint` saves it."""
+    drill(run, "ppo_step", iteration)
     return await stages.ppo_step(run, iteration, batch_path)
 
 
@@ -134,14 +163,17 @@ async def ppo_step(run: Run, iteration: int, batch_path: str) -> dict[str, float
     retry_condition_fn=_retry_unless(UpdateLost),
 )  # fmt: skip
 async def checkpoint(run: Run, iteration: int, row: dict[str, Any]) -> dict[str, Any]:
+    drill(run, "checkpoint", iteration)
     return await stages.checkpoint(run, iteration, row)
 
 
 @task(name="warm_start", task_run_name="warm_start", **STAGE)
 async def warm_start(run: Run) -> dict[str, Any]:
+    drill(run, "warm_start", 0)
     return await stages.warm_start(run)
 
 
 @task(name="log_evaluation", task_run_name="log_evaluation-{step}", **STAGE, **TRANSIENT)
 async def log_evaluation(run: Run, step: int, summary: dict[str, Any]) -> dict[str, Any]:
+    drill(run, "log_evaluation", step)
     return await stages.log_evaluation(run, step, summary)

@@ -63,7 +63,9 @@ def _processes_carrying(marker: bytes) -> dict[int, str]:
         try:
             if marker in (entry / "environ").read_bytes().split(b"\0"):
                 command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-                if command:  # a zombie has no command line and is gone but for its exit status
+                # A zombie has no command line: it is gone but for its exit status. multiprocessing's resource
+                # tracker is this process's own, for its life: it ends when this process does.
+                if command and "multiprocessing.resource_tracker" not in command:
                     found[int(entry.name)] = command[:300]
         except OSError:
             continue

@@ -370,7 +370,8 @@ def test_api_key_is_required_except_for_health(model_dir: Path) -> None:
     app = create_inference_app(model_dir, served_model_name="tiny", api_key="secret")
     with serving(app) as base_url:
         assert httpx.get(f"{base_url}/health").status_code == 200
-        for method, path in [("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/admin/version")]:
+        guarded = [("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/admin/version"), ("GET", "/docs")]
+        for method, path in [*guarded, ("GET", "/openapi.json"), ("POST", "/admin/reload")]:
             response = httpx.request(method, f"{base_url}{path}", json={"prompt": "x"})
             assert response.status_code == 401
             assert response.json()["error"]["type"] == "AuthenticationError"

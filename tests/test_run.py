@@ -79,3 +79,63 @@ def _rollouts(seconds: float) -> Any:
     from lightning.config import StageTimeouts
 
     return StageTimeouts(rollouts=seconds)
+
+
+@pytest.mark.slow
+async def test_a_dead_server_or_proxy_is_restarted_and_the_rollouts_go_on(tmp_path: Path) -> None:
+    run = await Run.open(small_config(tmp_path), train=False)
+    try:
+        stack = run._parts.stack  # the run's own processes
+        for child in stack.processes:  # the inference server, then the proxy
+            child.process.kill()
+            await _until(lambda child=child: child.restarts == 1 and child.answers(), f"{child.name} restarted")
+        ids, summary = await stages.collect_rollouts(run, 0)
+        assert summary["succeeded"] == len(ids) == 4 * 2
+        assert run.restarts() == 2
+    finally:
+        await run.close()
+
+
+@pytest.mark.slow
+async def test_a_server_past_its_restarts_fails_the_next_rollout_phase_naming_it(tmp_path: Path) -> None:
+    from lightning.run import ServingError
+
+    run = await Run.open(small_config(tmp_path, inference={"max_restarts": 0}), train=False)
+    try:
+        server = run._parts.stack.processes[0]
+        server.process.kill()
+        await _until(lambda: run._parts.supervisor.failure is not None, "the supervisor gave up")
+        with pytest.raises(ServingError, match=r"the inference server at http://127\.0\.0\.1:\d+ died or hung again"):
+            await stages.collect_rollouts(run, 0)
+    finally:
+        await run.close()
+
+
+@pytest.mark.slow
+async def test_a_run_that_makes_no_progress_logs_the_stacks_of_its_processes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from lightning.diagnose import collect_stacks
+
+    run = await Run.open(small_config(tmp_path, timeouts={"stall_warning": 2}), train=False)
+    try:
+        dumped = collect_stacks(run.run_dir / "stacks")
+        for component in ("flow", "inference-server", "llm-proxy"):
+            assert f"== {component} (pid " in dumped, dumped[:2000]
+        assert "Thread 0x" in dumped and "File " in dumped
+        with caplog.at_level("WARNING", logger="lightning.run"):
+            await _until(lambda: "nothing has finished for" in caplog.text, "the stall warning")
+        assert "lightning debug stacks" in caplog.text and "== inference-server" in caplog.text
+    finally:
+        await run.close()
+
+
+async def _until(condition: Any, what: str, timeout: float = 60.0) -> None:
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout:g} s")
+        await asyncio.sleep(0.2)

@@ -485,3 +485,33 @@ def test_cli_serves_a_store_that_answers_health(served_by_cli: str) -> None:
     assert health.status_code == 200
     assert health.json()["status"] == "ok"
     assert health.json()["statistics"]["backend"] == "sqlite"
+
+
+# --- bad input is a 4xx that names it -----------------------------------------------------------
+
+
+async def test_a_nul_character_is_refused_naming_the_field(sql_store: SqlLightningStore) -> None:
+    async with asgi_client(create_app(sql_store)) as http:
+        answer = await http.post("/v1/store/enqueue_rollout", json={"input": "x", "idempotency_key": "a\u0000b"})
+        assert answer.status_code == 422
+        assert answer.json()["detail"].startswith("idempotency_key: contains a NUL character")
+        answer = await http.post("/v1/store/update_worker", json={"worker_id": "w\u0000"})
+        assert answer.status_code == 422 and answer.json()["detail"].startswith("worker_id: contains a NUL")
+    # Inside a task's input (stored as JSON, where it is escaped) it is data like any other.
+    rollout = await sql_store.enqueue_rollout({"text": "a\u0000b"})
+    assert (await sql_store.get_rollout_by_id(rollout.rollout_id)).input == {"text": "a\u0000b"}
+    with pytest.raises(InvalidArgumentError, match="queue: contains a NUL character"):
+        await sql_store.dequeue_rollout(queue="q\u0000")
+
+
+async def test_a_body_over_the_cap_is_a_413(sql_store: SqlLightningStore) -> None:
+    app = create_app(sql_store, max_body_bytes=10_000)
+    async with asgi_client(app) as http:
+        big = await http.post("/v1/store/enqueue_rollout", json={"input": "x" * 20_000})
+        assert big.status_code == 413 and "at most 10,000" in big.json()["detail"]
+        traces = await http.post(
+            "/v1/traces", content=b"\0" * 20_000, headers={"content-type": "application/x-protobuf"}
+        )
+        assert traces.status_code == 413
+        assert (await http.post("/v1/store/enqueue_rollout", json={"input": "x" * 100})).status_code == 200
+    assert len(await sql_store.query_rollouts()) == 1

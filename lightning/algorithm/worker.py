@@ -53,12 +53,14 @@ class TrainerWorker:
         *,
         threads: int | None = None,
         start_timeout: float = 300.0,
+        stacks_dir: str | Path | None = None,
     ) -> None:
         self.model_dir = str(model_dir)
         self.config = config
         self.checkpoint_root = str(checkpoint_root)
         self.threads = threads
         self.start_timeout = start_timeout
+        self.stacks_dir = None if stacks_dir is None else str(stacks_dir)
         self.resumed_from: int | None = None
         """The checkpoint step the current child resumed from; None when it started from model_dir."""
         self._process: multiprocessing.process.BaseProcess | None = None
@@ -80,7 +82,7 @@ class TrainerWorker:
         context = multiprocessing.get_context("spawn")
         parent_conn, child_conn = context.Pipe()
         config = self.config.model_dump(mode="json")
-        args = (child_conn, self.model_dir, config, self.checkpoint_root, self.threads, os.getpid())
+        args = (child_conn, self.model_dir, config, self.checkpoint_root, self.threads, os.getpid(), self.stacks_dir)
         self._process = context.Process(target=_serve, args=args, name="trainer-worker", daemon=True)
         self._process.start()
         child_conn.close()  # the child holds its own copy; closing ours makes the child's death an EOF here
@@ -173,13 +175,21 @@ class TrainerWorker:
 
 
 def _serve(
-    conn: Connection, model_dir: str, config: dict[str, Any], checkpoint_root: str, threads: int | None, parent: int
+    conn: Connection,
+    model_dir: str,
+    config: dict[str, Any],
+    checkpoint_root: str,
+    threads: int | None,
+    parent: int,
+    stacks_dir: str | None,
 ) -> None:
     """The child's loop: load the trainer, say ready, then answer one request at a time until told to close. It
     dies with its parent: a trainer never goes on (and writes a checkpoint) for a run that is gone."""
+    from lightning.diagnose import dump_stacks_on_signal
     from lightning.lifeline import exit_with_parent
 
     exit_with_parent(parent)
+    dump_stacks_on_signal(stacks_dir, "trainer")
     try:
         trainer, resumed_from = _load_trainer(model_dir, config, checkpoint_root, threads)
     except Exception as exc:

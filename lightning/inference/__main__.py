@@ -8,6 +8,7 @@ import os
 import torch
 import uvicorn
 
+from lightning.diagnose import dump_stacks_on_signal
 from lightning.inference.server import create_inference_app
 from lightning.lifeline import exit_with_parent
 from lightning.serving import is_loopback
@@ -25,6 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores but one)")
     args = parser.parse_args(argv)
     exit_with_parent()  # started by a run: it dies with the run
+    dump_stacks_on_signal(None, "inference-server")  # into the run's stacks directory, when a run started it
     if not is_loopback(args.host) and not args.api_key:
         # Anyone who can reach the port could otherwise generate on, and reload, this model.
         parser.error(

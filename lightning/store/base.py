@@ -19,6 +19,7 @@ from lightning.store import contract
 from lightning.store.contract import FilterLogic, Request, SortOrder  # noqa: F401 (re-exported)
 from lightning.store.errors import InvalidArgumentError
 from lightning.types import (
+    NO_NUL,
     Attempt,
     AttemptedRollout,
     EnqueueRolloutRequest,
@@ -66,6 +67,8 @@ def describe_validation_error(exc: pydantic.ValidationError, whole: str = "argum
         message = error.get("msg", "invalid").removeprefix("Value error, ")
         if error.get("type") == "extra_forbidden":
             message = "unknown argument"
+        elif error.get("type") == "string_pattern_mismatch" and error.get("ctx", {}).get("pattern") == NO_NUL:
+            message = "contains a NUL character (\\x00), which the store cannot hold"
         elif error.get("type") not in ("missing", "json_invalid") and "input" in error:
             given = repr(error["input"])
             message += f" (got {given if len(given) <= 80 else given[:77] + '...'})"

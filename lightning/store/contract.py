@@ -30,6 +30,7 @@ from lightning.types import (
     RolloutMode,
     RolloutStatus,
     Span,
+    StoreText,
     TaskInput,
     Worker,
     WorkerStatus,
@@ -46,7 +47,7 @@ MAX_COUNT = 2**53
 
 SortOrder = Literal["asc", "desc"]
 FilterLogic = Literal["and", "or"]
-QueueName = str
+QueueName = StoreText
 
 
 class Request(BaseModel):
@@ -108,10 +109,10 @@ class StartRollout(Request):
     response: ClassVar[Any] = AttemptedRollout
     input: TaskInput
     mode: RolloutMode | None = None
-    resources_id: str | None = None
+    resources_id: StoreText | None = None
     config: RolloutConfig | None = None
     metadata: dict[str, Any] | None = None
-    worker_id: str | None = None
+    worker_id: StoreText | None = None
     queue: QueueName | None = Field(default=None, min_length=1, max_length=255)
     """Where a retry of it is queued (default: the default queue)."""
 
@@ -123,7 +124,7 @@ class DequeueRollouts(Request):
     method: ClassVar[str] = "dequeue_many_rollouts"
     response: ClassVar[Any] = list[AttemptedRollout]
     limit: int = Field(default=1, ge=0, le=MAX_COUNT)
-    worker_id: str | None = None
+    worker_id: StoreText | None = None
     wait: float = Field(default=0.0, ge=0, description=f"seconds; one HTTP request waits at most {MAX_WAIT_SECONDS:g}")
     queue: QueueName | None = Field(default=None, min_length=1, max_length=255)
     """None: the default queue."""
@@ -134,7 +135,7 @@ class DequeueRollout(Request):
 
     method: ClassVar[str] = "dequeue_rollout"
     response: ClassVar[Any] = AttemptedRollout | None
-    worker_id: str | None = None
+    worker_id: StoreText | None = None
     wait: float = Field(default=0.0, ge=0, description=f"seconds; one HTTP request waits at most {MAX_WAIT_SECONDS:g}")
     queue: QueueName | None = Field(default=None, min_length=1, max_length=255)
 
@@ -144,14 +145,14 @@ class StartAttempt(Request):
 
     method: ClassVar[str] = "start_attempt"
     response: ClassVar[Any] = AttemptedRollout
-    rollout_id: str
-    worker_id: str | None = None
+    rollout_id: StoreText
+    worker_id: StoreText | None = None
 
 
 class GetRolloutById(Read):
     method: ClassVar[str] = "get_rollout_by_id"
     response: ClassVar[Any] = Rollout | None
-    rollout_id: str
+    rollout_id: StoreText
 
 
 class QueryRollouts(Page):
@@ -162,8 +163,8 @@ class QueryRollouts(Page):
     # AttemptedRollout first: a rollout that comes with its attempt keeps it.
     response: ClassVar[Any] = list[AttemptedRollout | Rollout]
     status_in: list[RolloutStatus] | None = None
-    rollout_id_in: list[str] | None = None
-    rollout_id_contains: str | None = None
+    rollout_id_in: list[StoreText] | None = None
+    rollout_id_contains: StoreText | None = None
     mode: RolloutMode | None = None
     queue: QueueName | None = None
     """Only the rollouts of this queue (None: every queue)."""
@@ -176,10 +177,10 @@ class UpdateRollout(Request):
 
     method: ClassVar[str] = "update_rollout"
     response: ClassVar[Any] = Rollout
-    rollout_id: str
+    rollout_id: StoreText
     input: TaskInput = None
     mode: RolloutMode | None = None
-    resources_id: str | None = None
+    resources_id: StoreText | None = None
     status: RolloutStatus | None = None
     config: RolloutConfig | None = None
     metadata: dict[str, Any] | None = None
@@ -191,7 +192,7 @@ class WaitForRollouts(Read):
 
     method: ClassVar[str] = "wait_for_rollouts"
     response: ClassVar[Any] = list[Rollout]
-    rollout_ids: list[str]
+    rollout_ids: list[StoreText]
     timeout: float | None = Field(
         default=None, ge=0, description=f"seconds; one HTTP request waits at most {MAX_WAIT_SECONDS:g}"
     )
@@ -203,7 +204,7 @@ class WaitForRollouts(Read):
 class QueryAttempts(Page):
     method: ClassVar[str] = "query_attempts"
     response: ClassVar[Any] = list[Attempt]
-    rollout_id: str
+    rollout_id: StoreText
     sort_by: (
         Literal["sequence_id", "attempt_id", "start_time", "end_time", "status", "worker_id", "last_heartbeat_time"]
         | None
@@ -213,7 +214,7 @@ class QueryAttempts(Page):
 class GetLatestAttempt(Read):
     method: ClassVar[str] = "get_latest_attempt"
     response: ClassVar[Any] = Attempt | None
-    rollout_id: str
+    rollout_id: StoreText
 
 
 class UpdateAttempt(Request):
@@ -222,10 +223,10 @@ class UpdateAttempt(Request):
 
     method: ClassVar[str] = "update_attempt"
     response: ClassVar[Any] = Attempt
-    rollout_id: str
-    attempt_id: str
+    rollout_id: StoreText
+    attempt_id: StoreText
     status: AttemptStatus | None = None
-    worker_id: str | None = None
+    worker_id: StoreText | None = None
     last_heartbeat_time: float | None = None
     metadata: dict[str, Any] | None = None
 
@@ -256,14 +257,14 @@ class GetNextSpanSequenceId(Read):
     # Repeating it only leaves a gap in the sequence.
     method: ClassVar[str] = "get_next_span_sequence_id"
     response: ClassVar[Any] = int
-    rollout_id: str
-    attempt_id: str
+    rollout_id: StoreText
+    attempt_id: StoreText
 
 
 class GetManySpanSequenceIds(Read):
     method: ClassVar[str] = "get_many_span_sequence_ids"
     response: ClassVar[Any] = list[int]
-    rollout_attempt_ids: list[tuple[str, str]]
+    rollout_attempt_ids: list[tuple[StoreText, StoreText]]
 
 
 class QuerySpans(Page):
@@ -271,13 +272,13 @@ class QuerySpans(Page):
 
     method: ClassVar[str] = "query_spans"
     response: ClassVar[Any] = list[Span]
-    rollout_id: str
-    attempt_id: str | None = None
-    trace_id: str | None = None
-    span_id: str | None = None
-    parent_id: str | None = None
-    name: str | None = None
-    name_contains: str | None = None
+    rollout_id: StoreText
+    attempt_id: StoreText | None = None
+    trace_id: StoreText | None = None
+    span_id: StoreText | None = None
+    parent_id: StoreText | None = None
+    name: StoreText | None = None
+    name_contains: StoreText | None = None
     filter_logic: FilterLogic = "and"
     sort_by: Literal["sequence_id", "start_time", "end_time", "name", "trace_id", "span_id", "parent_id"] | None = (
         "sequence_id"
@@ -300,14 +301,14 @@ class UpdateResources(Request):
 
     method: ClassVar[str] = "update_resources"
     response: ClassVar[Any] = ResourcesUpdate
-    resources_id: str = Field(min_length=1, max_length=64)
+    resources_id: StoreText = Field(min_length=1, max_length=64)
     resources: NamedResources
 
 
 class GetResourcesById(Read):
     method: ClassVar[str] = "get_resources_by_id"
     response: ClassVar[Any] = ResourcesUpdate | None
-    resources_id: str
+    resources_id: StoreText
 
 
 class GetLatestResources(Read):
@@ -318,8 +319,8 @@ class GetLatestResources(Read):
 class QueryResources(Page):
     method: ClassVar[str] = "query_resources"
     response: ClassVar[Any] = list[ResourcesUpdate]
-    resources_id: str | None = None
-    resources_id_contains: str | None = None
+    resources_id: StoreText | None = None
+    resources_id_contains: StoreText | None = None
     sort_by: Literal["resources_id", "create_time", "update_time", "version"] | None = None
 
 
@@ -331,21 +332,21 @@ class UpdateWorker(Read):
 
     method: ClassVar[str] = "update_worker"
     response: ClassVar[Any] = Worker
-    worker_id: str = Field(min_length=1, max_length=255)
+    worker_id: StoreText = Field(min_length=1, max_length=255)
     heartbeat_stats: dict[str, Any] | None = None
 
 
 class GetWorkerById(Read):
     method: ClassVar[str] = "get_worker_by_id"
     response: ClassVar[Any] = Worker | None
-    worker_id: str
+    worker_id: StoreText
 
 
 class QueryWorkers(Page):
     method: ClassVar[str] = "query_workers"
     response: ClassVar[Any] = list[Worker]
     status_in: list[WorkerStatus] | None = None
-    worker_id_contains: str | None = None
+    worker_id_contains: StoreText | None = None
     filter_logic: FilterLogic = "and"
     sort_by: (
         Literal["worker_id", "status", "last_heartbeat_time", "last_dequeue_time", "last_busy_time", "last_idle_time"]

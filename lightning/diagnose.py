@@ -1,0 +1,70 @@
+"""Why is a run stuck: every process of a run (the flow's, the inference server, the proxy, the trainer) writes its
+Python stacks, all threads, to `<run_dir>/stacks/<component>-<pid>.txt` when it receives SIGUSR1 (`faulthandler`,
+so even a process stuck in C code or holding the GIL answers). `lightning debug stacks RUN` signals them all and
+prints what they wrote; the run's supervisor does the same, and logs it, when no stage has finished for
+`timeouts.stall_warning` seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import os
+import re
+import signal
+import time
+from pathlib import Path
+from typing import IO
+
+STACKS_ENV = "LIGHTNING_STACKS_DIR"
+"""Set for a run's child processes: where they write their stacks."""
+SIGNAL = signal.SIGUSR1
+_FILE = re.compile(r"^(?P<component>[\w.-]+)-(?P<pid>\d+)\.txt$")
+_open: list[IO[str]] = []  # faulthandler writes to these until the process ends
+
+
+def dump_stacks_on_signal(directory: str | Path | None, component: str) -> Path | None:
+    """In this process: on SIGUSR1, append every thread's stack to `<directory>/<component>-<pid>.txt`. With no
+    directory given, $LIGHTNING_STACKS_DIR (set by the run for its children), else nothing."""
+    directory = directory or os.environ.get(STACKS_ENV)
+    if not directory:
+        return None
+    path = Path(directory) / f"{component}-{os.getpid()}.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    stream = open(path, "a", buffering=1)  # noqa: SIM115 (open for the process's life: faulthandler writes to it)
+    _open.append(stream)
+    faulthandler.register(SIGNAL, file=stream, all_threads=True)
+    return path
+
+
+def collect_stacks(directory: str | Path, wait: float = 1.5) -> str:
+    """Signal every live process that registered under `directory`, wait for their dumps, and return them (one
+    section a process); a process that is gone is said to be gone."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return f"no stacks directory {directory}: the run has not started there (or this is not a run directory)"
+    sizes: dict[Path, int] = {}
+    sections = []
+    for path in sorted(directory.glob("*.txt")):
+        match = _FILE.match(path.name)
+        if match is None:
+            continue
+        pid = int(match["pid"])
+        try:
+            os.kill(pid, SIGNAL)
+        except ProcessLookupError:
+            continue  # an earlier process of the run
+        except PermissionError:
+            sections.append(f"== {match['component']} (pid {pid}): not ours to signal")
+            continue
+        sizes[path] = path.stat().st_size
+    time.sleep(wait)
+    for path, before in sizes.items():
+        match = _FILE.match(path.name)
+        assert match is not None
+        with contextlib.suppress(OSError):
+            with open(path, errors="replace") as stream:
+                stream.seek(before)
+                dump = stream.read().strip() or "(no answer within the wait: stuck in a system call?)"
+            sections.append(f"== {match['component']} (pid {match['pid']})\n{dump}")
+    return "\n\n".join(sections) if sections else f"no live process of the run has registered in {directory}"

@@ -1,0 +1,230 @@
+"""Kill anything at any moment: a training run (`python -m flows.train`, three iterations, on a real Prefect server)
+has its flow process, its trainer, its inference server or its LLM proxy killed with SIGKILL at a point of an
+iteration chosen from outside (the test watches the run's files and store and sends the signal), or its newest
+checkpoint damaged; the run is started again where the flow died. Whatever was killed, at the end:
+
+- no rollout was lost: one rollout per (iteration, task, sample), each succeeded;
+- none was trained on twice: the optimizer took exactly one step per iteration;
+- the history is complete: every iteration once in the checkpoint's record and in MLflow;
+- no process was left behind: none of the run's processes outlives it, even after its flow was killed;
+- the run finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+from prefect_server import PrefectServer, start_logged, stop_process_group, tail
+
+from lightning.checkpoint import latest_checkpoint, load_checkpoint
+from lightning.config import TrainConfig, validate_config
+from lightning.run import recorded_history
+from lightning.store import SqlLightningStore
+
+pytest_plugins = ["prefect_server"]
+pytestmark = pytest.mark.slow
+
+ITERATIONS = 3
+BATCH, SAMPLES = 8, 4
+RUN_TIMEOUT = 240.0
+
+
+def fault_config(tmp_path: Path, name: str) -> dict[str, Any]:
+    """Three small iterations, the rollouts two at a time (a window for the kill), eight held-out tasks."""
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join(json.dumps({"letters": c * 4, "target": c}) + "\n" for c in "bdfgjkmp"))
+    return {
+        "run_name": name, "iterations": ITERATIONS, "batch_size": BATCH, "samples_per_task": SAMPLES,
+        "n_runners": 1, "runner_concurrency": 2, "val_data": str(val),
+        "sampling": {"temperature": 1.0, "max_tokens": 2}, "eval_sampling": {"temperature": 0.0, "max_tokens": 2},
+        "max_prompt_length": 64, "max_response_length": 4,
+        "algorithm": {"lr": 1e-3, "kl_coef": 0.0, "micro_batch_size": 64, "entropy_coef": 0.01},
+        "checkpoint": {"keep_last": 5, "log_every": 100},
+        "rollout": {"timeout_seconds": 60, "max_attempts": 3, "retry_condition": ["failed", "timeout", "unresponsive"]},
+        "store_url": f"sqlite:///{tmp_path / 'store.db'}", "tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}",
+        "output_dir": str(tmp_path / "runs"),
+    }  # fmt: skip
+
+
+@dataclass
+class Scenario:
+    target: str
+    """flow, trainer, inference server, LLM proxy, or checkpoint (damaged, not killed)."""
+    point: str
+    """rollouts (iteration 1's, part done), ppo_step (iteration 1's batch written), checkpoint (step 2 saved)."""
+    resumes: bool
+    """The flow itself dies, so the run is started again; else the run recovers in flight."""
+
+
+SCENARIOS = [
+    Scenario("flow", "rollouts", resumes=True),
+    Scenario("flow", "ppo_step", resumes=True),
+    Scenario("flow", "checkpoint", resumes=True),
+    Scenario("trainer", "ppo_step", resumes=False),
+    Scenario("inference server", "rollouts", resumes=False),
+    Scenario("LLM proxy", "rollouts", resumes=False),
+    Scenario("checkpoint", "checkpoint", resumes=True),
+]
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: f"{s.target}@{s.point}".replace(" ", "-"))
+def test_the_run_survives(scenario: Scenario, prefect_server: PrefectServer, tmp_path: Path) -> None:
+    data = fault_config(tmp_path, "faults")
+    config = validate_config(data)
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(yaml.safe_dump(data))
+    command = [sys.executable, "-m", "flows.train", str(config_path)]
+    log = tmp_path / "train.log"
+
+    first = start_logged(command, log, env=prefect_server.env, cwd=tmp_path)
+    try:
+        asyncio.run(wait_for(scenario.point, config, first, log))
+        family = run_processes(first.pid)
+        if scenario.target == "checkpoint":
+            os.kill(first.pid, signal.SIGKILL)
+            damage_newest_checkpoint(config)
+        else:
+            victim = first.pid if scenario.target == "flow" else find(family, scenario.target, log)
+            os.kill(victim, signal.SIGKILL)
+        if scenario.resumes:
+            first.wait(30)
+            assert_gone(family, log)  # the flow's children die with it
+        else:
+            assert first.wait(RUN_TIMEOUT) == 0, tail(log)
+    finally:
+        stop_process_group(first)
+
+    if scenario.resumes:
+        with open(log, "a") as separator:
+            separator.write(f"\n=== {scenario.target} killed at {scenario.point}; started again ===\n")
+        second = start_logged(command, log, env=prefect_server.env, cwd=tmp_path)
+        try:
+            assert second.wait(RUN_TIMEOUT) == 0, tail(log)
+        finally:
+            stop_process_group(second)
+
+    assert_invariants(config, log)
+    outcome = [line for line in log.read_text().splitlines() if _telling(line)]
+    print(f"\n{scenario.target} @ {scenario.point}: " + " | ".join(sorted(set(outcome)))[:1500])
+
+
+# --- points and victims -------------------------------------------------------------------------------
+
+
+async def wait_for(point: str, config: TrainConfig, process: subprocess.Popen, log: Path) -> None:
+    """Return when the run reaches `point` of iteration 1."""
+    checkpoints = config.run_dir / "checkpoints"
+    conditions: dict[str, Callable[[], Any]] = {
+        "ppo_step": lambda: (config.run_dir / "batches" / "iteration-000001").exists(),
+        "checkpoint": lambda: (checkpoints / "step-000002").is_dir(),
+    }
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while not (checkpoints / "step-000001").is_dir():
+        _still_running(process, deadline, log, "no checkpoint of iteration 0")
+        await asyncio.sleep(0.05)
+    if point in conditions:
+        while not conditions[point]():
+            _still_running(process, deadline, log, f"never reached {point}")
+            await asyncio.sleep(0.01)
+        return
+    async with SqlLightningStore(config.store_url, watchdog_interval=None) as store:
+        while True:
+            rollouts = await store.query_rollouts(mode="train", queue=config.run_name)
+            done = Counter(r.status for r in rollouts if r.metadata["iteration"] == 1)["succeeded"]
+            if 0 < done < BATCH * SAMPLES:
+                return
+            _still_running(process, deadline, log, "never saw iteration 1 half done")
+            await asyncio.sleep(0.02)
+
+
+def _still_running(process: subprocess.Popen, deadline: float, log: Path, failure: str) -> None:
+    if process.poll() is not None or time.monotonic() > deadline:
+        pytest.fail(f"{failure} (exit code {process.poll()})\n{tail(log)}")
+
+
+def run_processes(flow_pid: int) -> list[psutil.Process]:
+    return [psutil.Process(flow_pid), *psutil.Process(flow_pid).children(recursive=True)]
+
+
+def find(family: list[psutil.Process], target: str, log: Path) -> int:
+    marks = {
+        "trainer": "multiprocessing.spawn",
+        "inference server": "lightning.inference",
+        "LLM proxy": "proxy serve",
+    }
+    for process in family:
+        with contextlib.suppress(psutil.Error):
+            if marks[target] in " ".join(process.cmdline()):
+                return process.pid
+    pytest.fail(f"no {target} among the run's processes {[p.pid for p in family]}\n{tail(log)}")
+
+
+def assert_gone(family: list[psutil.Process], log: Path, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return
+        time.sleep(0.2)
+    pytest.fail(f"processes of the killed run outlived it: {[(p.pid, p.cmdline()) for p in alive]}\n{tail(log)}")
+
+
+def damage_newest_checkpoint(config: TrainConfig) -> None:
+    newest = latest_checkpoint(config.run_dir / "checkpoints")
+    assert newest is not None
+    weights = newest / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+
+
+TELLING = ("requeued", "restarting", "damaged", "lost its update", "again", "resuming", "Retrying")
+"""Words of the log lines that say how the run got over the fault."""
+
+
+def _telling(line: str) -> bool:
+    return any(word in line for word in TELLING)
+
+
+# --- what must hold ---------------------------------------------------------------------------------------
+
+
+def assert_invariants(config: TrainConfig, log: Path) -> None:
+    rollouts = asyncio.run(_train_rollouts(config))
+    keys = Counter((r.metadata["iteration"], r.metadata["task_index"]) for r in rollouts)
+    assert set(keys) == {(i, t) for i in range(ITERATIONS) for t in range(BATCH)}, keys
+    assert set(keys.values()) == {SAMPLES}, keys
+    assert Counter(r.status for r in rollouts) == {"succeeded": len(rollouts)}, Counter(r.status for r in rollouts)
+
+    final = load_checkpoint(latest_checkpoint(config.run_dir / "checkpoints"))
+    assert final.step == ITERATIONS
+    adam_steps = {int(state["step"]) for state in final.trainer_state["optimizer"]["state"].values()}
+    assert adam_steps == {ITERATIONS}, f"optimizer steps {adam_steps}: an iteration trained twice or not at all"
+
+    assert [row["iteration"] for row in recorded_history(config)] == list(range(ITERATIONS))
+    client = MlflowClient(config.tracking_uri)
+    [run] = client.search_runs(
+        [client.get_experiment_by_name(config.experiment).experiment_id],
+        filter_string=f"attributes.run_name = '{config.run_name}'",
+    )
+    steps = [metric.step for metric in client.get_metric_history(run.info.run_id, "reward")]
+    assert sorted(steps) == list(range(ITERATIONS)), f"MLflow has reward at steps {steps}\n{tail(log)}"
+
+
+async def _train_rollouts(config: TrainConfig) -> list[Any]:
+    async with SqlLightningStore(config.store_url, watchdog_interval=None) as store:
+        return await store.query_rollouts(mode="train", queue=config.run_name)

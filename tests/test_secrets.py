@@ -1,0 +1,89 @@
+"""No secret in the clear: a store URL whose password is a `${VAR}` reference trains for real (PostgreSQL), and the
+password is then nowhere: not in Prefect's database, not on any process's command line, not in any log, not in
+MLflow, not in the store's spans or resources, not in the run's files. And MLflow's params mask what looks like a
+secret by its key or sits in a URL's userinfo."""
+
+from __future__ import annotations
+
+import secrets
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+from prefect_server import PrefectServer, start_logged, stop_process_group, tail
+
+from lightning.metrics import loggable_params
+
+pytest_plugins = ["prefect_server"]
+
+
+def test_params_drop_secret_keys_and_mask_url_passwords() -> None:
+    params = loggable_params(
+        {
+            "store_url": "postgresql://user:hunter2@db:5432/x",
+            "tracking_uri": "http://:tok3n@mlflow:5000",
+            "proxy": {"auth": "a", "bearer": "b", "access_key": "c", "passphrase": "d", "hf_token": "e"},
+            "sampling": {"max_tokens": 4},
+            "pad_token_id": 0,
+        }
+    )
+    assert params["store_url"] == "postgresql://user:***@db:5432/x"
+    assert params["tracking_uri"] == "http://:***@mlflow:5000"
+    assert not any(key.startswith("proxy.") for key in params), params
+    assert params["sampling.max_tokens"] == "4" and params["pad_token_id"] == "0"
+
+
+@pytest.mark.slow
+@pytest.mark.postgres
+def test_a_password_named_by_reference_is_used_and_never_shown(
+    prefect_server: PrefectServer, pg_schema_url: str, tmp_path: Path
+) -> None:
+    password = f"pw-{secrets.token_hex(8)}"
+    scheme, rest = pg_schema_url.split("://", 1)
+    user_host = rest.replace("@", ":${LIGHTNING_TEST_DB_PASSWORD}@", 1) if "@" in rest else rest
+    store_url = f"{scheme}://{user_host}"  # trust auth: the password is sent, and accepted
+    config = {
+        "run_name": "secretive", "iterations": 1, "batch_size": 4, "samples_per_task": 2, "n_runners": 1,
+        "runner_concurrency": 8, "val_data": None, "sampling": {"temperature": 1.0, "max_tokens": 2},
+        "max_prompt_length": 64, "max_response_length": 4, "algorithm": {"lr": 1e-3, "micro_batch_size": 16},
+        "store_url": store_url, "tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}",
+        "output_dir": str(tmp_path / "runs"),
+    }  # fmt: skip
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    env = {**prefect_server.env, "LIGHTNING_TEST_DB_PASSWORD": password}
+    log = tmp_path / "train.log"
+    process = start_logged([sys.executable, "-m", "flows.train", str(config_path)], log, env=env, cwd=tmp_path)
+    command_lines: set[str] = set()
+    try:
+        while process.poll() is None:  # every command line of every process, while the run runs
+            for other in psutil.process_iter(["cmdline"]):
+                command_lines.add(" ".join(other.info["cmdline"] or []))
+            time.sleep(0.2)
+    finally:
+        stop_process_group(process)
+    assert process.returncode == 0, tail(log)
+    assert "Held-out reward" in log.read_text() or "reward_after" in log.read_text(), tail(log)
+
+    where = {"command lines": "\n".join(command_lines)}
+    for path in [log, *tmp_path.rglob("*"), *Path(prefect_server.env["PREFECT_HOME"]).rglob("*")]:
+        if path.is_file():
+            where[str(path)] = path.read_bytes().decode(errors="replace")
+    where["the store"] = _dump_schema(pg_schema_url)
+    leaks = [name for name, text in where.items() if password in text]
+    assert leaks == [], f"the password is in {leaks}"
+    assert "secretive/train/0/" in where["the store"]  # the run used that store
+
+
+def _dump_schema(url: str) -> str:
+    """Every row of every table of the store's schema, as text (spans, resources, rollouts...)."""
+    import psycopg
+
+    plain = url.replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(plain, autocommit=True) as conn:
+        tables = [row[0] for row in conn.execute("SELECT tablename FROM pg_tables WHERE schemaname = current_schema()")]
+        assert {"rollouts", "spans", "resources"} <= set(tables), tables
+        return "\n".join(str(row) for table in tables for row in conn.execute(f'SELECT * FROM "{table}"'))
