@@ -4,7 +4,7 @@ user runs it) at chosen iterations of a fast config. A nightly run of thousands 
     .venv/bin/python benchmarks/soak.py [--iterations 300] [--at 10,100,300]
 
 Prints, for each process (the flow, its temporary Prefect server, the inference server, the LLM proxy, the
-trainer), its RSS at each chosen iteration and its growth per iteration after the first (the warm-up).
+trainer), its RSS at each chosen iteration and its growth per iteration after the warm-up (from the second mark).
 """
 
 from __future__ import annotations
@@ -99,7 +99,8 @@ def main() -> None:
     print("|---|" + "---|" * (len(marks) + 1))
     for name in names:
         values = [readings[m].get(name, float("nan")) for m in marks]
-        slope = (values[-1] - values[0]) / (marks[-1] - marks[0])
+        first = marks.index(after)
+        slope = (values[-1] - values[first]) / (marks[-1] - marks[first])
         print(f"| {name} | " + " | ".join(f"{v:.1f}" for v in values) + f" | {slope:+.3f} |")
     if args.json:
         args.json.write_text(json.dumps(readings, indent=2))

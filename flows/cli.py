@@ -13,8 +13,10 @@ from typing import Any
 
 import yaml
 
+from flows.secrets import URL_FIELDS, export_secret_blocks
 from lightning import preflight
 from lightning.config import ConfigError, load_config
+from lightning.credentials import references
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
@@ -67,6 +69,10 @@ def temporary_prefect_server(log_path: Path) -> Iterator[None]:
         server.stop()
 
 
+def _names_secret_blocks(config: Any) -> bool:
+    return any(kind == "secret" for field in URL_FIELDS for kind, _ in references(getattr(config, field)))
+
+
 def run_flow_cli(flow: Any, argv: list[str] | None, description: str | None) -> Any:
     parser = argparse.ArgumentParser(
         prog=f"python -m flows.{flow.name}",
@@ -78,6 +84,8 @@ def run_flow_cli(flow: Any, argv: list[str] | None, description: str | None) -> 
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config, **parse_overrides(args.set))
+        if _names_secret_blocks(config):
+            asyncio.run(export_secret_blocks(config))  # from the Prefect server that holds them
         preflight.check(config)  # seconds, before Prefect or any server starts
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

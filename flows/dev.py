@@ -14,6 +14,7 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
 from flows.rollouts import collect_rollouts
+from flows.secrets import export_secret_blocks
 from lightning.config import TrainConfig
 from tasks import adapt_spans, open_run, timed
 from tasks.caching import TRAIN_FLOW_RUN_ID
@@ -23,6 +24,7 @@ from tasks.caching import TRAIN_FLOW_RUN_ID
 async def dev(config: TrainConfig = TrainConfig()) -> dict[str, Any]:  # noqa: B008
     """One batch of rollouts on the run's current weights, adapted to a training batch; nothing is trained."""
     TRAIN_FLOW_RUN_ID.set(str(flow_run.get_id()))
+    await export_secret_blocks(config)
     iteration = int(time.time())  # each dry run enqueues fresh rollouts
     run = await timed(open_run, config)(config, train=False, queue=f"{config.run_name}.dev")
     try:

@@ -12,6 +12,7 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
 from flows.rollouts import collect_rollouts, task_runner
+from flows.secrets import export_secret_blocks
 from lightning.config import TrainConfig
 from lightning.run import Run, serving_step
 from tasks import log_evaluation, open_run, timed
@@ -41,6 +42,7 @@ async def evaluate(config: TrainConfig = TrainConfig(), checkpoint: str | None =
     """Serve `checkpoint` (a step directory; default the run's latest, or the initial model) and evaluate it, in a
     queue of its own beside any training of the same run."""
     TRAIN_FLOW_RUN_ID.set(str(flow_run.get_id()))
+    await export_secret_blocks(config)
     step = serving_step(config, checkpoint)
     run = await timed(open_run, config)(config, train=False, weights=checkpoint, queue=f"{config.run_name}.evaluate")
     try:

@@ -21,6 +21,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.evaluate import evaluate_at
 from flows.rollouts import collect_rollouts, task_runner
+from flows.secrets import export_secret_blocks
 from lightning import raycluster, stages
 from lightning.algorithm.worker import UpdateLost
 from lightning.config import TrainConfig
@@ -61,6 +62,7 @@ async def train(config: TrainConfig = TrainConfig()) -> dict[str, Any]:  # noqa:
     """Train `config.agent` on `config.train_data`; resumes a run whose name has checkpoints."""
     logger = get_run_logger()
     TRAIN_FLOW_RUN_ID.set(str(flow_run.get_id()))
+    await export_secret_blocks(config)
     # One Ray connection for the whole run: prefect-ray reuses it instead of a new job (new workers) per iteration.
     connected = config.task_runner == "ray" and raycluster.connect(config.ray_address)
     run = await timed(open_run, config)(config)

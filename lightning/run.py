@@ -244,6 +244,22 @@ class Run(BaseModel):
         if supervisor is not None and supervisor.failure is not None:
             raise ServingError(supervisor.failure)
 
+    async def serving_answers(self, timeout: float) -> None:
+        """Wait until every serving process of the run answers (a dead one is being restarted by the supervisor);
+        raise ServingError if one does not within `timeout` seconds, or is past its restarts."""
+        parts = self._open_parts()
+        children = [] if parts.stack is None else parts.stack.processes
+        deadline = time.monotonic() + timeout
+        while True:
+            self.check_serving()
+            silent = [child for child in children if not await asyncio.to_thread(child.answers, 2.0)]
+            if not silent:
+                return
+            if time.monotonic() > deadline:
+                names = ", ".join(f"the {child.name} at {child.url}" for child in silent)
+                raise ServingError(f"{names} did not answer for {timeout:g} s (see {self.run_dir / 'logs'})")
+            await asyncio.sleep(0.5)
+
     def restarts(self) -> int:
         """Restarts of the run's serving parts so far (this process)."""
         supervisor = self._open_parts().supervisor

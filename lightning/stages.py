@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 Mode = Literal["train", "val"]
 
+
 class RolloutsFailed(RuntimeError):
     """Too few of an iteration's rollouts succeeded, even after running the others again."""
 
@@ -200,8 +201,9 @@ def enough_succeeded(run: Run, summary: dict[str, Any]) -> bool:
 
 async def requeue_unsuccessful(run: Run, rollout_ids: Sequence[str]) -> int:
     """Put the rollouts that failed or were cancelled back in the run's queue for another round of runners; how
-    many. A run whose inference server or proxy is past its restarts fails here, naming it."""
-    run.check_serving()
+    many. First the run's serving processes must answer again (a dead one is being restarted): a run whose
+    inference server or proxy is past its restarts fails here, naming it."""
+    await run.serving_answers(timeout=run.config.timeouts.startup)
     again = await run.store.query_rollouts(rollout_id_in=list(rollout_ids), status_in=["failed", "cancelled"])
     for rollout in again:
         await run.store.update_rollout(rollout.rollout_id, status="requeuing")

@@ -192,7 +192,7 @@ def damage_newest_checkpoint(config: TrainConfig) -> None:
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
 
 
-TELLING = ("requeued", "restarting", "damaged", "lost its update", "again", "resuming", "Retrying")
+TELLING = ("requeued", "restarting", "damaged", "lost its update", "again", "resuming", "Retry ", "TrainerCrashed")
 """Words of the log lines that say how the run got over the fault."""
 
 

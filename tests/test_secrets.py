@@ -5,6 +5,8 @@ secret by its key or sits in a URL's userinfo."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 import secrets
 import sys
 import time
@@ -34,6 +36,32 @@ def test_params_drop_secret_keys_and_mask_url_passwords() -> None:
     assert params["tracking_uri"] == "http://:***@mlflow:5000"
     assert not any(key.startswith("proxy.") for key in params), params
     assert params["sampling.max_tokens"] == "4" and params["pad_token_id"] == "0"
+
+
+@pytest.mark.slow
+def test_a_prefect_secret_block_named_in_a_url_reaches_the_connection_not_the_config(
+    prefect_server: PrefectServer,
+) -> None:
+    from prefect.blocks.system import Secret
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.secrets import export_secret_blocks
+    from lightning.config import load_config
+    from lightning.credentials import expand, secret_env_name
+
+    value = f"pw-{secrets.token_hex(6)}"
+    variable = secret_env_name("db-password")
+    os.environ.pop(variable, None)
+    try:
+        with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
+            Secret(value=value).save("db-password", overwrite=True)
+            config = load_config({"store_url": "postgresql://trainer:${secret:db-password}@db:5432/lightning"})
+            assert asyncio.run(export_secret_blocks(config)) == ["db-password"]
+        assert variable == "LIGHTNING_SECRET_DB_PASSWORD"
+        assert expand(config.store_url) == f"postgresql://trainer:{value}@db:5432/lightning"
+        assert value not in config.model_dump_json()
+    finally:
+        os.environ.pop(variable, None)
 
 
 @pytest.mark.slow
