@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from lightning.config import ConfigError, load_agent, load_config, load_tasks
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def test_the_demo_config_loads_and_overrides_apply() -> None:
@@ -100,3 +106,34 @@ def test_the_cli_prints_defaults_and_checks_files(tmp_path: Path) -> None:
         [sys.executable, "-m", "lightning.cli", "config", "check", str(bad)], capture_output=True, text=True
     )
     assert checked.returncode == 2 and "batch_size: Input should be greater than or equal to 1" in checked.stderr
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        ({"train_data": "/nonexistent/train.jsonl"}, "train_data: no file /nonexistent/train.jsonl"),
+        ({"agent": "no_such_module.agent:run"}, "agent: cannot import module 'no_such_module.agent'"),
+        ({"model": "/nonexistent/model"}, "model: /nonexistent/model is not a Hugging Face model directory"),
+        ({"store_url": "mysql://root@localhost/x"}, "store_url: give sqlite:///path.db, postgresql://"),
+        ({"store_url": "postgresql://u:${NO_SUCH_VARIABLE}@h/db"}, "store_url: ${NO_SUCH_VARIABLE} names the"),
+    ],
+)
+def test_a_run_that_cannot_start_says_why_in_seconds_before_anything_starts(
+    tmp_path: Path, change: dict[str, str], said: str
+) -> None:
+    config = {"run_name": "bad", "output_dir": str(tmp_path / "runs"), "store_url": f"sqlite:///{tmp_path}/s.db"}
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({**config, **change}))
+    commands = [
+        [sys.executable, "-m", "flows.train", str(path)],
+        [sys.executable, "-m", "lightning.cli", "config", "check", str(path)],
+    ]
+    for command in commands:
+        started = time.monotonic()
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
+        seconds = time.monotonic() - started
+        assert done.returncode == 2, done.stdout + done.stderr
+        problems = [line.strip() for line in done.stderr.splitlines() if line.startswith("  ")]
+        assert len(problems) == 1 and problems[0].startswith(said), done.stderr
+        assert "Traceback" not in done.stderr and seconds < 10, (seconds, done.stderr)
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("model"))  # nothing started
