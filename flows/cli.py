@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from flows.secrets import URL_FIELDS, export_secret_blocks
+from flows.secret_blocks import URL_FIELDS, export_secret_blocks
 from lightning import preflight
 from lightning.config import ConfigError, load_config
 from lightning.credentials import references

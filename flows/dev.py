@@ -14,7 +14,7 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
 from flows.rollouts import collect_rollouts
-from flows.secrets import export_secret_blocks
+from flows.secret_blocks import export_secret_blocks
 from lightning.config import TrainConfig
 from tasks import adapt_spans, open_run, timed
 from tasks.caching import TRAIN_FLOW_RUN_ID

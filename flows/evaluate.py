@@ -12,7 +12,7 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
 from flows.rollouts import collect_rollouts, task_runner
-from flows.secrets import export_secret_blocks
+from flows.secret_blocks import export_secret_blocks
 from lightning.config import TrainConfig
 from lightning.run import Run, serving_step
 from tasks import log_evaluation, open_run, timed

@@ -21,7 +21,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.evaluate import evaluate_at
 from flows.rollouts import collect_rollouts, task_runner
-from flows.secrets import export_secret_blocks
+from flows.secret_blocks import export_secret_blocks
 from lightning import raycluster, stages
 from lightning.algorithm.worker import UpdateLost
 from lightning.config import TrainConfig

@@ -69,3 +69,15 @@ def test_the_top_level_packages_are_this_project_s() -> None:
         REPO / "tasks" / "__init__.py",
         REPO / "flows" / "__init__.py",
     ]
+
+
+def test_no_module_of_ours_shadows_the_standard_library() -> None:
+    """A worker runs a flow with its entrypoint's folder on sys.path, so `flows/secrets.py` once stood in for the
+    standard `secrets` module in every process the flow spawned (the trainer died on start)."""
+    ours = {
+        path.stem
+        for folder in ("flows", "tasks", "deployments", "examples", "benchmarks")
+        for path in (REPO / folder).rglob("*.py")
+    } | {path.name for path in (REPO / "lightning").rglob("*") if path.is_dir()}
+    shadowing = sorted(ours & set(sys.stdlib_module_names))
+    assert shadowing == [], f"rename these modules, they hide the standard library's: {shadowing}"

@@ -45,7 +45,7 @@ def test_a_prefect_secret_block_named_in_a_url_reaches_the_connection_not_the_co
     from prefect.blocks.system import Secret
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows.secrets import export_secret_blocks
+    from flows.secret_blocks import export_secret_blocks
     from lightning.config import load_config
     from lightning.credentials import expand, secret_env_name
 
