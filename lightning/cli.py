@@ -205,7 +205,56 @@ def _parser() -> argparse.ArgumentParser:
     stacks.add_argument("run", help="the run's name (under --output-dir) or its directory")
     stacks.add_argument("--output-dir", default=".lightning/runs", help="where runs live (default: %(default)s)")
     stacks.set_defaults(run=_debug_stacks, help_parser=stacks)
+    compare = debug_commands.add_parser(
+        "compare-logprobs",
+        help="replay stored rollouts through Transformers and compare each sampled token's log-prob with the engine's",
+        description="For each LLM call of the chosen rollouts that the proxy stored with token ids and the "
+        "engine's log-probs, recompute every sampled token's log-prob with Hugging Face Transformers (float32) on "
+        "MODEL and print the largest differences and a summary. On the checkpoint the rollouts were sampled from, "
+        "a float32 engine differs by about 1e-6 and a bfloat16 one by about 1e-2; far more means the engine was not "
+        "serving those weights.",
+    )
+    compare.add_argument("model", help="a Hugging Face model directory (e.g. the run's checkpoints/step-000003)")
+    compare.add_argument(
+        "--store",
+        default=os.environ.get(STORE_URL_ENV, DEFAULT_URL),
+        help=f"store URL (default: ${STORE_URL_ENV} or %(default)s)",
+    )
+    compare.add_argument("--queue", help="only rollouts of this queue (a training run's queue is its name)")
+    compare.add_argument("--rollout", action="append", default=[], help="a rollout id (repeatable)")
+    compare.add_argument("--limit", type=int, default=8, help="the newest N succeeded rollouts (default: %(default)s)")
+    compare.add_argument(
+        "--threshold", type=float, default=0.1, help="|delta| counted as a mismatch (default: %(default)s)"
+    )
+    compare.add_argument(
+        "--show", type=int, default=20, help="tokens listed, largest |delta| first (default: %(default)s)"
+    )
+    compare.set_defaults(run=_debug_compare_logprobs, help_parser=compare)
     return parser
+
+
+def _debug_compare_logprobs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from lightning.mismatch import compare_logprobs, format_report
+    from lightning.store import open_store
+
+    if not (Path(args.model) / "config.json").is_file():
+        parser.error(f"model: {args.model} is not a Hugging Face model directory (no config.json)")
+
+    async def run() -> str:
+        store = open_store(args.store, watchdog_interval=None)
+        try:
+            ids = list(args.rollout)
+            if not ids:
+                rollouts = await store.query_rollouts(queue=args.queue, status_in=["succeeded"])
+                rollouts.sort(key=lambda rollout: rollout.end_time or 0.0)
+                ids = [rollout.rollout_id for rollout in rollouts[-args.limit :]]
+            report = await compare_logprobs(store, args.model, ids)
+        finally:
+            await store.close()
+        return format_report(report, args.threshold, args.show)
+
+    print(asyncio.run(run()))
+    return 0
 
 
 def _debug_stacks(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

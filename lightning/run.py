@@ -555,13 +555,15 @@ def _vllm_key(server: Any) -> str | None:
 def _start_vllm(config: TrainConfig, serving_dir: Path) -> list[Any]:
     """`inference.replicas` vLLM servers on the policy, started together and waited for; replica i gets its own
     GPUs when `gpus_per_replica` is set."""
-    from lightning.inference.vllm import VllmConfig, VllmServer
+    from lightning.inference.vllm import VLLM_PYTHON_ENV, VllmConfig, VllmServer
     from lightning.serving import free_port
 
     inference = config.inference
     servers = []
     for replica in range(inference.replicas):
         options = dict(inference.vllm)
+        if "python" not in options and "executable" not in options and os.environ.get(VLLM_PYTHON_ENV):
+            options["python"] = os.environ[VLLM_PYTHON_ENV]
         if inference.gpus_per_replica:
             first = replica * inference.gpus_per_replica
             devices = ",".join(str(first + i) for i in range(inference.gpus_per_replica))

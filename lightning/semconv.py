@@ -56,6 +56,11 @@ LLM_PROMPT_TOKEN_IDS = "lightning.llm.prompt_token_ids"
 """The prompt's token ids, encoded with `encode_token_ids`."""
 LLM_RESPONSE_TOKEN_IDS = "lightning.llm.response_token_ids"
 """One encoded token-id string per choice, in choice order."""
+LLM_RESPONSE_LOGPROBS = "lightning.llm.response_logprobs"
+"""One encoded log-prob string per choice (`encode_logprobs`): the sampler's log-prob of each response token."""
+TRIPLET_RESPONSE_LOG_PROBS = "response_log_probs"
+"""A triplet's metadata key for the sampler's log-prob of each response token (the adapter writes it from the
+spans; a training batch takes it when every row has it)."""
 LLM_CHOICE_PROMPT_TOKEN_IDS = "lightning.llm.choice_prompt_token_ids"
 """Only for a completions call with several prompts: one encoded prompt per choice."""
 LLM_BACKEND = "lightning.llm.backend"
@@ -79,6 +84,23 @@ def encode_token_ids(token_ids: list[int]) -> str:
 def decode_token_ids(encoded: str) -> list[int]:
     """The inverse of `encode_token_ids`."""
     packed = array.array("I")
+    packed.frombytes(base64.b64decode(encoded))
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tolist()
+
+
+def encode_logprobs(logprobs: list[float]) -> str:
+    """Log-probs as base64 of little-endian float32 (what samplers compute them in)."""
+    packed = array.array("f", logprobs)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return base64.b64encode(packed.tobytes()).decode("ascii")
+
+
+def decode_logprobs(encoded: str) -> list[float]:
+    """The inverse of `encode_logprobs`."""
+    packed = array.array("f")
     packed.frombytes(base64.b64decode(encoded))
     if sys.byteorder == "big":
         packed.byteswap()

@@ -392,6 +392,11 @@ def iteration_row(
         "entropy": metrics.get("entropy"),
         "grad_norm": metrics.get("grad_norm"),
         "step_time_s": metrics.get("step_time_s"),
+        # The train/inference mismatch: engine's vs trainer's log-probs of the sampled tokens (when the engine sent
+        # them), before the update.
+        "mismatch_mean": metrics.get("mismatch_mean"),
+        "mismatch_max": metrics.get("mismatch_max"),
+        "mismatch_frac": metrics.get("mismatch_frac"),
     }
     return {name: value for name, value in row.items() if value is not None}
 
@@ -403,9 +408,10 @@ def progress_line(run: Run, row: dict[str, Any], done: int, elapsed: float) -> s
     left = iterations - row["iteration"] - 1
     val = f" | val {row['val_reward']:.3f}" if "val_reward" in row else ""
     kl = f" | kl {row['kl']:.4f}" if "kl" in row else ""
+    mismatch = f" | mismatch {row['mismatch_mean']:.1e}" if "mismatch_mean" in row else ""
     return (
         f"iteration {row['iteration'] + 1}/{iterations} | reward {row['reward']:.3f}{val} | "
-        f"pg_loss {row.get('pg_loss', float('nan')):.4f}{kl} | rollouts {row['rollouts_ok']} ok, "
+        f"pg_loss {row.get('pg_loss', float('nan')):.4f}{kl}{mismatch} | rollouts {row['rollouts_ok']} ok, "
         f"{row['rollouts_failed']} failed | {row['rollout_tokens_per_s']:.0f} tok/s | {rate:.1f} s/it | "
         f"ETA {_duration(rate * left)}"
     )

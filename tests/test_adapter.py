@@ -44,6 +44,7 @@ def llm_span(
     parent_id: str | None = None,
     finish_reasons: list[str] | None = None,
     weight_version: int | None = None,
+    logprobs: list[list[float]] | None = None,
     messages: Any = None,
     outputs: list[dict[str, Any]] | None = None,
     rollout_id: str = ROLLOUT,
@@ -68,6 +69,8 @@ def llm_span(
         attributes[semconv.LLM_PROMPT_TOKEN_IDS] = semconv.encode_token_ids(prompt)
     if weight_version is not None:
         attributes[semconv.LLM_WEIGHT_VERSION] = weight_version
+    if logprobs is not None:
+        attributes[semconv.LLM_RESPONSE_LOGPROBS] = [semconv.encode_logprobs(values) for values in logprobs]
     return Span(
         rollout_id=rollout_id,
         attempt_id=attempt_id,
@@ -379,6 +382,25 @@ def test_trajectory_of_three_turns_masks_what_the_model_did_not_say() -> None:
         "weight_version": 3,
     }
     assert result.report.trajectory_splits == 0
+
+
+def test_the_sampler_s_log_probs_go_with_each_row_zero_where_the_model_did_not_speak() -> None:
+    sampled = {"t0": [-0.5, -1.0], "t1": [-0.25], "t2": [-1.5, -0.125]}
+    spans = [
+        llm_span(1, "t0", 1, 2, prompt=P0, responses=[R0], logprobs=[sampled["t0"]]),
+        llm_span(2, "t1", 3, 4, prompt=P1, responses=[R1], logprobs=[sampled["t1"]]),
+        llm_span(3, "t2", 5, 6, prompt=P2, responses=[R2], logprobs=[sampled["t2"]]),
+        reward_span(4, "r", 1.0, 7),
+    ]
+    (row,) = spans_to_triplets(spans, shape="trajectory").triplets
+    assert row.response_mask == [1, 1, 0, 0, 1, 0, 1, 1]
+    assert row.metadata["response_log_probs"] == [-0.5, -1.0, 0.0, 0.0, -0.25, 0.0, -1.5, -0.125]
+    transitions = spans_to_triplets(spans, shape="transition").triplets
+    assert [t.metadata["response_log_probs"] for t in transitions] == [sampled["t0"], sampled["t1"], sampled["t2"]]
+    # One call without them: the row has none (a batch takes the sampler's log-probs only when every row has them).
+    spans[1] = llm_span(2, "t1", 3, 4, prompt=P1, responses=[R1])
+    (row,) = spans_to_triplets(spans, shape="trajectory").triplets
+    assert "response_log_probs" not in row.metadata
 
 
 def test_trajectory_splits_where_the_history_was_rewritten() -> None:

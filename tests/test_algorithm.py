@@ -405,11 +405,28 @@ def test_trainer_first_pass_is_on_policy(tiny_dir: Path) -> None:
     assert metrics["pg_loss"] == pytest.approx(-metrics["adv_mean"], abs=1e-6)
 
 
-def test_trainer_takes_old_log_probs_from_the_sampler_when_the_batch_has_them(tiny_dir: Path) -> None:
+def test_trainer_takes_old_log_probs_from_the_sampler_when_asked_and_the_batch_has_them(tiny_dir: Path) -> None:
     batch = tiny_batch(0)
     batch = batch.with_tensors({"rollout_log_probs": torch.full(batch["responses"].shape, -1.0)})
-    metrics = TorchTrainer(tiny_dir, TrainerConfig(lr=1e-3), device="cpu").step(batch)
-    assert metrics["approx_kl"] != 0.0  # the random tiny model's log-probs are far from -1
+    sampler = TorchTrainer(tiny_dir, TrainerConfig(lr=1e-3, old_log_probs="sampler"), device="cpu").step(batch)
+    assert sampler["approx_kl"] != 0.0  # the random tiny model's log-probs are far from -1
+    trainer = TorchTrainer(tiny_dir, TrainerConfig(lr=1e-3), device="cpu").step(batch)
+    assert trainer["approx_kl"] == 0.0  # the default: its own, so the first pass is on-policy
+
+
+def test_the_mismatch_is_the_sampler_s_log_probs_against_the_trainer_s_on_response_tokens(tiny_dir: Path) -> None:
+    trainer = TorchTrainer(tiny_dir, TrainerConfig(lr=1e-3, mismatch_threshold=0.05), device="cpu")
+    batch = tiny_batch(0)
+    own = trainer.log_probs(trainer.model, batch.to(trainer.device))
+    mask = batch["response_mask"].bool()
+    nudged = own.clone()
+    nudged[0, 0] += 0.1  # one response token off by 0.1 (row 0's first token is a response token)
+    assert mask[0, 0]
+    metrics = trainer.step(batch.with_tensors({"rollout_log_probs": torch.where(mask, nudged, torch.zeros_like(own))}))
+    assert metrics["mismatch_max"] == pytest.approx(0.1, abs=1e-5)
+    assert metrics["mismatch_mean"] == pytest.approx(0.1 / int(mask.sum()), abs=1e-6)
+    assert metrics["mismatch_frac"] == pytest.approx(1 / int(mask.sum()))
+    assert "mismatch_max" not in TorchTrainer(tiny_dir, TrainerConfig(lr=1e-3), device="cpu").step(tiny_batch(0))
 
 
 def test_trainer_with_zero_lr_leaves_weights_unchanged(tiny_dir: Path) -> None:

@@ -82,6 +82,8 @@ async def test_train_runs_two_iterations_of_seven_stages_and_reports_them(tmp_pa
     rollouts = await train_rollouts(config)
     assert len(rollouts) == 2 * 8 * 4 and {r.status for r in rollouts} == {"succeeded"}
     assert [row["iteration"] for row in recorded_history(config)] == [0, 1]
+    # The engine's log-probs of the sampled tokens are the trainer's (float32 both): no train/inference mismatch.
+    assert all(row["mismatch_max"] < 1e-3 for row in recorded_history(config)), recorded_history(config)
     # Iteration i samples from checkpoint i (0: the initial model): the proxy records it on every LLM span, and the
     # adapter carries it into each training row.
     for iteration in (0, 1):

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from support.fixed_backend import ANSWER, ANSWER_IDS, PROMPT_IDS, FixedBackend
+from support.fixed_backend import ANSWER, ANSWER_IDS, ANSWER_LOGPROBS, PROMPT_IDS, FixedBackend
 from support.servers import free_port, serving
 
 from lightning import semconv
@@ -64,6 +64,10 @@ def token_ids(span: Span) -> tuple[list[int], list[list[int]]]:
     return prompt, responses
 
 
+def logprobs(span: Span) -> list[list[float]]:
+    return [semconv.decode_logprobs(s) for s in span.attributes[semconv.LLM_RESPONSE_LOGPROBS]]
+
+
 async def test_a_chat_call_is_forwarded_with_token_ids_on_and_stored_as_one_span(store: SqlLightningStore) -> None:
     with backends() as [(backend, url)], running(LLMProxy(store, [url], model_name="policy")) as proxy:
         rollout, llm = await attempt_llm(store, proxy)
@@ -73,10 +77,13 @@ async def test_a_chat_call_is_forwarded_with_token_ids_on_and_stored_as_one_span
         [span] = await store.query_spans(rollout.rollout_id)
 
     assert response.choices[0].message.content == "".join(ANSWER)
-    assert backend.requests == [{"model": "policy", "messages": MESSAGES, "temperature": 0.5, "return_token_ids": True}]
+    assert backend.requests == [
+        {"model": "policy", "messages": MESSAGES, "temperature": 0.5, "return_token_ids": True, "logprobs": True}
+    ]
     assert span.attempt_id == rollout.attempt.attempt_id and span.name == "chat policy"
     assert span.status.status_code == "OK"
     assert token_ids(span) == (PROMPT_IDS, [ANSWER_IDS])
+    assert logprobs(span) == [ANSWER_LOGPROBS]
     attrs = span.attributes
     assert attrs[semconv.GEN_AI_OPERATION] == "chat"
     assert attrs[semconv.GEN_AI_REQUEST_MODEL] == "policy"
@@ -105,7 +112,7 @@ async def test_a_stream_passes_through_unchanged_and_its_token_ids_are_stored(
         [span] = await store.query_spans(rollout.rollout_id)
         # The same call through the proxy, raw: the bytes the agent reads are the backend's bytes.
         path = "chat/completions" if operation == "chat" else "completions"
-        body = {"model": "policy", "stream": True, "return_token_ids": True}
+        body = {"model": "policy", "stream": True, "return_token_ids": True, "logprobs": operation == "chat" or 0}
         body.update({"messages": MESSAGES} if operation == "chat" else {"prompt": "2+2="})
         async with httpx.AsyncClient() as http:
             direct = await http.post(f"{url}/{path}", json=body)
@@ -115,6 +122,7 @@ async def test_a_stream_passes_through_unchanged_and_its_token_ids_are_stored(
     assert proxied.content == direct.content
     assert span.attributes[semconv.LLM_STREAM] is True
     assert token_ids(span) == (PROMPT_IDS, [ANSWER_IDS])
+    assert logprobs(span) == [ANSWER_LOGPROBS]
     assert json.loads(span.attributes[semconv.GEN_AI_OUTPUT_MESSAGES])[0]["content"] == "".join(ANSWER)
     assert span.attributes[semconv.LLM_TIME_TO_FIRST_CHUNK_MS] > 0
 
@@ -146,6 +154,7 @@ async def test_completions_read_prompt_token_ids_from_the_choice(store: SqlLight
     assert response.choices[0].text == "".join(ANSWER)
     assert span.name == "text_completion policy"
     assert token_ids(span) == (PROMPT_IDS, [ANSWER_IDS])
+    assert logprobs(span) == [ANSWER_LOGPROBS]
     assert json.loads(span.attributes[semconv.GEN_AI_INPUT_MESSAGES]) == "2+2="
 
 
@@ -154,7 +163,7 @@ async def test_a_backend_without_token_ids_is_not_asked_for_them(store: SqlLight
         rollout, llm = await attempt_llm(store, proxy)
         await client(llm).chat.completions.create(model="policy", messages=MESSAGES)
         [span] = await store.query_spans(rollout.rollout_id)
-    assert "return_token_ids" not in backend.requests[0]
+    assert "return_token_ids" not in backend.requests[0] and "logprobs" not in backend.requests[0]
     assert semconv.LLM_PROMPT_TOKEN_IDS not in span.attributes
     assert semconv.LLM_RESPONSE_TOKEN_IDS not in span.attributes
 

@@ -36,7 +36,9 @@ def test_directory_loads_with_from_pretrained(tiny_dir: Path, tokenizer) -> None
         assert (tiny_dir / name).is_file(), name
     model = AutoModelForCausalLM.from_pretrained(tiny_dir)
     assert model.config.model_type == "llama"
-    assert model.config.tie_word_embeddings
+    # What vLLM's CPU build serves and reloads: attention heads of 32 (it refuses 16), an untied output layer (its
+    # in-place reload left a tied one on the old weights).
+    assert model.config.head_dim >= 32 and not model.config.tie_word_embeddings
     assert model.config.vocab_size == len(tokenizer)
     im_end, eos = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     assert set(model.generation_config.eos_token_id) == {im_end, eos}

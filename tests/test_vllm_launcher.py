@@ -288,7 +288,7 @@ def test_missing_executable_is_a_clear_error(fake: FakeVllm, tmp_path: Path) -> 
 
 
 def test_readiness_timeout_stops_the_server_when_used_as_context_manager(fake: FakeVllm) -> None:
-    server = VllmServer(fake.config(startup_timeout=0.5, env={"FAKE_VLLM_READY_AFTER": "60"}))
+    server = VllmServer(fake.config(startup_timeout=5, env={"FAKE_VLLM_READY_AFTER": "60"}))
     with pytest.raises(VllmError, match=r"not ready after .*GET /health answered 503"), server:
         pass
     assert server.process is None

@@ -120,6 +120,8 @@ class _Tokens:
     prompts: list[list[int]]
     """One prompt per choice (the same one, except for a completions call with several prompts)."""
     responses: list[list[int]]
+    logprobs: list[list[float]] | None = None
+    """The sampler's log-prob of each response token, one list per choice, when the span has them."""
 
 
 def spans_to_triplets(
@@ -355,7 +357,7 @@ def _token_ids(span: Span) -> _Tokens | None:
                 prompts = [semconv.decode_token_ids(encoded) for encoded in choice_prompts]
             else:
                 prompts = [prompt] * len(responses)
-            return _Tokens(prompts, responses) if responses else None
+            return _Tokens(prompts, responses, _logprobs(attributes, responses)) if responses else None
     except (binascii.Error, ValueError, TypeError):
         return None
     prompt, response = attributes.get(PEER_PROMPT_TOKEN_IDS), attributes.get(PEER_RESPONSE_TOKEN_IDS)
@@ -364,6 +366,17 @@ def _token_ids(span: Span) -> _Tokens | None:
     if _is_int_list(prompt) and isinstance(response, list) and response and all(map(_is_int_list, response)):
         return _Tokens([prompt] * len(response), response)
     return None
+
+
+def _logprobs(attributes: dict[str, Any], responses: list[list[int]]) -> list[list[float]] | None:
+    """The span's per-choice log-probs, if there is one list per choice and one value per response token."""
+    encoded = attributes.get(semconv.LLM_RESPONSE_LOGPROBS)
+    if not isinstance(encoded, list) or len(encoded) != len(responses):
+        return None
+    logprobs = [semconv.decode_logprobs(item) for item in encoded]
+    if any(len(values) != len(response) for values, response in zip(logprobs, responses, strict=True)):
+        return None
+    return logprobs
 
 
 def _is_int_list(value: Any) -> bool:
@@ -409,6 +422,8 @@ def _transitions(
                 "finish_reason": _finish_reason(call.span, choice),
                 **_weight_version(call.span),
             }
+            if tokens.logprobs is not None:
+                metadata[semconv.TRIPLET_RESPONSE_LOG_PROBS] = tokens.logprobs[choice]
             triplets.append(Triplet(prompt=prompt, response=response, reward=call.reward, metadata=metadata))
     return triplets
 
@@ -422,6 +437,8 @@ class _Row:
     """Everything the model has seen or said so far: the next prompt must start with it."""
     turns: list[tuple[LlmCall, int]]
     """(call, choice) of each turn in the row."""
+    logprobs: list[float] | None
+    """The sampler's log-prob of each response token (0.0 where the mask is 0); None if a turn had none."""
 
 
 def _trajectories(
@@ -443,13 +460,20 @@ def _trajectories(
             row.mask += [0] * len(appended) + [1] * len(response)
             row.context = prompt + response
             row.turns.append((call, choice))
+            turn_logprobs = None if tokens.logprobs is None else tokens.logprobs[choice]
+            row.logprobs = (
+                None
+                if row.logprobs is None or turn_logprobs is None
+                else row.logprobs + [0.0] * len(appended) + turn_logprobs
+            )
             continue
         if row is not None:
             report.trajectory_splits += 1
             report.problem(
                 f"{where}: turn {call.turn_index}'s prompt does not extend the conversation so far; a new row starts"
             )
-        rows.append(_Row(prompt, list(response), [1] * len(response), prompt + response, [(call, choice)]))
+        logprobs = None if tokens.logprobs is None else list(tokens.logprobs[choice])
+        rows.append(_Row(prompt, list(response), [1] * len(response), prompt + response, [(call, choice)], logprobs))
 
     triplets = []
     for segment, row in enumerate(rows):
@@ -471,6 +495,8 @@ def _trajectories(
             metadata["weight_version" if len(versions) == 1 else "weight_versions"] = (
                 versions[0] if len(versions) == 1 else versions
             )
+        if row.logprobs is not None:
+            metadata[semconv.TRIPLET_RESPONSE_LOG_PROBS] = row.logprobs
         triplets.append(
             Triplet(
                 prompt=row.prompt, response=row.response, reward=last.reward, metadata=metadata, response_mask=row.mask

@@ -26,6 +26,8 @@ import torch
 from pydantic import BaseModel, Field
 from safetensors.torch import load_file, save_file
 
+from lightning import semconv
+
 DROP_RULES: dict[str, str] = {
     "prompt_too_long": "dropped: the prompt has more than max_prompt_length tokens (a cut prompt is not what the "
     "model answered)",
@@ -36,7 +38,7 @@ DROP_RULES: dict[str, str] = {
     "missing_group_id": "kept: metadata has no group_id; the row is a group of its own (uid 'row-<index>')",
 }
 
-ROLLOUT_LOG_PROBS_KEY = "response_log_probs"
+ROLLOUT_LOG_PROBS_KEY = semconv.TRIPLET_RESPONSE_LOG_PROBS
 """Triplet metadata key with the sampler's log-prob of each response token; used when every row has it."""
 
 TENSORS_FILE = "tensors.safetensors"

@@ -53,6 +53,11 @@ class TrainerConfig(BaseModel):
     entropy_coef: float = 0.0
     bf16: bool = True
     """bf16 autocast for forward passes on CUDA; weights and optimizer stay float32. Ignored on CPU."""
+    old_log_probs: Literal["trainer", "sampler"] = "trainer"
+    """The PPO ratio's denominator: the trainer's own log-probs of the sampled tokens before the update (verl's
+    default), or the inference engine's (`sampler`, when every row has them; the trainer's otherwise)."""
+    mismatch_threshold: float = Field(default=0.1, gt=0)
+    """A sampled token whose engine and trainer log-probs differ by more than this counts in `mismatch_frac`."""
     seed: int = 0
 
     @model_validator(mode="after")

@@ -2,7 +2,8 @@
 
 One `step(batch)` is verl's actor update for one training batch, on one device:
 
-    old_log_probs   from the current policy (no grad), unless the batch carries the sampler's
+    old_log_probs   from the current policy (no grad); the sampler's if old_log_probs="sampler" and the batch has them
+    mismatch        |sampler's - trainer's log-prob| on the sampled tokens, when the batch has the sampler's
     ref_log_prob    from a frozen copy of the initial policy, when KL is used
     advantages      from token_level_scores (minus kl_coef * KL first, with kl_in_reward)
     ppo_epochs x mini-batches: micro-batches accumulate gradients, then clip_grad_norm and one AdamW step
@@ -179,10 +180,14 @@ class TorchTrainer:
         mask = batch["response_mask"].float()
         extra: dict[str, torch.Tensor] = {}
         metrics: dict[str, float] = {}
-        if "rollout_log_probs" in batch:
-            extra["old_log_probs"] = batch["rollout_log_probs"].float()
+        sampled = batch["rollout_log_probs"].float() if "rollout_log_probs" in batch else None
+        if sampled is not None and config.old_log_probs == "sampler":
+            extra["old_log_probs"] = sampled
         else:
             extra["old_log_probs"] = self.log_probs(self.model, batch)
+        if sampled is not None:  # the engine's log-probs against ours, on the same weights
+            trainer = extra["old_log_probs"] if config.old_log_probs == "trainer" else self.log_probs(self.model, batch)
+            metrics.update(mismatch_metrics(sampled, trainer, mask, config.mismatch_threshold))
         rewards = batch["token_level_scores"]
         if self.reference is not None:
             extra["ref_log_prob"] = self.log_probs(self.reference, batch)
@@ -317,6 +322,23 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     reference = copy.deepcopy(model).eval()
     reference.requires_grad_(False)
     return reference
+
+
+def mismatch_metrics(
+    sampled: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor, threshold: float
+) -> dict[str, float]:
+    """The train/inference mismatch on the sampled tokens: |log pi_engine(a|s) - log pi_trainer(a|s)|, its mean and
+    max over the response tokens, and the share above `threshold`. Near 0 when the engine serves the trainer's
+    weights; a reload that silently failed shows as a large value."""
+    tokens = mask.bool()
+    delta = (sampled - trainer).abs()[tokens]
+    if delta.numel() == 0:
+        return {}
+    return {
+        "mismatch_mean": float(delta.mean()),
+        "mismatch_max": float(delta.max()),
+        "mismatch_frac": float((delta > threshold).float().mean()),
+    }
 
 
 def batch_metrics(batch: TrainingBatch) -> dict[str, float]:

@@ -4,7 +4,7 @@ Ray cluster kept alive across iterations by one named Ray actor, and a client wi
 One `step(batch_path)` does what verl's legacy `RayPPOTrainer.fit` does for one batch after generation and reward
 (verl/trainer/ppo/ray_trainer.py), on our TrainingBatch, which already carries verl's DataProto keys:
 
-    old_log_probs   the sampler's (rollout_log_probs) if every row has them, else actor.compute_log_prob  (as ours)
+    old_log_probs   actor.compute_log_prob, or the sampler's with old_log_probs="sampler"  (as ours; mismatch too)
     ref_log_prob    ref.compute_ref_log_prob, when the config uses a KL reference
     token_level_rewards, advantages   apply_kl_penalty (kl_in_reward) and compute_advantage, on the driver
     update_actor    ppo_epochs x mini-batches of FSDP updates; returns metrics
@@ -25,6 +25,7 @@ Our config -> verl's (see `verl_overrides`; a field verl cannot express is an er
     max_grad_norm, entropy_coef      actor.grad_clip, actor.entropy_coeff
     bf16                             actor.fsdp_config.dtype (bfloat16 or float32 compute)
     seed                             actor.data_loader_seed, actor.fsdp_config.seed
+    old_log_probs, mismatch_threshold  on the driver (which log-probs the update uses; the mismatch metrics)
 
 Weights reach the inference servers as checkpoints: each save writes verl's own checkpoint (model, optimizer, extra)
 plus a Hugging Face export, and our `step-*` checkpoint directory is that export, which vLLM reloads. verl's
@@ -308,11 +309,24 @@ class VerlActorGroup:
             output = getattr(group, method)(packed)
             return no_padding_2_padding(tu.get(output, "log_probs"), packed).float()
 
-        # As the torch trainer: the sampler's own log-probs when the batch has them. (proto.batch is a TensorDict.)
-        if "rollout_log_probs" in proto.batch.keys():  # noqa: SIM118
-            proto.batch["old_log_probs"] = proto.batch["rollout_log_probs"].float()
+        from lightning.algorithm.trainer import mismatch_metrics
+
+        # As the torch trainer: the actor's log-probs, or the sampler's when asked for and the batch has them.
+        # (proto.batch is a TensorDict.)
+        sampled = proto.batch["rollout_log_probs"].float() if "rollout_log_probs" in proto.batch.keys() else None  # noqa: SIM118
+        if sampled is not None and self.trainer.old_log_probs == "sampler":
+            proto.batch["old_log_probs"] = sampled
         else:
             proto.batch["old_log_probs"] = log_probs(self.actor, "compute_log_prob", calculate_entropy=False)
+        if sampled is not None:
+            actor = (
+                proto.batch["old_log_probs"]
+                if self.trainer.old_log_probs == "trainer"
+                else log_probs(self.actor, "compute_log_prob", calculate_entropy=False)
+            )
+            metrics.update(
+                mismatch_metrics(sampled, actor, proto.batch["response_mask"].float(), self.trainer.mismatch_threshold)
+            )
         if self.ref is not None:
             proto.batch["ref_log_prob"] = log_probs(self.ref, "compute_ref_log_prob", calculate_entropy=False)
         proto, kl_metrics = driver_advantages(proto, self.trainer, self.config.algorithm)

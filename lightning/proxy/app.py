@@ -578,10 +578,14 @@ def _unauthorised() -> JSONResponse:
 
 
 def _payload(raw: bytes, body: dict[str, Any], backend: Backend, operation: str | None) -> bytes:
-    """The request as the agent sent it, but asking for token ids (and the server's model name)."""
+    """The request as the agent sent it, but asking for token ids and the sampled tokens' log-probs (which the
+    trainer compares with its own: the train/inference mismatch), and naming the server's model."""
     changes: dict[str, Any] = {}
     if operation is not None and backend.token_ids and body.get("return_token_ids") is not True:
         changes["return_token_ids"] = True
+    asked = body.get("logprobs")  # chat: true/false; completions: a number, 0 included
+    if operation is not None and backend.token_ids and (asked is None or asked is False):
+        changes["logprobs"] = True if operation == "chat" else 0
     if backend.model is not None and body.get("model") != backend.model:
         changes["model"] = backend.model
     return json.dumps({**body, **changes}).encode() if changes else raw

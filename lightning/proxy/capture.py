@@ -31,6 +31,8 @@ class Choice:
     text_parts: list[str] = field(default_factory=list)
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
+    logprobs: list[float] | None = None
+    """The sampler's log-prob of each response token (from the response's `logprobs`), when it sent them."""
     finish_reason: str | None = None
     tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
 
@@ -69,6 +71,7 @@ class Call:
             choice.finish_reason = raw.get("finish_reason")
             choice.token_ids = raw.get("token_ids")
             choice.prompt_token_ids = raw.get("prompt_token_ids")
+            choice.logprobs = _sampled_logprobs(raw.get("logprobs"))
             message = raw.get("message")
             if message is not None:  # chat
                 choice.role = message.get("role") or "assistant"
@@ -91,6 +94,9 @@ class Call:
                 choice.token_ids = (choice.token_ids or []) + list(raw["token_ids"])
             if raw.get("prompt_token_ids"):
                 choice.prompt_token_ids = raw["prompt_token_ids"]
+            logprobs = _sampled_logprobs(raw.get("logprobs"))
+            if logprobs:
+                choice.logprobs = (choice.logprobs or []) + logprobs
             delta = raw.get("delta")
             if delta is not None:  # chat
                 if delta.get("role"):
@@ -158,7 +164,25 @@ class Call:
             attrs.setdefault(semconv.GEN_AI_OUTPUT_TOKENS, sum(len(c.token_ids or []) for c in choices))
             if prompt_ids is not None:
                 attrs.setdefault(semconv.GEN_AI_INPUT_TOKENS, len(prompt_ids))
+            if all(c.logprobs is not None and len(c.logprobs) == len(c.token_ids or []) for c in choices):
+                attrs[semconv.LLM_RESPONSE_LOGPROBS] = [semconv.encode_logprobs(c.logprobs or []) for c in choices]
         return attrs
+
+
+def _sampled_logprobs(logprobs: Any) -> list[float] | None:
+    """The sampled tokens' log-probs from a choice's `logprobs`: chat's `content[i].logprob`, or completions'
+    `token_logprobs`; None when absent or of another shape."""
+    if not isinstance(logprobs, dict):
+        return None
+    if isinstance(logprobs.get("content"), list):
+        values = [entry.get("logprob") if isinstance(entry, dict) else None for entry in logprobs["content"]]
+    elif isinstance(logprobs.get("token_logprobs"), list):
+        values = logprobs["token_logprobs"]
+    else:
+        return None
+    if not all(isinstance(value, int | float) and not isinstance(value, bool) for value in values):
+        return None
+    return [float(value) for value in values]
 
 
 def _merge_tool_call(calls: dict[int, dict[str, Any]], part: dict[str, Any]) -> None:

@@ -2,7 +2,7 @@
 
 It is a bare ASGI app (no framework), so that what a benchmark measures is the proxy, not this
 backend. It answers /v1/chat/completions and /v1/completions, streaming or not, with vLLM's token-id
-fields when asked (`return_token_ids`), and can be told to fail: `state.fail_next = k` makes the
+fields when asked (`return_token_ids`), the sampled tokens' log-probs when asked (`logprobs`), and can be told to fail: `state.fail_next = k` makes the
 next k calls answer 500. Run it as a process: `python fixed_backend.py PORT`.
 """
 
@@ -16,6 +16,20 @@ from typing import Any
 PROMPT_IDS = [101, 7, 42, 9, 250, 3, 1000, 65535]
 ANSWER = ["The", " answer", " is", " 4", "."]
 ANSWER_IDS = [17, 305, 9, 62, 13]
+ANSWER_LOGPROBS = [-0.5, -1.25, -0.125, -2.0, -0.0625]
+"""Exact in float32, as the proxy stores them."""
+
+
+def _wants_logprobs(body: dict[str, Any]) -> bool:
+    """Chat asks with `logprobs: true`, completions with a number (0 included)."""
+    return body.get("logprobs") is not None and body.get("logprobs") is not False
+
+
+def _logprobs(chat: bool, positions: range) -> dict[str, Any]:
+    """A choice's `logprobs` for the answer's tokens at `positions`, in chat's or completions' shape."""
+    if chat:
+        return {"content": [{"token": ANSWER[i], "logprob": ANSWER_LOGPROBS[i], "top_logprobs": []} for i in positions]}
+    return {"tokens": [ANSWER[i] for i in positions], "token_logprobs": [ANSWER_LOGPROBS[i] for i in positions]}
 
 
 class FixedBackend:
@@ -67,6 +81,8 @@ class FixedBackend:
                 choice["delta"] = {"role": "assistant", "content": text} if i == 0 else {"content": text}
             else:
                 choice["text"] = text
+            if _wants_logprobs(body):
+                choice["logprobs"] = _logprobs(chat, range(i, i + 1))
             chunk: dict[str, Any] = {"id": "fixed-1", "object": "chunk", "created": 0, "model": body.get("model")}
             if token_ids:
                 choice["token_ids"] = [token]
@@ -97,6 +113,8 @@ def _whole(body: dict[str, Any], chat: bool, token_ids: bool) -> dict[str, Any]:
     else:
         choice["text"] = text
         response["object"] = "text_completion"
+    if _wants_logprobs(body):
+        choice["logprobs"] = _logprobs(chat, range(len(ANSWER)))
     if token_ids:
         choice["token_ids"] = ANSWER_IDS
         if chat:
