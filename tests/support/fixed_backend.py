@@ -3,7 +3,8 @@
 It is a bare ASGI app (no framework), so that what a benchmark measures is the proxy, not this
 backend. It answers /v1/chat/completions and /v1/completions, streaming or not, with vLLM's token-id
 fields when asked (`return_token_ids`), the sampled tokens' log-probs when asked (`logprobs`), and can be
-told to fail: `state.fail_next = k` makes the next k calls answer 500. Run it as a process: `python fixed_backend.py PORT`.
+told to fail: `state.fail_next = k` makes the next k calls answer 500.
+Run it as a process: `python fixed_backend.py PORT`.
 """
 
 from __future__ import annotations
