@@ -37,6 +37,9 @@ CAPTURED = {"chat/completions": "chat", "completions": "text_completion"}
 # Failures before the backend answered: safe to send the call to another backend.
 _RETRYABLE = (aiohttp.ClientConnectionError, TimeoutError)
 _STICKY_ROLLOUTS = 100_000
+_DOWN_SECONDS = 5.0
+"""A backend that refused a connection goes to the end of every call's order for this long (one restarting for a
+minute then costs each call nothing, and the log one line per window instead of one per call)."""
 _KNOWN_ATTEMPTS = 100_000
 
 
@@ -118,6 +121,7 @@ class LLMProxy:
         self._sticky: OrderedDict[str, int] = OrderedDict()
         self._known_attempts: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._next_backend = 0
+        self._down_until: dict[int, float] = {}
         self._client: aiohttp.ClientSession | None = None
         self._open: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
@@ -356,6 +360,8 @@ class LLMProxy:
                 response = await client.post(url, data=_payload(raw, body, backend, operation), headers=headers)
             except _RETRYABLE as exc:
                 failure = f"{backend.url}: {type(exc).__name__}: {exc}"
+                if isinstance(exc, aiohttp.ClientConnectorError):
+                    self._down_until[index] = time.monotonic() + _DOWN_SECONDS
             else:
                 if response.status < 500 or tries == self.max_tries:
                     if rollout_id is not None:
@@ -483,7 +489,9 @@ class LLMProxy:
         if first is None or first >= count:
             first = self._next_backend % count
             self._next_backend += 1
-        return [(first + k) % count for k in range(count)]
+        order = [(first + k) % count for k in range(count)]
+        now = time.monotonic()
+        return sorted(order, key=lambda index: self._down_until.get(index, 0.0) > now)  # stable: up ones first
 
     def _stick(self, rollout_id: str, index: int) -> None:
         self._sticky[rollout_id] = index
