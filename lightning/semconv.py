@@ -4,6 +4,7 @@
 import array
 import base64
 import sys
+from typing import Any
 
 REWARD_SPAN = "lightning.reward"
 MESSAGE_SPAN = "lightning.message"
@@ -75,32 +76,34 @@ LLM_HTTP_STATUS = "http.response.status_code"
 
 def encode_token_ids(token_ids: list[int]) -> str:
     """Token ids as base64 of little-endian uint32: a third smaller than JSON and decoded in one call."""
-    packed = array.array("I", token_ids)
-    if sys.byteorder == "big":
-        packed.byteswap()
-    return base64.b64encode(packed.tobytes()).decode("ascii")
+    return _pack("I", token_ids)
 
 
 def decode_token_ids(encoded: str) -> list[int]:
     """The inverse of `encode_token_ids`."""
-    packed = array.array("I")
-    packed.frombytes(base64.b64decode(encoded))
-    if sys.byteorder == "big":
-        packed.byteswap()
-    return packed.tolist()
+    return _unpack("I", encoded)
 
 
 def encode_logprobs(logprobs: list[float]) -> str:
     """Log-probs as base64 of little-endian float32 (what samplers compute them in)."""
-    packed = array.array("f", logprobs)
+    return _pack("f", logprobs)
+
+
+def decode_logprobs(encoded: str) -> list[float]:
+    """The inverse of `encode_logprobs`."""
+    return _unpack("f", encoded)
+
+
+def _pack(typecode: str, values: list[Any]) -> str:
+    """`values` as base64 of little-endian `array` items of `typecode`."""
+    packed = array.array(typecode, values)
     if sys.byteorder == "big":
         packed.byteswap()
     return base64.b64encode(packed.tobytes()).decode("ascii")
 
 
-def decode_logprobs(encoded: str) -> list[float]:
-    """The inverse of `encode_logprobs`."""
-    packed = array.array("f")
+def _unpack(typecode: str, encoded: str) -> list[Any]:
+    packed = array.array(typecode)
     packed.frombytes(base64.b64decode(encoded))
     if sys.byteorder == "big":
         packed.byteswap()
