@@ -41,15 +41,14 @@ class MismatchReport:
     """LLM calls whose span has no sampler log-probs (a backend that sends none, an older proxy)."""
 
     def summary(self, threshold: float) -> dict[str, float]:
-        deltas = [token.delta for token in self.tokens]
-        if not deltas:
-            return {"tokens": 0}
-        return {
-            "tokens": len(deltas),
-            "mismatch_mean": sum(deltas) / len(deltas),
-            "mismatch_max": max(deltas),
-            "mismatch_frac": sum(delta > threshold for delta in deltas) / len(deltas),
-        }
+        """The trainer's mismatch metrics (`mismatch_mean`, `mismatch_max`, `mismatch_frac`) over every token."""
+        import torch
+
+        from lightning.algorithm.trainer import mismatch_metrics
+
+        engine = torch.tensor([token.engine for token in self.tokens])
+        trainer = torch.tensor([token.trainer for token in self.tokens])
+        return {"tokens": len(self.tokens), **mismatch_metrics(engine, trainer, torch.ones_like(engine), threshold)}
 
 
 async def compare_logprobs(
@@ -59,6 +58,8 @@ async def compare_logprobs(
     of `rollout_ids`, beside the one the engine sent."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lightning.algorithm.losses import token_log_probs
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
@@ -73,11 +74,9 @@ async def compare_logprobs(
                 report.calls_without_log_probs += 1
                 continue
             for prompt, response, engine in calls:
-                with torch.no_grad():
-                    ids = torch.tensor([prompt + response], device=device)
-                    logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
-                sampled_ids = torch.tensor(response, device=device)[:, None]
-                ours = torch.log_softmax(logits, -1).gather(-1, sampled_ids)[:, 0].tolist()
+                with torch.no_grad():  # the logit at position t predicts token t + 1, as in the trainer
+                    logits = model(torch.tensor([prompt + response], device=device)).logits[0, len(prompt) - 1 : -1]
+                ours = token_log_probs(logits, torch.tensor(response, device=device)).tolist()
                 for position, (token_id, sampled, recomputed) in enumerate(zip(response, engine, ours, strict=True)):
                     token = tokenizer.decode([token_id])
                     report.tokens.append(
