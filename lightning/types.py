@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
-from typing import Annotated, Any, Literal
+from collections.abc import Iterator, Sequence
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
@@ -236,6 +236,44 @@ class ResourcesUpdate(BaseModel):
     update_time: float
     version: int
     resources: NamedResources
+
+
+# --- Query results ---------------------------------------------------------------------------
+
+T = TypeVar("T")
+
+
+class PaginatedResult(BaseModel, Generic[T]):
+    """One page of a query (agent-lightning 0.3's shape): `items`, the `limit` and `offset` asked for, and `total`,
+    how many match the query in all. It reads like the list of its items: `len`, iteration, indexing, and `==` a
+    list compares the items."""
+
+    items: list[T]
+    limit: int = -1
+    offset: int = 0
+    total: int = 0
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __iter__(self) -> Iterator[T]:  # type: ignore[override] (pydantic iterates over fields; a page over items)
+        return iter(self.items)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.items[index]
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, list | tuple):
+            return self.items == list(other)
+        return super().__eq__(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"PaginatedResult({self.items!r}, limit={self.limit}, offset={self.offset}, total={self.total})"
 
 
 # --- Spans -----------------------------------------------------------------------------------

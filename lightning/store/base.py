@@ -24,6 +24,7 @@ from lightning.types import (
     AttemptedRollout,
     EnqueueRolloutRequest,
     NamedResources,
+    PaginatedResult,
     ResourcesUpdate,
     Rollout,
     RolloutConfig,
@@ -156,12 +157,19 @@ class LightningStore(ABC):
     async def start_attempt(self, rollout_id: str, worker_id: str | None = None) -> AttemptedRollout:
         return await self._request(contract.StartAttempt, rollout_id=rollout_id, worker_id=worker_id)
 
-    async def get_rollout_by_id(self, rollout_id: str) -> Rollout | None:
+    async def get_rollout_by_id(self, rollout_id: str) -> AttemptedRollout | Rollout | None:
+        """The rollout, with its latest attempt if it has one (an AttemptedRollout); None for an unknown id."""
         return await self._request(contract.GetRolloutById, rollout_id=rollout_id)
 
-    async def query_rollouts(self, **filters: Any) -> list[Rollout]:
+    async def query_rollouts(self, **filters: Any) -> PaginatedResult[AttemptedRollout | Rollout]:
         """Rollouts by `status_in`, `rollout_id_in`, `rollout_id_contains`, `mode`, `queue` (see QueryRollouts),
-        sorted and paged."""
+        sorted and paged; those with an attempt come with their latest one. (`status=` and `rollout_ids=`, the
+        older names agent-lightning still takes, mean `status_in` and `rollout_id_in`.)"""
+        for old, new in (("status", "status_in"), ("rollout_ids", "rollout_id_in")):
+            if old in filters:
+                value = filters.pop(old)
+                if filters.get(new) is None:
+                    filters[new] = value
         return await self._request(contract.QueryRollouts, **filters)
 
     async def update_rollout(self, rollout_id: str, **changes: Any) -> Rollout:
@@ -174,7 +182,7 @@ class LightningStore(ABC):
 
     # --- attempts ----------------------------------------------------------------------------
 
-    async def query_attempts(self, rollout_id: str, **options: Any) -> list[Attempt]:
+    async def query_attempts(self, rollout_id: str, **options: Any) -> PaginatedResult[Attempt]:
         return await self._request(contract.QueryAttempts, rollout_id=rollout_id, **options)
 
     async def get_latest_attempt(self, rollout_id: str) -> Attempt | None:
@@ -211,9 +219,11 @@ class LightningStore(ABC):
             return []
         return await self._request(contract.GetManySpanSequenceIds, rollout_attempt_ids=list(rollout_attempt_ids))
 
-    async def query_spans(self, rollout_id: str, attempt_id: str | None = None, **filters: Any) -> list[Span]:
+    async def query_spans(
+        self, rollout_id: str, attempt_id: str | None = None, **filters: Any
+    ) -> PaginatedResult[Span]:
         """Spans of a rollout (of one attempt; "latest" for its latest), by `trace_id`, `span_id`, `parent_id`,
-        `name`, `name_contains` (see QuerySpans), sorted and paged."""
+        `name` and their `*_contains` forms (see QuerySpans), sorted and paged."""
         return await self._request(contract.QuerySpans, rollout_id=rollout_id, attempt_id=attempt_id, **filters)
 
     # --- resources ---------------------------------------------------------------------------
@@ -230,7 +240,7 @@ class LightningStore(ABC):
     async def get_latest_resources(self) -> ResourcesUpdate | None:
         return await self._request(contract.GetLatestResources)
 
-    async def query_resources(self, **filters: Any) -> list[ResourcesUpdate]:
+    async def query_resources(self, **filters: Any) -> PaginatedResult[ResourcesUpdate]:
         return await self._request(contract.QueryResources, **filters)
 
     # --- workers -----------------------------------------------------------------------------
@@ -242,7 +252,7 @@ class LightningStore(ABC):
     async def get_worker_by_id(self, worker_id: str) -> Worker | None:
         return await self._request(contract.GetWorkerById, worker_id=worker_id)
 
-    async def query_workers(self, **filters: Any) -> list[Worker]:
+    async def query_workers(self, **filters: Any) -> PaginatedResult[Worker]:
         return await self._request(contract.QueryWorkers, **filters)
 
     # --- housekeeping ------------------------------------------------------------------------

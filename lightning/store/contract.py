@@ -24,6 +24,7 @@ from lightning.types import (
     AttemptStatus,
     EnqueueRolloutRequest,
     NamedResources,
+    PaginatedResult,
     ResourcesUpdate,
     Rollout,
     RolloutConfig,
@@ -150,8 +151,10 @@ class StartAttempt(Request):
 
 
 class GetRolloutById(Read):
+    """The rollout (with its latest attempt, if it has one), or null for an unknown id."""
+
     method: ClassVar[str] = "get_rollout_by_id"
-    response: ClassVar[Any] = Rollout | None
+    response: ClassVar[Any] = AttemptedRollout | Rollout | None
     rollout_id: StoreText
 
 
@@ -161,7 +164,7 @@ class QueryRollouts(Page):
 
     method: ClassVar[str] = "query_rollouts"
     # AttemptedRollout first: a rollout that comes with its attempt keeps it.
-    response: ClassVar[Any] = list[AttemptedRollout | Rollout]
+    response: ClassVar[Any] = PaginatedResult[AttemptedRollout | Rollout]
     status_in: list[RolloutStatus] | None = None
     rollout_id_in: list[StoreText] | None = None
     rollout_id_contains: StoreText | None = None
@@ -203,7 +206,7 @@ class WaitForRollouts(Read):
 
 class QueryAttempts(Page):
     method: ClassVar[str] = "query_attempts"
-    response: ClassVar[Any] = list[Attempt]
+    response: ClassVar[Any] = PaginatedResult[Attempt]
     rollout_id: StoreText
     sort_by: (
         Literal["sequence_id", "attempt_id", "start_time", "end_time", "status", "worker_id", "last_heartbeat_time"]
@@ -271,12 +274,15 @@ class QuerySpans(Page):
     """Spans of a rollout (of one attempt, with `attempt_id`), filtered, in `sequence_id` order by default."""
 
     method: ClassVar[str] = "query_spans"
-    response: ClassVar[Any] = list[Span]
+    response: ClassVar[Any] = PaginatedResult[Span]
     rollout_id: StoreText
     attempt_id: StoreText | None = None
     trace_id: StoreText | None = None
+    trace_id_contains: StoreText | None = None
     span_id: StoreText | None = None
+    span_id_contains: StoreText | None = None
     parent_id: StoreText | None = None
+    parent_id_contains: StoreText | None = None
     name: StoreText | None = None
     name_contains: StoreText | None = None
     filter_logic: FilterLogic = "and"
@@ -318,7 +324,7 @@ class GetLatestResources(Read):
 
 class QueryResources(Page):
     method: ClassVar[str] = "query_resources"
-    response: ClassVar[Any] = list[ResourcesUpdate]
+    response: ClassVar[Any] = PaginatedResult[ResourcesUpdate]
     resources_id: StoreText | None = None
     resources_id_contains: StoreText | None = None
     sort_by: Literal["resources_id", "create_time", "update_time", "version"] | None = None
@@ -344,7 +350,7 @@ class GetWorkerById(Read):
 
 class QueryWorkers(Page):
     method: ClassVar[str] = "query_workers"
-    response: ClassVar[Any] = list[Worker]
+    response: ClassVar[Any] = PaginatedResult[Worker]
     status_in: list[WorkerStatus] | None = None
     worker_id_contains: StoreText | None = None
     filter_logic: FilterLogic = "and"
@@ -358,7 +364,8 @@ class QueryWorkers(Page):
 
 
 class Statistics(Read):
-    """Counts of rollouts, attempts and workers by status, of spans and of resources."""
+    """Counts: agent-lightning's `total_rollouts`, `total_attempts`, `total_spans`, `total_resources`,
+    `total_workers`, and by status (`rollouts`, `attempts`, `workers`)."""
 
     method: ClassVar[str] = "statistics"
     response: ClassVar[Any] = dict[str, Any]

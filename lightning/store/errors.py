@@ -18,3 +18,20 @@ class ConflictError(StoreError):
 
 class InvalidArgumentError(StoreError, ValueError):
     """An argument is malformed; the message names the argument and what it accepts."""
+
+
+class BodyTooLarge(StoreError):
+    """A request body over the store server's limit."""
+
+
+def http_status(exc: StoreError) -> int:
+    """The HTTP status code the store server answers an error with."""
+    if isinstance(exc, NotFoundError):
+        return 404
+    if isinstance(exc, ConflictError):
+        return 409
+    if isinstance(exc, InvalidArgumentError):
+        return 422
+    if isinstance(exc, BodyTooLarge):
+        return 413
+    return 503  # a StoreError the store raised on purpose: it is there but cannot serve now

@@ -26,9 +26,10 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span as ProtoSpan
 from lightning import semconv
 from lightning.serving import BearerAuth
 from lightning.store import contract
+from lightning.store.agl_routes import PathToken, agl_routes
 from lightning.store.base import LightningStore, describe_validation_error
 from lightning.store.contract import MAX_WAIT_SECONDS, REQUESTS
-from lightning.store.errors import ConflictError, InvalidArgumentError, NotFoundError, StoreError
+from lightning.store.errors import BodyTooLarge, InvalidArgumentError, StoreError, http_status
 from lightning.types import Event, Link, OtelResource, Span, SpanContext, TraceStatus
 
 logger = logging.getLogger(__name__)
@@ -45,16 +46,6 @@ PROTOBUF = "application/x-protobuf"
 # --- errors -----------------------------------------------------------------------------------
 
 
-def _status_of(exc: Exception) -> int:
-    if isinstance(exc, NotFoundError):
-        return 404
-    if isinstance(exc, ConflictError):
-        return 409
-    if isinstance(exc, InvalidArgumentError):
-        return 422
-    return 503  # a StoreError the store raised on purpose: it is there but cannot serve now
-
-
 def _error(status_code: int, detail: str) -> JSONResponse:
     return JSONResponse({"detail": detail}, status_code=status_code)
 
@@ -65,10 +56,6 @@ def _unauthorised() -> JSONResponse:
         status_code=401,
         headers={"WWW-Authenticate": "Bearer"},
     )
-
-
-class BodyTooLarge(Exception):
-    """A request body over the server's limit: answered 413."""
 
 
 async def read_body(request: Request) -> bytes:
@@ -105,10 +92,8 @@ class _StoreRoute(APIRoute):
                 return Response(answer.dump_json(result), media_type="application/json")
             except pydantic.ValidationError as exc:
                 return _error(422, describe_validation_error(exc, "body"))
-            except BodyTooLarge as exc:
-                return _error(413, str(exc))
             except StoreError as exc:
-                return _error(_status_of(exc), str(exc))
+                return _error(http_status(exc), str(exc))
             except Exception:
                 logger.exception("unexpected error in %s %s", request.method, request.url.path)
                 return _error(500, "internal server error; see the store server's log")
@@ -150,11 +135,14 @@ def create_app(
             tags=[_tag(request_type.method)],
             description=request_type.__doc__,
         )
+    # agent-lightning 0.3's wire (/v1/agl/...), for its own client and runners.
+    app.router.routes.extend(agl_routes(store, read_body))
     _add_otlp_route(app, store)
     if token is not None:
         if not token:
             raise InvalidArgumentError("token must be a non-empty string, or None for no authentication")
         app.add_middleware(BearerAuth, token=token, refusal=_unauthorised)
+        app.add_middleware(PathToken)  # outermost: /t/<token>/... becomes a bearer token before the check
     return app
 
 

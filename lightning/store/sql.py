@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import sqlite3
@@ -62,6 +63,7 @@ from lightning.types import (
     AttemptStatus,
     EnqueueRolloutRequest,
     NamedResources,
+    PaginatedResult,
     ResourcesUpdate,
     Rollout,
     RolloutConfig,
@@ -103,6 +105,9 @@ _ATTEMPT_COLUMNS = [
     attempts.c.last_heartbeat_time,
     attempts.c.metadata,
 ]
+_ROLLOUT_WITH_LATEST_ATTEMPT = select(
+    *_ROLLOUT_COLUMNS, *[c.label(f"a_{c.name}") for c in _ATTEMPT_COLUMNS]
+).select_from(rollouts.outerjoin(attempts, attempts.c.attempt_id == rollouts.c.latest_attempt_id))
 
 
 class _Signal:
@@ -158,6 +163,7 @@ class SqlLightningStore(LightningStore):
         self._finished = _Signal()  # some rollout may have finished
         self._enqueued = _Signal()  # some rollout may have entered the queue
         self._closed = False
+        self._opened = time.monotonic()
 
         if self.backend == "sqlite":
             self._engine = _sqlite_engine(self._url)
@@ -304,8 +310,9 @@ class SqlLightningStore(LightningStore):
         return await self._run(_op_start_attempt, request.rollout_id, request.worker_id, time.time())
 
     async def _get_rollout_by_id(self, request: contract.GetRolloutById) -> Rollout | None:
-        found = await self._run(_op_rollouts_by_ids, [request.rollout_id], write=False)
-        return found.get(request.rollout_id)
+        stmt = _ROLLOUT_WITH_LATEST_ATTEMPT.where(rollouts.c.rollout_id == request.rollout_id)
+        found = await self._run(_op_select_rollouts, stmt, write=False)
+        return found[0] if found else None
 
     async def _query_rollouts(self, request: contract.QueryRollouts) -> list[Rollout]:
         conditions: list[ColumnElement[bool]] = []
@@ -319,13 +326,9 @@ class SqlLightningStore(LightningStore):
             conditions.append(rollouts.c.mode == request.mode)
         if request.queue is not None:
             conditions.append(rollouts.c.queue == request.queue)
-        stmt = (
-            select(*_ROLLOUT_COLUMNS, *[c.label(f"a_{c.name}") for c in _ATTEMPT_COLUMNS])
-            .select_from(rollouts.outerjoin(attempts, attempts.c.attempt_id == rollouts.c.latest_attempt_id))
-            .where(*_combine(conditions, request.filter_logic))
-        )
-        stmt = _order_and_page(stmt, rollouts, request, rollouts.c.seq)
-        return await self._run(_op_select_rollouts, stmt, write=False)
+        stmt = _ROLLOUT_WITH_LATEST_ATTEMPT.where(*_combine(conditions, request.filter_logic))
+        paged = _order_and_page(stmt, rollouts, request, rollouts.c.seq)
+        return await self._run(_op_page, _op_select_rollouts, stmt, paged, request, write=False)
 
     async def _update_rollout(self, request: contract.UpdateRollout) -> Rollout:
         given = request.model_fields_set - {"rollout_id"}
@@ -386,8 +389,9 @@ class SqlLightningStore(LightningStore):
 
     async def _query_attempts(self, request: contract.QueryAttempts) -> list[Attempt]:
         stmt = select(*_ATTEMPT_COLUMNS).where(attempts.c.rollout_id == request.rollout_id)
-        stmt = _order_and_page(stmt, attempts, request, None)
-        return await self._run(_op_query_attempts, request.rollout_id, stmt, write=False)
+        paged = _order_and_page(stmt, attempts, request, None)
+        select_ = functools.partial(_op_query_attempts, rollout_id=request.rollout_id)
+        return await self._run(_op_page, select_, stmt, paged, request, write=False)
 
     async def _get_latest_attempt(self, request: contract.GetLatestAttempt) -> Attempt | None:
         return await self._run(_op_latest_attempt, request.rollout_id, write=False)
@@ -435,17 +439,17 @@ class SqlLightningStore(LightningStore):
 
     async def _query_spans(self, request: contract.QuerySpans) -> list[Span]:
         conditions: list[ColumnElement[bool]] = []
-        for column, value in (
-            (spans.c.trace_id, request.trace_id),
-            (spans.c.span_id, request.span_id),
-            (spans.c.parent_id, request.parent_id),
-            (spans.c.name, request.name),
+        for column, value, part in (
+            (spans.c.trace_id, request.trace_id, request.trace_id_contains),
+            (spans.c.span_id, request.span_id, request.span_id_contains),
+            (spans.c.parent_id, request.parent_id, request.parent_id_contains),
+            (spans.c.name, request.name, request.name_contains),
         ):
             if value is not None:
                 conditions.append(column == value)
-        if request.name_contains is not None:
-            conditions.append(spans.c.name.contains(request.name_contains, autoescape=True))
-        stmt = None
+            if part is not None:
+                conditions.append(column.contains(part, autoescape=True))
+        stmt = paged = None
         default_shape = (
             request.sort_by == "sequence_id"
             and request.sort_order == "asc"
@@ -457,8 +461,8 @@ class SqlLightningStore(LightningStore):
             if request.attempt_id is not None:
                 stmt = stmt.where(spans.c.attempt_id == bindparam("a_id"))
             stmt = stmt.where(*_combine(conditions, request.filter_logic))
-            stmt = _order_and_page(stmt, spans, request, spans.c.pk)
-        return await self._run(_op_query_spans, request.rollout_id, request.attempt_id, stmt, write=False)
+            paged = _order_and_page(stmt, spans, request, spans.c.pk)
+        return await self._run(_op_query_spans, request, stmt, paged, write=False)
 
     # --- resources ---------------------------------------------------------------------------
 
@@ -486,8 +490,8 @@ class SqlLightningStore(LightningStore):
             stmt = stmt.where(resources.c.resources_id == request.resources_id)
         if request.resources_id_contains is not None:
             stmt = stmt.where(resources.c.resources_id.contains(request.resources_id_contains, autoescape=True))
-        stmt = _order_and_page(stmt, resources, request, resources.c.create_time)
-        return await self._run(_op_select_resources, stmt, write=False)
+        paged = _order_and_page(stmt, resources, request, resources.c.create_time)
+        return await self._run(_op_page, _op_select_resources, stmt, paged, request, write=False)
 
     # --- workers -----------------------------------------------------------------------------
 
@@ -509,8 +513,8 @@ class SqlLightningStore(LightningStore):
         if request.worker_id_contains is not None:
             conditions.append(workers.c.worker_id.contains(request.worker_id_contains, autoescape=True))
         stmt = select(workers).where(*_combine(conditions, request.filter_logic))
-        stmt = _order_and_page(stmt, workers, request, workers.c.worker_id)
-        return await self._run(_op_select_workers, stmt, write=False)
+        paged = _order_and_page(stmt, workers, request, workers.c.worker_id)
+        return await self._run(_op_page, _op_select_workers, stmt, paged, request, write=False)
 
     # --- watchdog and housekeeping ------------------------------------------------------------
 
@@ -524,7 +528,13 @@ class SqlLightningStore(LightningStore):
 
     async def _statistics(self, request: contract.Statistics) -> dict[str, Any]:
         counts = await self._run(_op_statistics, write=False)
-        return {"backend": self.backend, "url": self._url.render_as_string(hide_password=True), **counts}
+        return {
+            "name": type(self).__name__,
+            "backend": self.backend,
+            "url": self._url.render_as_string(hide_password=True),
+            "uptime": time.monotonic() - self._opened,
+            **counts,
+        }
 
     def _watchdog_loop(self) -> None:
         """The background thread: a watchdog pass, and for a SQLite file a WAL checkpoint, each interval."""
@@ -1045,26 +1055,31 @@ def _op_allocate_sequence_ids(tx: _Tx, pairs: list[tuple[str, str]]) -> list[int
     return allocated
 
 
-def _op_query_spans(tx: _Tx, rollout_id: str, attempt_id: str | None, stmt: Any | None) -> list[Span]:
-    """`stmt` None: all spans of the rollout (or attempt) in sequence order, the common case."""
+def _op_query_spans(
+    tx: _Tx, request: contract.QuerySpans, stmt: Any | None, paged: Any | None
+) -> PaginatedResult[Span]:
+    """`stmt` None: all spans of the rollout (or attempt) in sequence order, the common case; else `paged` is
+    `stmt` sorted and paged."""
+    rollout_id, attempt_id = request.rollout_id, request.attempt_id
     if attempt_id == "latest":
         latest = tx.first(_SELECT_LATEST_ATTEMPT_ID, {"r_id": rollout_id})
         if latest is None:
             raise NotFoundError(f"query_spans: no rollout {rollout_id!r}")
         if latest["latest_attempt_id"] is None:
-            return []
+            return PaginatedResult(items=[], limit=request.limit, offset=request.offset, total=0)
         attempt_id = latest["latest_attempt_id"]
     params = {"r_id": rollout_id, "a_id": attempt_id}
-    if stmt is not None:
-        payloads = list(tx.conn.execute(stmt, params).scalars())
+    if paged is not None:
+        payloads = list(tx.conn.execute(paged, params).scalars())
     elif attempt_id is None:
         payloads = [row["payload"] for row in tx.rows(_SELECT_SPANS_OF_ROLLOUT, params)]
     else:
         payloads = [row["payload"] for row in tx.rows(_SELECT_SPANS_OF_ATTEMPT, params)]
     if not payloads:
         _check_rollout_exists(tx, rollout_id, "query_spans")
-        return []
-    return _SPAN_LIST.validate_json("[" + ",".join(payloads) + "]")
+    found = _SPAN_LIST.validate_json("[" + ",".join(payloads) + "]") if payloads else []
+    total = len(found) if stmt is None else _total(tx, found, stmt, request, params)
+    return PaginatedResult(items=found, limit=request.limit, offset=request.offset, total=total)
 
 
 def _op_watchdog(tx: _Tx, now: float) -> int:
@@ -1103,6 +1118,25 @@ def _op_rollouts_by_ids(tx: _Tx, rollout_ids: list[str]) -> dict[str, Rollout]:
     return {row.rollout_id: _rollout(row._mapping) for row in rows}
 
 
+def _op_page(
+    tx: _Tx, select_: Callable[[_Tx, Any], list[T]], stmt: Any, paged: Any, page: contract.Page
+) -> PaginatedResult[T]:
+    """One page of a query: `select_` run on `paged` (`stmt` sorted and paged), with the total count of `stmt`."""
+    found = select_(tx, paged)
+    return PaginatedResult(items=found, limit=page.limit, offset=page.offset, total=_total(tx, found, stmt, page))
+
+
+def _total(tx: _Tx, found: list[Any], stmt: Any, page: contract.Page, params: dict[str, Any] | None = None) -> int:
+    """How many rows `stmt` matches in all. The page itself tells, unless it is full or lies past the end: then a
+    COUNT over the same query."""
+    if page.limit < 0 and (found or not page.offset):
+        return page.offset + len(found)
+    if 0 <= len(found) < page.limit and (found or not page.offset):
+        return page.offset + len(found)
+    counted = select(func.count()).select_from(stmt.order_by(None).subquery())
+    return tx.conn.execute(counted, params or {}).scalar_one()
+
+
 def _op_select_rollouts(tx: _Tx, stmt: Any) -> list[Rollout]:
     result: list[Rollout] = []
     for row in tx.conn.execute(stmt).all():
@@ -1115,7 +1149,7 @@ def _op_select_rollouts(tx: _Tx, stmt: Any) -> list[Rollout]:
     return result
 
 
-def _op_query_attempts(tx: _Tx, rollout_id: str, stmt: Any) -> list[Attempt]:
+def _op_query_attempts(tx: _Tx, stmt: Any, *, rollout_id: str) -> list[Attempt]:
     found = [_attempt(row._mapping) for row in tx.conn.execute(stmt).all()]
     if not found:
         _check_rollout_exists(tx, rollout_id, "query_attempts")
@@ -1188,12 +1222,19 @@ def _op_statistics(tx: _Tx) -> dict[str, Any]:
     def by_status(table: Any) -> dict[str, int]:
         return dict(conn.execute(select(table.c.status, func.count()).group_by(table.c.status)).all())
 
+    counts = {"rollouts": by_status(rollouts), "attempts": by_status(attempts), "workers": by_status(workers)}
+    span_count = conn.execute(select(func.count()).select_from(spans)).scalar_one()
+    resource_count = conn.execute(select(func.count()).select_from(resources)).scalar_one()
     return {
-        "rollouts": by_status(rollouts),
-        "attempts": by_status(attempts),
-        "workers": by_status(workers),
-        "spans": conn.execute(select(func.count()).select_from(spans)).scalar_one(),
-        "resources": conn.execute(select(func.count()).select_from(resources)).scalar_one(),
+        # agent-lightning's names first, then ours (counts by status; spans and resources, kept for old readers)
+        "total_rollouts": sum(counts["rollouts"].values()),
+        "total_attempts": sum(counts["attempts"].values()),
+        "total_spans": span_count,
+        "total_resources": resource_count,
+        "total_workers": sum(counts["workers"].values()),
+        **counts,
+        "spans": span_count,
+        "resources": resource_count,
     }
 
 

@@ -50,9 +50,10 @@ async def get_final_reward(store: LightningStore, rollout_id: str, attempt_id: s
             return None
         attempt_id = attempt.attempt_id
     # Only the spans that can hold a reward: the others may carry whole prompts and token ids.
-    candidates = await store.query_spans(rollout_id, attempt_id, name_contains="reward")
-    candidates += await store.query_spans(rollout_id, attempt_id, name=PEER_ANNOTATION_SPAN)
-    return find_final_reward(candidates)
+    candidates = await store.query_spans(
+        rollout_id, attempt_id, name_contains="reward", name=PEER_ANNOTATION_SPAN, filter_logic="or"
+    )
+    return find_final_reward(list(candidates))
 
 
 def _finite(value: Any) -> float | None:

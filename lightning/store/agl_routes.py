@@ -1,0 +1,165 @@
+"""agent-lightning 0.3's store wire, served beside ours: its REST routes under `/v1/agl/...`, so its own
+`LightningStoreClient` (and the runners and trainers built on it) work against our store unchanged.
+
+Each route turns its path, query and body into the request model of `lightning.store.contract` that our own
+route `POST /v1/store/<method>` takes, hands it to the same store, and answers in agl's shape (paginated queries,
+`{"sequence_id": n}`, 201 on creation). agl's client cannot send a bearer token: on a server with a token, give it
+the token as the first part of the address, `LightningStoreClient("http://host:4747/t/<token>")`; the server
+strips `/t/<token>` and checks it like a bearer token (see `PathToken`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pydantic
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from lightning.store import contract
+from lightning.store.base import LightningStore, describe_validation_error
+from lightning.store.contract import MAX_WAIT_SECONDS
+from lightning.store.errors import InvalidArgumentError, StoreError, http_status
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "/v1/agl"
+TOKEN_PREFIX = "/t/"
+
+
+@dataclass(frozen=True)
+class AglRoute:
+    """One of agl's routes: which of our requests it is, and how its body and answer differ from ours."""
+
+    method: str
+    path: str
+    request: type[contract.Request]
+    status_code: int = 200
+    body_is: str | None = None
+    """agl sends this field of the request as the whole body (a span, a resources mapping)."""
+    answer: Callable[[Any], Any] = lambda value: value
+    list_fields: tuple[str, ...] = ()
+    """Query-string parameters that may repeat (GET): the values form a list."""
+
+
+# Fixed paths before the ones with an {id} in the same place: the first route whose path and method match wins.
+ROUTES: tuple[AglRoute, ...] = (
+    AglRoute("POST", "/queues/rollouts/enqueue", contract.EnqueueManyRollouts, 201),
+    AglRoute("POST", "/queues/rollouts/dequeue", contract.DequeueRollouts),
+    AglRoute("POST", "/rollouts", contract.StartRollout, 201),
+    AglRoute("GET", "/rollouts", contract.QueryRollouts, list_fields=("status_in", "rollout_id_in")),
+    AglRoute("POST", "/rollouts/search", contract.QueryRollouts),
+    AglRoute("GET", "/rollouts/{rollout_id}", contract.GetRolloutById),
+    AglRoute("POST", "/rollouts/{rollout_id}", contract.UpdateRollout),
+    AglRoute("POST", "/rollouts/{rollout_id}/attempts", contract.StartAttempt, 201),
+    AglRoute("GET", "/rollouts/{rollout_id}/attempts", contract.QueryAttempts),
+    AglRoute("POST", "/rollouts/{rollout_id}/attempts/search", contract.QueryAttempts),
+    AglRoute("GET", "/rollouts/{rollout_id}/attempts/latest", contract.GetLatestAttempt),
+    AglRoute("POST", "/rollouts/{rollout_id}/attempts/{attempt_id}", contract.UpdateAttempt),
+    AglRoute("GET", "/workers", contract.QueryWorkers, list_fields=("status_in",)),
+    AglRoute("POST", "/workers/search", contract.QueryWorkers),
+    AglRoute("GET", "/workers/{worker_id}", contract.GetWorkerById),
+    AglRoute("POST", "/workers/{worker_id}", contract.UpdateWorker),
+    AglRoute("GET", "/statistics", contract.Statistics),
+    AglRoute("GET", "/resources", contract.QueryResources),
+    AglRoute("POST", "/resources", contract.AddResources, 201, body_is="resources"),
+    AglRoute("GET", "/resources/latest", contract.GetLatestResources),
+    AglRoute("GET", "/resources/{resources_id}", contract.GetResourcesById),
+    AglRoute("POST", "/resources/{resources_id}", contract.UpdateResources, body_is="resources"),
+    AglRoute("POST", "/spans", contract.AddSpan, 201, body_is="span"),
+    AglRoute("GET", "/spans", contract.QuerySpans),
+    AglRoute("POST", "/spans/search", contract.QuerySpans),
+    AglRoute("POST", "/spans/next", contract.GetNextSpanSequenceId, answer=lambda n: {"sequence_id": n}),
+    AglRoute("POST", "/waits/rollouts", contract.WaitForRollouts),
+)
+
+
+def agl_routes(store: LightningStore, read_body: Callable[[Request], Any]) -> list[Route]:
+    """The Starlette routes of agl's wire on `store`; `read_body` reads a request body within the server's limit."""
+    routes = [Route(PREFIX + "/health", _health, methods=["GET"], include_in_schema=False)]
+    for route in ROUTES:
+        routes.append(
+            Route(
+                PREFIX + route.path, _endpoint(store, route, read_body), methods=[route.method], include_in_schema=False
+            )
+        )
+    return routes
+
+
+async def _health(request: Request) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+def _endpoint(store: LightningStore, route: AglRoute, read_body: Callable[[Request], Any]) -> Callable[..., Any]:
+    answer_type = pydantic.TypeAdapter(route.request.response)
+
+    async def endpoint(request: Request) -> Response:
+        try:
+            fields = await _fields(request, route, read_body)
+            call = route.request.model_validate(fields)
+            if isinstance(call, contract.WaitForRollouts):
+                cap = MAX_WAIT_SECONDS if call.timeout is None else min(call.timeout, MAX_WAIT_SECONDS)
+                call = call.model_copy(update={"timeout": cap})
+            result = await store.handle(call)
+            body = answer_type.dump_python(result, mode="json")
+            return JSONResponse(route.answer(body), status_code=route.status_code)
+        except pydantic.ValidationError as exc:
+            return _error(422, f"{route.request.method}: {describe_validation_error(exc, 'body')}")
+        except ValueError as exc:  # a body that is not JSON
+            return _error(400, f"{route.request.method}: the body is not JSON: {exc}")
+        except StoreError as exc:
+            return _error(http_status(exc), str(exc))
+        except Exception:
+            logger.exception("unexpected error in %s %s", request.method, request.url.path)
+            return _error(500, "internal server error; see the store server's log")
+
+    endpoint.__name__ = f"agl_{route.request.method}"
+    return endpoint
+
+
+async def _fields(request: Request, route: AglRoute, read_body: Callable[[Request], Any]) -> dict[str, Any]:
+    """The request's arguments: the path's ids, then the query string (GET) or the JSON body (POST)."""
+    fields: dict[str, Any] = {}
+    if route.method == "GET":
+        for name in request.query_params:
+            values = request.query_params.getlist(name)
+            fields[name] = values if name in route.list_fields else values[-1]
+    else:
+        raw = await read_body(request)
+        body = json.loads(raw) if raw.strip() else None
+        if route.body_is is not None:
+            fields[route.body_is] = body
+        elif body is not None:
+            if not isinstance(body, dict):
+                raise InvalidArgumentError(f"{route.request.method}: the body must be a JSON object")
+            fields.update(body)
+    fields.update(request.path_params)
+    return fields
+
+
+def _error(status_code: int, detail: str) -> JSONResponse:
+    return JSONResponse({"detail": detail}, status_code=status_code)
+
+
+class PathToken:
+    """ASGI middleware for clients that cannot send a header (agl's `LightningStoreClient`): a path that starts with
+    `/t/<token>/` is served as the rest of the path with `Authorization: Bearer <token>`, which the bearer check
+    after this one then judges. The path is rewritten in place, so access logs never show the token."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(TOKEN_PREFIX):
+            token, slash, rest = scope["path"][len(TOKEN_PREFIX) :].partition("/")
+            if token and slash:
+                scope["path"] = "/" + rest
+                scope["raw_path"] = scope["path"].encode()
+                headers = [(name, value) for name, value in scope["headers"] if name != b"authorization"]
+                scope["headers"] = [*headers, (b"authorization", f"Bearer {token}".encode())]
+        await self.app(scope, receive, send)
