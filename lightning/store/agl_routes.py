@@ -110,10 +110,10 @@ def _endpoint(store: LightningStore, route: AglRoute, read_body: Callable[[Reque
             return JSONResponse(route.answer(body), status_code=route.status_code)
         except pydantic.ValidationError as exc:
             return _error(422, f"{route.request.method}: {describe_validation_error(exc, 'body')}")
-        except ValueError as exc:  # a body that is not JSON
-            return _error(400, f"{route.request.method}: the body is not JSON: {exc}")
         except StoreError as exc:
             return _error(http_status(exc), str(exc))
+        except json.JSONDecodeError as exc:
+            return _error(400, f"{route.request.method}: the body is not JSON: {exc}")
         except Exception:
             logger.exception("unexpected error in %s %s", request.method, request.url.path)
             return _error(500, "internal server error; see the store server's log")

@@ -1,0 +1,142 @@
+"""agent-lightning 0.3.0's own store client (its package, in its own Python 3.12 venv from `make agl-peer`)
+against our store server on a SQLite file: its REST routes under /v1/agl, its paginated answers, a token in the
+address, and rollouts that agl enqueues and waits for while our runner runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from conftest import serving
+
+from lightning.runner import Runner
+from lightning.store import SqlLightningStore
+from lightning.store.client import HttpLightningStore
+from lightning.store.server import create_app
+
+SCRIPT = Path(__file__).parent / "support" / "agl_client.py"
+AGL_PYTHON_ENV = "LIGHTNING_AGL_PYTHON"
+TOKEN = "agl-s3cret"
+
+
+@pytest.fixture(scope="session")
+def agl_python() -> str:
+    python = os.environ.get(AGL_PYTHON_ENV)
+    if not python or not Path(python).is_file():
+        pytest.fail(
+            f"the agl tests run agent-lightning 0.3.0's own client: `make agl-peer`, then "
+            f"{AGL_PYTHON_ENV}=.venv-agl/bin/python (`make test` does both); or leave them out with -m 'not agl'"
+        )
+    return python
+
+
+# agl imports LiteLLM, which otherwise fetches its price list from the internet at import (a minute offline).
+AGL_ENV = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+
+
+def agl(python: str, *args: str, timeout: float = 120) -> Any:
+    done = subprocess.run(
+        [python, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, cwd=SCRIPT.parent, env=AGL_ENV
+    )
+    assert done.returncode == 0, f"agl's client failed:\n{done.stderr[-4000:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.agl
+def test_agl_client_walks_the_store_lifecycle(agl_python: str, tmp_path: Path) -> None:
+    store = SqlLightningStore(f"sqlite:///{tmp_path / 'store.db'}", watchdog_interval=None)
+    with serving(create_app(store)) as url:
+        seen = agl(agl_python, "walk", url)
+
+    first, second, third = seen["enqueued"]
+    assert seen["dequeued"] == first  # oldest first
+    assert seen["span_stored"] is True
+    assert seen["finished"] == [[first, "succeeded"]]
+    assert seen["paginated"] is True
+    assert seen["query_rollouts"] == {"type": "PaginatedResult", "ids": [first], "total": 1}
+    assert seen["queued_page"] == {"items": 1, "limit": 1, "total": 2}  # total counts past the page
+    assert seen["spans"] == ["agent.step", "agent.answer"]
+    assert seen["spans_named"] == ["agent.answer"]
+    ((attempt_id, status, worker),) = seen["attempts"]
+    assert (status, worker) == ("succeeded", "agl-worker")
+    assert seen["latest_attempt"] == attempt_id
+    assert seen["get_rollout_by_id"] == {"type": "AttemptedRollout", "attempt_id": attempt_id}
+    assert seen["unknown_rollout"] is None
+    assert seen["statistics"] == {
+        "total_rollouts": 3,
+        "total_attempts": 1,
+        "total_spans": 2,
+        "total_resources": 1,
+        "total_workers": 1,
+    }
+    assert seen["workers"] == ["agl-worker"]
+    assert seen["latest_resources"] == seen["resources_id"]
+
+
+@pytest.mark.agl
+def test_agl_enqueues_our_runner_runs_agl_reads_the_rewards(agl_python: str, tmp_path: Path) -> None:
+    from support.agents import counting_agent
+
+    store = SqlLightningStore(f"sqlite:///{tmp_path / 'store.db'}", watchdog_interval=None)
+    with serving(create_app(store, token=TOKEN)) as url:
+        agl_url = f"{url}/t/{TOKEN}"  # agl's client cannot send a header: the token rides in the address
+        ids = agl(agl_python, "enqueue", agl_url, "3")["ids"]
+
+        def run_ours() -> None:
+            import asyncio
+
+            async def main() -> None:
+                remote = HttpLightningStore(url, token=TOKEN)
+                runner = Runner(counting_agent, remote, worker_id="ours", idle_wait=0.2)
+                await runner.iter(max_rollouts=3)
+                await runner.close()
+                await remote.close()
+
+            asyncio.run(main())
+
+        thread = threading.Thread(target=run_ours)
+        thread.start()
+        collected = agl(agl_python, "collect", agl_url, *ids)
+        thread.join(timeout=60)
+
+    assert sorted(collected) == sorted(ids)
+    for rollout in collected.values():
+        assert rollout["status"] == "succeeded"
+        assert rollout["reward"] == 1.0  # agl's find_final_reward reads the reward span our runner wrote
+
+
+@pytest.mark.agl
+def test_a_token_server_refuses_agl_without_the_token_in_the_address(agl_python: str, tmp_path: Path) -> None:
+    store = SqlLightningStore(f"sqlite:///{tmp_path / 'store.db'}", watchdog_interval=None)
+    with serving(create_app(store, token=TOKEN)) as url:
+        assert httpx.get(f"{url}/v1/agl/statistics").status_code == 401
+        assert httpx.get(f"{url}/t/wrong/v1/agl/statistics").status_code == 401
+        assert httpx.get(f"{url}/t/{TOKEN}/v1/agl/statistics").status_code == 200
+        done = subprocess.run(
+            [agl_python, str(SCRIPT), "enqueue", f"{url}/t/wrong", "1"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=AGL_ENV,
+        )
+    assert done.returncode != 0 and "401" in done.stderr
+
+
+def test_agl_routes_answer_bad_requests_with_4xx(tmp_path: Path) -> None:
+    store = SqlLightningStore(f"sqlite:///{tmp_path / 'store.db'}", watchdog_interval=None)
+    with serving(create_app(store)) as url:
+        base = f"{url}/v1/agl"
+        wrong_field = httpx.post(f"{base}/rollouts/search", json={"statuses": ["queuing"]})
+        assert wrong_field.status_code == 422 and "statuses" in wrong_field.json()["detail"]
+        assert httpx.post(f"{base}/rollouts/search", content=b"{not json").status_code == 400
+        unknown = httpx.post(f"{base}/rollouts/ro-missing/attempts/at-missing", json={"status": "running"})
+        assert unknown.status_code == 404 and "ro-missing" in unknown.json()["detail"]
+        assert httpx.get(f"{base}/rollouts/ro-missing").json() is None
+        page = httpx.get(f"{base}/rollouts", params=[("status_in", "queuing"), ("status_in", "running")]).json()
+        assert page == {"items": [], "limit": -1, "offset": 0, "total": 0}
