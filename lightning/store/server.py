@@ -17,7 +17,7 @@ from lightning.store import contract
 from lightning.store.base import LightningStore, describe_validation_error
 from lightning.store.contract import MAX_WAIT_SECONDS, REQUESTS
 from lightning.store.errors import ConflictError, InvalidArgumentError, NotFoundError, StoreError
-from lightning.store.otlp import add_otlp_route
+from lightning.store.otlp import add_otlp_route, otlp_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ def create_app(
     if token is not None:
         if not token:
             raise InvalidArgumentError("token must be a non-empty string, or None for no authentication")
-        app.add_middleware(BearerAuth, token=token, refusal=_unauthorised)
+        app.add_middleware(BearerAuth, token=token, refusal=otlp_refusal(_unauthorised))
     return app
 
 
