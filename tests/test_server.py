@@ -21,6 +21,7 @@ from conftest import serving
 from google.rpc import status_pb2
 
 from lightning.store import (
+    AuthError,
     ConflictError,
     InvalidArgumentError,
     LightningStore,
@@ -163,7 +164,7 @@ async def test_token_guards_every_route(sql_store: SqlLightningStore, caplog: py
     with serving(app) as url:
         async with HttpLightningStore(url, token=TOKEN) as good, HttpLightningStore(url, retries=0) as anonymous:
             assert (await good.enqueue_rollout("x")).status == "queuing"
-            with pytest.raises(StoreError, match="401"):
+            with pytest.raises(AuthError, match=f"the store server at {url} refused the request: HTTP 401: missing"):
                 await anonymous.query_rollouts()
             assert TOKEN not in repr(good)
 
@@ -219,18 +220,21 @@ async def test_long_waits_span_several_requests(sql_store: SqlLightningStore, mo
 
 
 class CountingStub:
-    """An ASGI app that counts requests per path and answers each with 503."""
+    """An ASGI app that counts requests per path and answers each with `status` (503: "store busy")."""
 
-    def __init__(self) -> None:
+    def __init__(self, status: int = 503, detail: str = "store busy") -> None:
         self.calls: dict[str, int] = {}
+        self.status = status
+        self.detail = detail
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return
         path = scope["path"].removeprefix("/v1/store/")
         self.calls[path] = self.calls.get(path, 0) + 1
-        body = json.dumps({"detail": "store busy"}).encode()
-        await send({"type": "http.response.start", "status": 503, "headers": [(b"content-type", b"application/json")]})
+        body = json.dumps({"detail": self.detail}).encode()
+        headers = [(b"content-type", b"application/json")]
+        await send({"type": "http.response.start", "status": self.status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
 
@@ -260,6 +264,19 @@ async def test_client_repeats_only_calls_that_are_safe_to_repeat() -> None:
                 with pytest.raises(StoreError, match="store busy"):
                     await call
                 assert stub.calls.pop(name) == 1, name
+
+
+@pytest.mark.parametrize("status", [401, 403])
+async def test_a_refused_token_is_an_auth_error_at_once(status: int) -> None:
+    stub = CountingStub(status, detail="not for you")
+    with serving(stub) as url:
+        async with HttpLightningStore(url, token="wrong", retries=3) as store:
+            started = time.monotonic()
+            with pytest.raises(AuthError, match=f"at {url} refused the request: HTTP {status}: not for you"):
+                await store.query_rollouts()  # a read: 503s and transport errors would be repeated
+            assert time.monotonic() - started < 1.0
+    assert stub.calls == {"query_rollouts": 1}
+    assert issubclass(AuthError, StoreError)
 
 
 async def test_client_against_a_stopped_server_raises_instead_of_answering_empty() -> None:

@@ -1,4 +1,5 @@
-"""Typed store errors; the HTTP server maps each to a status code (404, 409, 422)."""
+"""Typed store errors; the HTTP server maps each to a status code (404, 409, 422), and the client maps 401 and 403
+back to AuthError."""
 
 
 class StoreError(Exception):
@@ -18,3 +19,8 @@ class ConflictError(StoreError):
 
 class InvalidArgumentError(StoreError, ValueError):
     """An argument is malformed; the message names the argument and what it accepts."""
+
+
+class AuthError(StoreError):
+    """The store server refused the client's credentials (HTTP 401 or 403). Repeating the call cannot help: the
+    token is wrong or missing. Never retried; a runner stops on it."""
