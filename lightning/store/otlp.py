@@ -76,20 +76,12 @@ UNAUTHORISED = (
 
 
 class OtlpError(Exception):
-    """A request this route refuses as a whole: answered with `status_code` (400 unless told), this message, and
-    `violations` ((field, description) pairs) as a google.rpc.BadRequest."""
+    """A request this route refuses as a whole: answered with `status_code` (400 unless told), this message and
+    `headers`."""
 
-    def __init__(
-        self,
-        message: str,
-        status_code: int = 400,
-        *,
-        violations: Sequence[tuple[str, str]] = (),
-        headers: dict[str, str] | None = None,
-    ) -> None:
+    def __init__(self, message: str, status_code: int = 400, *, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status_code = status_code
-        self.violations = list(violations)
         self.headers = headers
 
 
@@ -137,7 +129,7 @@ def add_otlp_route(app: FastAPI, store: LightningStore) -> None:
             spans, rejections, total = _spans_from_otlp(message)
             rejections += await _store_spans(store, spans)
         except OtlpError as exc:
-            return status_response(exc.status_code, str(exc), media_type, exc.violations, exc.headers)
+            return status_response(exc.status_code, str(exc), media_type, headers=exc.headers)
         except StoreError as exc:
             return status_response(_status_of(exc), str(exc), media_type)
         except Exception:
