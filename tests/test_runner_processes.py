@@ -127,3 +127,59 @@ def wait_for(probe: Any, timeout: float) -> Any:
             return found
         time.sleep(0.1)
     raise AssertionError(f"timed out after {timeout}s")
+
+
+TOKEN = "s3cret-token"
+
+
+@pytest.fixture
+def served_store_with_token(tmp_path: Path) -> Iterator[tuple[str, SqlLightningStore]]:
+    store = SqlLightningStore(f"sqlite:///{tmp_path}/store.db", watchdog_interval=None)
+    with serving(create_app(store, token=TOKEN)) as url:
+        yield url, store
+    asyncio.run(store.close())
+
+
+def run_runner(url: str, *extra: str, env_token: str | None = None) -> tuple[subprocess.CompletedProcess[str], float]:
+    """A runner process to its end (bounded: 60 s), and how long it took."""
+    env = {k: v for k, v in os.environ.items() if k != "LIGHTNING_STORE_TOKEN"}
+    env["PYTHONPATH"] = f"{REPO}{os.pathsep}{TESTS}"
+    if env_token is not None:
+        env["LIGHTNING_STORE_TOKEN"] = env_token
+    command = [sys.executable, "-m", "lightning.runner", "--store", url, "--agent", "support.agents:counting_agent"]
+    started = time.monotonic()
+    done = subprocess.run([*command, *extra], env=env, capture_output=True, text=True, timeout=60)
+    return done, time.monotonic() - started
+
+
+@pytest.mark.parametrize(
+    ("where", "told"),
+    [
+        ("--token", "The token given with --token is not the store server's"),
+        ("env", "The token in $LIGHTNING_STORE_TOKEN is not the store server's"),
+        ("none", "No token was given and this store server needs one"),
+    ],
+)
+def test_a_runner_with_a_refused_token_exits_at_once_saying_why(
+    served_store_with_token: tuple[str, SqlLightningStore], where: str, told: str
+) -> None:
+    url, store = served_store_with_token
+    asyncio.run(store.enqueue_rollout({"i": 0}))
+    extra = ("--token", "WRONG") if where == "--token" else ()
+    done, took = run_runner(url, *extra, env_token="WRONG" if where == "env" else None)
+    assert done.returncode == 1, done.stderr
+    last_lines = done.stderr.strip().splitlines()[-2:]
+    assert last_lines[0].startswith(f"python -m lightning.runner: dequeue_rollout: the store server at {url} refused")
+    assert "HTTP 401" in last_lines[0]
+    assert last_lines[1].startswith(told) and "--token" in last_lines[1] and "$LIGHTNING_STORE_TOKEN" in last_lines[1]
+    assert "Traceback" not in done.stderr and "retrying" not in done.stderr and "WRONG" not in done.stderr
+    assert took < 30  # its start-up; no back-off
+    assert asyncio.run(store.statistics())["rollouts"] == {"queuing": 1}  # nothing claimed
+
+
+def test_a_runner_with_the_right_token_runs(served_store_with_token: tuple[str, SqlLightningStore]) -> None:
+    url, store = served_store_with_token
+    queued = asyncio.run(store.enqueue_rollout({"i": 0}))
+    done, _ = run_runner(url, "--max-rollouts", "1", env_token=TOKEN)
+    assert done.returncode == 0, done.stderr
+    assert asyncio.run(store.get_rollout_by_id(queued.rollout_id)).status == "succeeded"

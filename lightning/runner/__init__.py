@@ -21,7 +21,7 @@ from typing import Any
 from lightning.agent import Hook, LitAgent, RolloutResult
 from lightning.store import lifecycle
 from lightning.store.base import LightningStore
-from lightning.store.errors import StoreError
+from lightning.store.errors import AuthError, StoreError
 from lightning.types import (
     AttemptedRollout,
     AttemptStatus,
@@ -75,7 +75,8 @@ class Runner:
         self.queue = queue
 
     async def iter(self, *, stop_event: StopEvent | None = None, max_rollouts: int | None = None) -> int:
-        """Claim and run rollouts until `stop_event` is set or `max_rollouts` ran; returns how many ran."""
+        """Claim and run rollouts until `stop_event` is set or `max_rollouts` ran; returns how many ran. A store that
+        fails is tried again with back-off, but one that refuses the token raises AuthError."""
         ran = 0
         last_beat = 0.0
         backoff = 0.1
@@ -90,6 +91,8 @@ class Runner:
                 await self.run_attempt(claimed)
                 ran += 1
                 backoff = 0.1
+            except AuthError:
+                raise  # a refused token stays refused: trying again forever would only hide it
             except StoreError as exc:
                 # The store is unreachable or refused: the watchdog requeues what we held; keep trying.
                 logger.warning("runner %s: store error %s; retrying in %.1fs", self.worker_id, exc, backoff)

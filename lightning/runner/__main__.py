@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 import threading
@@ -32,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from lightning.config import ConfigError, load_agent
     from lightning.runner import Runner
-    from lightning.store import open_store
+    from lightning.store import AuthError, open_store
 
     try:
         agent = load_agent(args.agent)
@@ -57,8 +58,29 @@ def main(argv: list[str] | None = None) -> None:
             await runner.close()
             await store.close()
 
-    ran = asyncio.run(run())
+    try:
+        ran = asyncio.run(run())
+    except AuthError as exc:
+        raise SystemExit(f"python -m lightning.runner: {exc}\n{_token_hint(args.token)}") from None
     print(f"runner ran {ran} rollouts", file=sys.stderr)
+
+
+def _token_hint(given: str | None) -> str:
+    """What to do about a refused token, by where the token came from."""
+    if given:
+        return (
+            "The token given with --token is not the store server's. Pass the token `lightning store serve` was "
+            "started with, by --token or in $LIGHTNING_STORE_TOKEN."
+        )
+    if os.environ.get("LIGHTNING_STORE_TOKEN"):
+        return (
+            "The token in $LIGHTNING_STORE_TOKEN is not the store server's. Set it to the token `lightning store "
+            "serve` was started with, or pass that one with --token."
+        )
+    return (
+        "No token was given and this store server needs one. Pass the token `lightning store serve` was started "
+        "with, by --token or in $LIGHTNING_STORE_TOKEN."
+    )
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 from lightning.store import contract
 from lightning.store.base import UNSET, LightningStore, Unset
 from lightning.store.contract import DEFAULT_QUEUE
-from lightning.store.errors import ConflictError, InvalidArgumentError, NotFoundError, StoreError
+from lightning.store.errors import AuthError, ConflictError, InvalidArgumentError, NotFoundError, StoreError
 from lightning.store.sql import DEFAULT_URL, SqlLightningStore
 
 
@@ -25,6 +25,7 @@ __all__ = [
     "DEFAULT_QUEUE",
     "DEFAULT_URL",
     "UNSET",
+    "AuthError",
     "ConflictError",
     "InvalidArgumentError",
     "LightningStore",

@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from lightning.serving import BodyTooLarge, read_body
 from lightning.store import contract
 from lightning.store.base import LightningStore, describe_validation_error
 from lightning.store.contract import MAX_WAIT_SECONDS
@@ -79,14 +80,12 @@ ROUTES: tuple[AglRoute, ...] = (
 )
 
 
-def agl_routes(store: LightningStore, read_body: Callable[[Request], Any]) -> list[Route]:
-    """The Starlette routes of agl's wire on `store`; `read_body` reads a request body within the server's limit."""
+def agl_routes(store: LightningStore) -> list[Route]:
+    """The Starlette routes of agl's wire on `store`."""
     routes = [Route(PREFIX + "/health", _health, methods=["GET"], include_in_schema=False)]
     for route in ROUTES:
         routes.append(
-            Route(
-                PREFIX + route.path, _endpoint(store, route, read_body), methods=[route.method], include_in_schema=False
-            )
+            Route(PREFIX + route.path, _endpoint(store, route), methods=[route.method], include_in_schema=False)
         )
     return routes
 
@@ -95,12 +94,12 @@ async def _health(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
 
-def _endpoint(store: LightningStore, route: AglRoute, read_body: Callable[[Request], Any]) -> Callable[..., Any]:
+def _endpoint(store: LightningStore, route: AglRoute) -> Callable[..., Any]:
     answer_type = pydantic.TypeAdapter(route.request.response)
 
     async def endpoint(request: Request) -> Response:
         try:
-            fields = await _fields(request, route, read_body)
+            fields = await _fields(request, route)
             call = route.request.model_validate(fields)
             if isinstance(call, contract.WaitForRollouts):
                 cap = MAX_WAIT_SECONDS if call.timeout is None else min(call.timeout, MAX_WAIT_SECONDS)
@@ -110,6 +109,8 @@ def _endpoint(store: LightningStore, route: AglRoute, read_body: Callable[[Reque
             return JSONResponse(route.answer(body), status_code=route.status_code)
         except pydantic.ValidationError as exc:
             return _error(422, f"{route.request.method}: {describe_validation_error(exc, 'body')}")
+        except BodyTooLarge as exc:
+            return _error(413, str(exc))
         except StoreError as exc:
             return _error(http_status(exc), str(exc))
         except json.JSONDecodeError as exc:
@@ -122,7 +123,7 @@ def _endpoint(store: LightningStore, route: AglRoute, read_body: Callable[[Reque
     return endpoint
 
 
-async def _fields(request: Request, route: AglRoute, read_body: Callable[[Request], Any]) -> dict[str, Any]:
+async def _fields(request: Request, route: AglRoute) -> dict[str, Any]:
     """The request's arguments: the path's ids, then the query string (GET) or the JSON body (POST)."""
     fields: dict[str, Any] = {}
     if route.method == "GET":

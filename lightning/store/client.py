@@ -17,7 +17,7 @@ import pydantic
 from lightning.store import contract
 from lightning.store.base import LightningStore
 from lightning.store.contract import MAX_WAIT_SECONDS, Request
-from lightning.store.errors import ConflictError, InvalidArgumentError, NotFoundError, StoreError
+from lightning.store.errors import AuthError, ConflictError, InvalidArgumentError, NotFoundError, StoreError
 from lightning.types import Rollout
 
 logger = logging.getLogger(__name__)
@@ -34,7 +34,8 @@ class HttpLightningStore(LightningStore):
     `token`: the server's bearer token. `timeout`: seconds per request (waits come on top).
     `retries`: further tries, with backoff, after a transport error or a 503 - only for calls that
     are safe to repeat (reads, keyed enqueues, spans, sequence ids, heartbeats); every other call
-    is sent once and its failure raised, never turned into an empty answer."""
+    is sent once and its failure raised, never turned into an empty answer. A refused token (401, 403)
+    is an AuthError at once."""
 
     def __init__(self, base_url: str, *, token: str | None = None, timeout: float = 30.0, retries: int = 3) -> None:
         if retries < 0:
@@ -102,7 +103,7 @@ class HttpLightningStore(LightningStore):
                 continue
             if response.status_code == 200:
                 return response.content
-            problem = _error_from(method, response)
+            problem = _error_from(method, response, self.base_url)
             if response.status_code != 503:
                 raise problem
         assert problem is not None
@@ -171,7 +172,7 @@ class HttpLightningStore(LightningStore):
 # --- helpers ----------------------------------------------------------------------------------
 
 
-def _error_from(method: str, response: httpx.Response) -> StoreError:
+def _error_from(method: str, response: httpx.Response, base_url: str) -> StoreError:
     """The typed store error for an error answer, with the server's message."""
     try:
         detail = response.json().get("detail")
@@ -181,6 +182,10 @@ def _error_from(method: str, response: httpx.Response) -> StoreError:
         detail = response.text[:500] or response.reason_phrase
     elif not isinstance(detail, str):
         detail = json.dumps(detail)
+    if response.status_code in (401, 403):
+        return AuthError(
+            f"{method}: the store server at {base_url} refused the request: HTTP {response.status_code}: {detail}"
+        )
     error_type = _ERRORS.get(response.status_code, StoreError)
     if error_type is StoreError:
         detail = f"{method}: HTTP {response.status_code}: {detail}"

@@ -1,4 +1,5 @@
-"""Typed store errors; the HTTP server maps each to a status code (404, 409, 422)."""
+"""Typed store errors; the HTTP server maps each to a status code (404, 409, 422), and the client maps 401 and 403
+back to AuthError."""
 
 
 class StoreError(Exception):
@@ -20,8 +21,9 @@ class InvalidArgumentError(StoreError, ValueError):
     """An argument is malformed; the message names the argument and what it accepts."""
 
 
-class BodyTooLarge(StoreError):
-    """A request body over the store server's limit."""
+class AuthError(StoreError):
+    """The store server refused the client's credentials (HTTP 401 or 403). Repeating the call cannot help: the
+    token is wrong or missing. Never retried; a runner stops on it."""
 
 
 def http_status(exc: StoreError) -> int:
@@ -32,6 +34,4 @@ def http_status(exc: StoreError) -> int:
         return 409
     if isinstance(exc, InvalidArgumentError):
         return 422
-    if isinstance(exc, BodyTooLarge):
-        return 413
     return 503  # a StoreError the store raised on purpose: it is there but cannot serve now
