@@ -112,6 +112,30 @@ def test_agl_enqueues_our_runner_runs_agl_reads_the_rewards(agl_python: str, tmp
 
 
 @pytest.mark.agl
+def test_agl_runner_runs_our_rollouts_and_we_read_its_rewards(agl_python: str, tmp_path: Path) -> None:
+    import asyncio
+
+    from lightning.tracing.rewards import get_final_reward
+    from lightning.types import PromptTemplate
+
+    store = SqlLightningStore(f"sqlite:///{tmp_path / 'store.db'}", watchdog_interval=None)
+
+    async def enqueue() -> list[str]:
+        await store.add_resources({"prompt": PromptTemplate(template="Say {word}", engine="f-string")})
+        rollouts = [await store.enqueue_rollout({"word": word}, mode="train") for word in ("one", "two")]
+        return [r.rollout_id for r in rollouts]
+
+    ids = asyncio.run(enqueue())
+    with serving(create_app(store)) as url:
+        agl(agl_python, "agl-runner", url, "2")
+
+    async def results() -> list[tuple[str, float | None]]:
+        return [((await store.get_rollout_by_id(i)).status, await get_final_reward(store, i)) for i in ids]
+
+    assert asyncio.run(results()) == [("succeeded", 1.0), ("succeeded", 1.0)]
+
+
+@pytest.mark.agl
 def test_a_token_server_refuses_agl_without_the_token_in_the_address(agl_python: str, tmp_path: Path) -> None:
     store = SqlLightningStore(f"sqlite:///{tmp_path / 'store.db'}", watchdog_interval=None)
     with serving(create_app(store, token=TOKEN)) as url:

@@ -4,6 +4,7 @@
     python agl_client.py walk URL             enqueue -> dequeue -> spans -> update attempt -> wait -> query
     python agl_client.py enqueue URL N        queue N rollouts for a runner; their ids
     python agl_client.py collect URL ID...    wait for them; each one's status, span names and final reward
+    python agl_client.py agl-runner URL N     agl's own LitAgentRunner (OtelTracer) runs N rollouts of the store
 """
 
 from __future__ import annotations
@@ -126,10 +127,35 @@ async def collect(url: str, ids: list[str]) -> dict[str, object]:
     return result
 
 
+async def agl_runner(url: str, count: int) -> dict[str, object]:
+    import agentlightning as agl
+    from agentlightning.runner import LitAgentRunner
+    from agentlightning.tracer import OtelTracer
+
+    @agl.rollout
+    def says_the_word(task: dict, prompt_template: agl.PromptTemplate) -> float:
+        # An agl 0.3 agent as its docs write one: the prompt resource in, the reward out (a bool, as agl allows).
+        return prompt_template.format(**task).endswith(task["word"])
+
+    store = client(url)
+    runner = LitAgentRunner(OtelTracer(), max_rollouts=count, poll_interval=0.2, heartbeat_interval=1.0)
+    runner.init(says_the_word)
+    runner.init_worker(0, store)
+    try:
+        await asyncio.wait_for(runner.iter(), timeout=90)
+    finally:
+        runner.teardown_worker(0)
+        runner.teardown()
+        await store.close()
+    return {"ran": count}
+
+
 def main() -> None:
     command, url, *rest = sys.argv[1:]
     if command == "walk":
         seen = asyncio.run(walk(url))
+    elif command == "agl-runner":
+        seen = asyncio.run(agl_runner(url, int(rest[0])))
     elif command == "enqueue":
         seen = asyncio.run(enqueue(url, int(rest[0])))
     else:
