@@ -19,6 +19,7 @@ from lightning.types import (
     Attempt,
     AttemptedRollout,
     EnqueueRolloutRequest,
+    PaginatedResult,
     PromptTemplate,
     Rollout,
     RolloutConfig,
@@ -1191,3 +1192,56 @@ CREATE TABLE rollouts (
 );
 CREATE INDEX ix_rollouts_queue ON rollouts (queued_at, seq) WHERE queued_at IS NOT NULL;
 """
+
+
+# --- agent-lightning 0.3's answer shapes ------------------------------------------------------
+
+
+async def test_queries_answer_a_page_with_the_total_past_it(store: Any) -> None:
+    for word in ("a", "b", "c", "d", "e"):
+        await store.enqueue_rollout({"word": word})
+    everything = await store.query_rollouts()
+    assert isinstance(everything, PaginatedResult)
+    assert (len(everything), everything.total, everything.limit, everything.offset) == (5, 5, -1, 0)
+    page = await store.query_rollouts(limit=2, offset=1)
+    assert [r.input["word"] for r in page] == ["b", "c"] and page.total == 5
+    last = await store.query_rollouts(limit=2, offset=4)
+    assert [r.input["word"] for r in last] == ["e"] and last.total == 5
+    past_the_end = await store.query_rollouts(limit=2, offset=9)
+    assert past_the_end == [] and past_the_end.total == 5
+    assert (await store.query_rollouts(status_in=["running"], limit=3)).total == 0
+
+
+async def test_get_rollout_by_id_comes_with_its_latest_attempt(store: Any) -> None:
+    queued = await store.enqueue_rollout({"q": 1})
+    assert type(await store.get_rollout_by_id(queued.rollout_id)) is Rollout
+    claimed = await store.dequeue_rollout()
+    again = await store.start_attempt(claimed.rollout_id)
+    got = await store.get_rollout_by_id(claimed.rollout_id)
+    assert isinstance(got, AttemptedRollout) and got.attempt.attempt_id == again.attempt.attempt_id
+
+
+async def test_statistics_has_agent_lightnings_totals(store: Any) -> None:
+    await store.enqueue_rollout({"q": 1})
+    claimed = await store.dequeue_rollout(worker_id="w-1")
+    await add_auto_span(store, claimed.rollout_id, claimed.attempt.attempt_id)
+    stats = await store.statistics()
+    assert {k: stats[k] for k in stats if k.startswith("total_")} == {
+        "total_rollouts": 1,
+        "total_attempts": 1,
+        "total_spans": 1,
+        "total_resources": 0,
+        "total_workers": 1,
+    }
+
+
+async def test_query_spans_by_parts_of_ids(store: Any) -> None:
+    await store.enqueue_rollout({"q": 1})
+    claimed = await store.dequeue_rollout()
+    rollout_id, attempt_id = claimed.rollout_id, claimed.attempt.attempt_id
+    first = await add_auto_span(store, rollout_id, attempt_id, name="one")
+    await add_auto_span(store, rollout_id, attempt_id, name="two")
+    by_span = await store.query_spans(rollout_id, span_id_contains=first.span_id[2:8])
+    assert [s.name for s in by_span] == ["one"] and by_span.total == 1
+    by_trace = await store.query_spans(rollout_id, trace_id_contains=first.trace_id[:6], limit=1)
+    assert len(by_trace) == 1 and by_trace.total == 2
