@@ -13,6 +13,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
+from flows.params import effective_config, flow_run_name
 from flows.rollouts import collect_rollouts
 from flows.secret_blocks import export_secret_blocks
 from lightning.config import TrainConfig
@@ -20,9 +21,15 @@ from tasks import adapt_spans, open_run, timed
 from tasks.caching import TRAIN_FLOW_RUN_ID
 
 
-@flow(name="dev", flow_run_name="{config.run_name}-dev")
-async def dev(config: TrainConfig = TrainConfig()) -> dict[str, Any]:  # noqa: B008
-    """One batch of rollouts on the run's current weights, adapted to a training batch; nothing is trained."""
+@flow(name="dev", flow_run_name=flow_run_name("-dev"))
+async def dev(config: TrainConfig = TrainConfig(), overrides: dict[str, Any] | None = None) -> dict[str, Any]:  # noqa: B008
+    """One batch of rollouts on the run's current weights, adapted to a training batch; nothing is trained.
+
+    Args:
+        config: The run to dry-run (its agent, dataset, model and sizes).
+        overrides: Dotted fields of `config` changed for this run only, e.g. {"batch_size": 4}.
+    """
+    config = effective_config(config, overrides)
     TRAIN_FLOW_RUN_ID.set(str(flow_run.get_id()))
     await export_secret_blocks(config)
     iteration = int(time.time())  # each dry run enqueues fresh rollouts

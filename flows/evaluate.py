@@ -11,6 +11,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
+from flows.params import effective_config, flow_run_name
 from flows.rollouts import collect_rollouts, task_runner
 from flows.secret_blocks import export_secret_blocks
 from lightning.config import TrainConfig
@@ -37,10 +38,21 @@ async def evaluate_at(run: Run, step: int) -> dict[str, Any]:
     return await evaluation.with_options(task_runner=task_runner(run.config))(run, step)
 
 
-@flow(name="evaluate", flow_run_name="{config.run_name}-evaluate")
-async def evaluate(config: TrainConfig = TrainConfig(), checkpoint: str | None = None) -> dict[str, Any]:  # noqa: B008
-    """Serve `checkpoint` (a step directory; default the run's latest, or the initial model) and evaluate it, in a
-    queue of its own beside any training of the same run."""
+@flow(name="evaluate", flow_run_name=flow_run_name("-evaluate"))
+async def evaluate(
+    config: TrainConfig = TrainConfig(),  # noqa: B008
+    checkpoint: str | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Serve a checkpoint and evaluate it on the held-out tasks, in a queue of its own beside any training of the
+    same run.
+
+    Args:
+        config: The run whose held-out tasks and checkpoints are used.
+        checkpoint: A checkpoint's step directory; default: the run's latest, or the initial model.
+        overrides: Dotted fields of `config` changed for this run only, e.g. {"eval_sampling.max_tokens": 32}.
+    """
+    config = effective_config(config, overrides)
     TRAIN_FLOW_RUN_ID.set(str(flow_run.get_id()))
     await export_secret_blocks(config)
     step = serving_step(config, checkpoint)

@@ -20,6 +20,7 @@ from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.evaluate import evaluate_at
+from flows.params import effective_config, flow_run_name
 from flows.rollouts import collect_rollouts, task_runner
 from flows.secret_blocks import export_secret_blocks
 from lightning import raycluster, stages
@@ -57,9 +58,18 @@ async def training_iteration(run: Run, iteration: int) -> dict[str, Any]:
     return {**row, "checkpoint": saved["checkpoint"], "seconds": time.perf_counter() - started}
 
 
-@flow(name="train", flow_run_name="{config.run_name}")
-async def train(config: TrainConfig = TrainConfig()) -> dict[str, Any]:  # noqa: B008 (the UI's form default)
-    """Train `config.agent` on `config.train_data`; resumes a run whose name has checkpoints."""
+@flow(name="train", flow_run_name=flow_run_name())
+async def train(
+    config: TrainConfig = TrainConfig(),  # noqa: B008 (the UI's form default)
+    overrides: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Train `config.agent` on `config.train_data`; resumes a run whose name has checkpoints.
+
+    Args:
+        config: The run: agent, datasets, model, algorithm, sizes, where results go (a deployment's is its default).
+        overrides: Dotted fields of `config` changed for this run only, e.g. {"iterations": 3, "algorithm.lr": 1e-4}.
+    """
+    config = effective_config(config, overrides)
     logger = get_run_logger()
     TRAIN_FLOW_RUN_ID.set(str(flow_run.get_id()))
     await export_secret_blocks(config)

@@ -32,7 +32,7 @@ class ConfigError(ValueError):
 class InferenceConfig(BaseModel):
     """Where rollouts get their completions."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     backend: Literal["embedded", "vllm", "external"] = "embedded"
     """embedded: our CPU/GPU server on the model; vllm: `vllm serve` on the model; external: an OpenAI-compatible
@@ -42,6 +42,7 @@ class InferenceConfig(BaseModel):
     api_key_env: str | None = None
     """Name of the environment variable that holds the endpoint's API key (never the key itself)."""
     served_model_name: str = "policy"
+    """The model name rollouts ask the proxy for (the LLM resource's `model`)."""
     max_batch_size: int = Field(default=64, ge=1)
     """Embedded server: sequences decoded together."""
     in_process: bool = False
@@ -70,7 +71,7 @@ class InferenceConfig(BaseModel):
 
 
 class CheckpointPolicy(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     keep_last: int = Field(default=3, ge=1)
     """Checkpoints kept on disk (one is saved every iteration: the inference servers load it, and a run resumes
@@ -78,6 +79,7 @@ class CheckpointPolicy(BaseModel):
     log_every: int = Field(default=10, ge=1)
     """Upload every this many iterations' checkpoint to MLflow as artifacts; the last one always."""
     log_to_mlflow: bool = True
+    """Upload checkpoints to MLflow as artifacts (every `log_every` iterations and the last)."""
     register_model: str | None = None
     """Register the final checkpoint in MLflow's model registry under this name."""
 
@@ -86,16 +88,24 @@ class StageTimeouts(BaseModel):
     """Seconds each stage may take. Prefect's timeout is the outer bound; the PPO step also has a hard deadline
     of its own (its process is killed), and rollouts stop waiting at `rollouts`."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     startup: float = Field(default=600, gt=0)
+    """Opening the run: store, inference server, proxy, trainer process, MLflow."""
     update_resources: float = Field(default=60, gt=0)
+    """Publishing the new weights and resources to the store."""
     enqueue_rollouts: float = Field(default=120, gt=0)
+    """Queueing an iteration's rollouts."""
     rollouts: float = Field(default=1800, gt=0)
+    """Running an iteration's rollouts; unfinished ones are cancelled at this deadline."""
     adapt_spans: float = Field(default=600, gt=0)
+    """Turning spans into training rows."""
     ppo_step: float = Field(default=1800, gt=0)
+    """One update; past it the trainer process is killed (a hard deadline)."""
     checkpoint: float = Field(default=600, gt=0)
+    """Saving the checkpoint and logging it."""
     evaluate: float = Field(default=1800, gt=0)
+    """One held-out evaluation."""
     stall_warning: float = Field(default=900, gt=0)
     """Nothing finished (a stage, a rollout) for this long: the run logs the stacks of its processes."""
 
@@ -104,7 +114,7 @@ class WarmStart(BaseModel):
     """A supervised warm start before the first iteration: a few SFT steps on demonstrations of some training tasks
     (the usual SFT-then-RL recipe). A policy that never produces a rewarded answer gives RL nothing to learn from."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     demonstrations: str
     """`module:function` called as function(tokenizer, tasks) -> list of Triplet (prompt ids, response ids)."""
@@ -128,7 +138,7 @@ def _default_rollout_config() -> RolloutConfig:
 class TrainConfig(BaseModel):
     """A training run: what to train, on what, with which algorithm, for how long, and where results go."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     run_name: str = "demo"
     """Names the run everywhere (store metadata, checkpoints, MLflow run). A run whose name exists resumes."""
@@ -141,6 +151,7 @@ class TrainConfig(BaseModel):
     model: str = "tiny"
     """A Hugging Face model directory, or `tiny` (a tiny random-init model built locally, seeded by `seed`)."""
     inference: InferenceConfig = Field(default_factory=InferenceConfig)
+    """Where rollouts get their completions: the embedded server, vLLM, or an external endpoint."""
     proxy_endpoint: str | None = None
     """A running LLM proxy to use instead of starting one (its URL, without /v1)."""
     proxy_host: str = "127.0.0.1"
@@ -155,13 +166,16 @@ class TrainConfig(BaseModel):
     tracking_uri: str = "sqlite:///.lightning/mlflow.db"
     """MLflow: a database URI, a directory, or a tracking server's http URL."""
     experiment: str = "lightning"
+    """The MLflow experiment the run goes in."""
     output_dir: str = ".lightning/runs"
     """The run's files (checkpoints, batches, state) go to output_dir/run_name."""
 
     algorithm: TrainerConfig = Field(default_factory=lambda: TrainerConfig(lr=1e-5))
+    """The PPO/GRPO update: learning rate, clipping, advantages, KL."""
     warm_start: WarmStart | None = None
     """Supervised steps on demonstrations before iteration 0; None: start RL from the model as it is."""
     iterations: int = Field(default=10, ge=1)
+    """Training iterations (each: rollouts, one update, a checkpoint)."""
     batch_size: int = Field(default=32, ge=1)
     """Tasks per iteration (each sampled `samples_per_task` times)."""
     samples_per_task: int = Field(default=4, ge=1)
@@ -171,6 +185,7 @@ class TrainConfig(BaseModel):
     runner_concurrency: int = Field(default=32, ge=1)
     """Rollouts each runner task runs at once (async)."""
     rollout: RolloutConfig = Field(default_factory=_default_rollout_config)
+    """Each rollout's timeouts and retries."""
     min_success_fraction: float = Field(default=0.9, ge=0, le=1)
     """Share of an iteration's rollouts (or an evaluation's) that must succeed: below it the rest are run again
     (`rollout_retries` rounds), and then the run fails rather than train on the survivors."""
@@ -179,13 +194,19 @@ class TrainConfig(BaseModel):
     sampling: dict[str, Any] = Field(default_factory=lambda: {"temperature": 1.0, "max_tokens": 64})
     """Sampling parameters of training rollouts, passed to the agent with the LLM resource."""
     eval_sampling: dict[str, Any] = Field(default_factory=lambda: {"temperature": 0.0, "max_tokens": 64})
+    """Sampling parameters of held-out evaluation rollouts."""
     max_prompt_length: int = Field(default=1024, ge=1)
+    """Prompt tokens kept per training row (longer prompts are cut from the left)."""
     max_response_length: int = Field(default=512, ge=1)
+    """Response tokens kept per training row."""
     adapter_shape: Literal["transition", "trajectory"] = "transition"
+    """transition: one training row per LLM call; trajectory: one row per rollout, its turns joined."""
     eval_every: int = Field(default=0, ge=0)
     """Evaluate on val_data every this many iterations (0: only before training and at the end)."""
     checkpoint: CheckpointPolicy = Field(default_factory=CheckpointPolicy)
+    """What is kept on disk, uploaded to MLflow and registered."""
     timeouts: StageTimeouts = Field(default_factory=StageTimeouts)
+    """Seconds each stage may take."""
     trainer_backend: Literal["torch", "verl"] = "torch"
     """torch: our trainer in a process of its own (CPU or one GPU); verl: verl's FSDP workers on a Ray cluster."""
     verl: VerlOptions = Field(default_factory=VerlOptions)
@@ -195,7 +216,9 @@ class TrainConfig(BaseModel):
     task_runner: Literal["default", "ray"] = "default"
     """default: runner tasks on threads of the flow's process; ray: prefect-ray's RayTaskRunner."""
     ray_address: str | None = None
+    """The Ray cluster (ray://host:10001 or auto) for task_runner ray and the verl backend; None: a local one."""
     seed: int = 0
+    """Seeds the tiny model and the order tasks are drawn in (the update has `algorithm.seed`)."""
 
     @field_validator("run_name")
     @classmethod
@@ -299,6 +322,17 @@ def load_config(source: str | Path | dict[str, Any], **overrides: Any) -> TrainC
     for dotted, value in overrides.items():
         _set_dotted(data, dotted, value)
     return validate_config(data, where)
+
+
+def with_overrides(config: TrainConfig | dict[str, Any], overrides: dict[str, Any] | None) -> TrainConfig:
+    """`config` with dotted overrides (`{"iterations": 3, "algorithm.lr": 1e-4}`) applied: the flows' `overrides`
+    parameter, so a deployment run changes a few fields of the deployment's config instead of replacing it whole."""
+    base = config.model_dump() if isinstance(config, TrainConfig) else dict(config)
+    if not overrides:
+        return validate_config(base)
+    if not isinstance(overrides, dict) or not all(isinstance(key, str) for key in overrides):
+        raise ConfigError('overrides: give a mapping of dotted field names to values, e.g. {"iterations": 3}')
+    return load_config(base, **overrides)
 
 
 def validate_config(data: dict[str, Any] | TrainConfig, where: str = "the configuration") -> TrainConfig:

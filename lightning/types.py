@@ -66,7 +66,7 @@ class RolloutConfig(BaseModel):
     Frozen: change a rollout's policy with `update_rollout(config=...)`, not in place.
     """
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, use_attribute_docstrings=True)
 
     timeout_seconds: float | None = Field(default=None, gt=0)
     """An attempt running longer than this is marked `timeout`. None: no limit."""

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lightning.config import ConfigError, load_agent, load_config, load_tasks
+from lightning.config import ConfigError, TrainConfig, load_agent, load_config, load_tasks, with_overrides
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -20,6 +20,34 @@ def test_the_demo_config_loads_and_overrides_apply() -> None:
     config = load_config("examples/copy_task/demo.yaml", **{"algorithm.lr": 5e-4, "iterations": 3})
     assert config.run_name == "demo" and config.iterations == 3 and config.algorithm.lr == 5e-4
     assert config.run_dir == Path(".lightning/runs/demo")
+
+
+def test_a_flow_runs_overrides_onto_its_config() -> None:
+    demo = load_config("examples/copy_task/demo.yaml")
+    changed = with_overrides(demo, {"iterations": 2, "algorithm.lr": 1e-3, "run_name": "short"})
+    assert (changed.iterations, changed.algorithm.lr, changed.run_name) == (2, 1e-3, "short")
+    assert changed.batch_size == demo.batch_size and changed.algorithm.kl_coef == demo.algorithm.kl_coef
+    assert with_overrides(demo, None) == demo
+    with pytest.raises(ConfigError, match="algorithm.lrr: unknown field"):
+        with_overrides(demo, {"algorithm.lrr": 1})
+    with pytest.raises(ConfigError, match="overrides: give a mapping"):
+        with_overrides(TrainConfig(), ["iterations=2"])  # type: ignore[arg-type]
+
+
+def test_every_config_field_is_described_for_the_run_form() -> None:
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.train import train
+
+    schema = parameter_schema(train).model_dump()
+    assert all(spec.get("description") for spec in schema["properties"].values())
+    undescribed = [
+        f"{model}.{field}"
+        for model, definition in schema["definitions"].items()
+        for field, spec in definition.get("properties", {}).items()
+        if not spec.get("description")
+    ]
+    assert undescribed == []
 
 
 def test_errors_name_every_bad_field_and_the_fix(tmp_path: Path) -> None:

@@ -78,8 +78,9 @@ def test_a_failed_deployment_run_retried_redoes_only_the_failed_stage(
     worker = start_logged([PREFECT, "worker", "start", "--pool", WORK_POOL], worker_log, env=env, cwd=tmp_path)
     try:
         config = small_config(tmp_path)
+        # `overrides` changes these fields of the deployment's own config (the demo's): a 2-iteration run.
         started = subprocess.run(
-            [PREFECT, "deployment", "run", "train/demo", "--params", json.dumps({"config": config}),
+            [PREFECT, "deployment", "run", "train/demo", "--param", f"overrides={json.dumps(config)}",
              "--job-variable", 'env={"LIGHTNING_FAULTS": "ppo_step@1"}'],
             env=env, capture_output=True, text=True, timeout=60,
         )  # fmt: skip
@@ -87,6 +88,7 @@ def test_a_failed_deployment_run_retried_redoes_only_the_failed_stage(
         flow_run_id = UUID(re.search(r"UUID: ([0-9a-f-]{36})", started.stdout).group(1))
 
         with SyncPrefectClient(prefect_server.api_url) as client:
+            assert_every_field_has_a_description(client.read_deployment_by_name("train/demo").parameter_openapi_schema)
             failed = wait_for_final_state(client, flow_run_id, worker_log)
             assert failed.state.type.value == "FAILED", f"{failed.state!r}\n{tail(worker_log)}"
             assert "InjectedFault" in (failed.state.message or ""), failed.state.message
@@ -110,6 +112,17 @@ def test_a_failed_deployment_run_retried_redoes_only_the_failed_stage(
     # Last: a miss here means the retry redid finished stages, though everything above came out right.
     assert {name: states[name] for name in RERUN_STAGES} == dict.fromkeys(RERUN_STAGES, "Completed"), states
     assert {name: states[name] for name in CACHED_STAGES} == dict.fromkeys(CACHED_STAGES, "Cached"), states
+
+
+def assert_every_field_has_a_description(schema: dict[str, Any]) -> None:
+    """The deployment's run form (Prefect renders the parameter schema) explains every field it shows."""
+    assert schema["properties"]["overrides"].get("description"), schema["properties"]
+    fields = {
+        f"{model}.{field}": spec.get("description")
+        for model, definition in schema["definitions"].items()
+        for field, spec in definition.get("properties", {}).items()
+    }
+    assert len(fields) > 90 and not [name for name, text in fields.items() if not text]
 
 
 def wait_for_final_state(

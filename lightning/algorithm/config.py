@@ -15,42 +15,59 @@ AdvantageKind = Literal["grpo", "grpo_no_std", "rloo", "reinforce_pp", "reinforc
 class TrainerConfig(BaseModel):
     """Everything one update depends on; defaults follow verl's actor and algorithm defaults."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     lr: float = Field(default=1e-6, ge=0)
+    """Learning rate of AdamW."""
     betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW's beta1 and beta2."""
     weight_decay: float = Field(default=0.01, ge=0)
+    """AdamW's decoupled weight decay."""
     warmup_steps: int = Field(default=0, ge=0)
+    """Optimizer steps of linear warm-up from 0 to lr."""
     lr_schedule: Literal["constant", "cosine"] = "constant"
+    """After warm-up: constant lr, or cosine decay to min_lr_ratio * lr over total_steps."""
     total_steps: int | None = Field(default=None, ge=1)
     """Length of the cosine schedule, in `step` calls; needed for "cosine"."""
     min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
     """Where the cosine schedule ends, as a fraction of lr."""
 
     clip_low: float = Field(default=0.2, ge=0)
+    """PPO ratio clip below 1: the ratio is clipped at 1 - clip_low."""
     clip_high: float = Field(default=0.2, ge=0)
+    """PPO ratio clip above 1: the ratio is clipped at 1 + clip_high (DAPO raises it)."""
     dual_clip_c: float = Field(default=3.0, gt=1)
+    """Dual-clip bound: for negative advantages the loss is capped at c * |A|."""
 
     advantage: AdvantageKind = "grpo"
+    """How rewards become advantages: grpo (group mean and std), grpo_no_std, rloo (leave-one-out), reinforce_pp
+    (batch-whitened returns), reinforce_pp_baseline (group mean, then whitened)."""
     adv_eps: float = Field(default=1e-6, gt=0)
+    """Added to the standard deviation when advantages are divided by it."""
     gamma: float = Field(default=1.0, ge=0, le=1)
     """Discount of REINFORCE++'s return-to-go."""
 
     kl_coef: float = Field(default=0.001, ge=0)
+    """Weight of the KL penalty to the reference (initial) policy, as the loss term or in the reward."""
     kl_kind: KLKind = "low_var_kl"
+    """KL estimator: k1 (log-ratio) or low_var_kl (k3, always >= 0)."""
     use_kl_loss: bool = False
     """Add kl_coef * KL(policy || reference) to the loss (GRPO's way)."""
     kl_in_reward: bool = False
     """Subtract kl_coef * KL(old policy || reference) from token_level_scores before advantages (PPO's way)."""
 
     loss_agg: LossAggMode = "token-mean"
+    """How token losses average into the batch loss: over all tokens, or per sequence first."""
     micro_batch_size: int = Field(default=4, ge=1)
     """Rows per forward/backward; only memory depends on it, not the update."""
     mini_batch_size: int | None = Field(default=None, ge=1)
     """Rows per optimizer step; None: the whole batch, one optimizer step per epoch."""
     ppo_epochs: int = Field(default=1, ge=1)
+    """Passes over the batch per update."""
     max_grad_norm: float = Field(default=1.0, gt=0)
+    """Gradients are clipped to this global norm."""
     entropy_coef: float = 0.0
+    """Weight of the entropy bonus (subtracted from the loss); 0: none."""
     bf16: bool = True
     """bf16 autocast for forward passes on CUDA; weights and optimizer stay float32. Ignored on CPU."""
     old_log_probs: Literal["trainer", "sampler"] = "trainer"
@@ -59,6 +76,7 @@ class TrainerConfig(BaseModel):
     mismatch_threshold: float = Field(default=0.1, gt=0)
     """A sampled token whose engine and trainer log-probs differ by more than this counts in `mismatch_frac`."""
     seed: int = 0
+    """Seeds the trainer (mini-batch order, dropout)."""
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainerConfig:
@@ -76,18 +94,24 @@ class TrainerConfig(BaseModel):
 class VerlOptions(BaseModel):
     """What verl needs beyond the algorithm's hyperparameters: the cluster shape and FSDP's memory options."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     n_gpus_per_node: int = Field(default=1, ge=1)
+    """GPUs verl uses on each node."""
     nnodes: int = Field(default=1, ge=1)
+    """Nodes of the Ray cluster verl uses."""
     strategy: Literal["fsdp", "fsdp2"] = "fsdp2"
+    """verl's sharding of the actor: FSDP or FSDP2."""
     param_offload: bool = False
     """Keep FSDP parameters on the CPU between uses (less GPU memory, slower)."""
     optimizer_offload: bool = False
+    """Keep the optimizer state on the CPU between steps (less GPU memory, slower)."""
     gradient_checkpointing: bool = True
+    """Recompute activations in the backward pass (less GPU memory, about a third slower)."""
     use_remove_padding: bool = True
     """Run the model on packed sequences without padding (needs flash-attention on the GPU stack)."""
     ray_namespace: str = "lightning"
+    """Ray namespace of the verl workers."""
     overrides: list[str] = Field(default_factory=list)
     """verl hydra overrides applied last, as on verl's command line, e.g.
     `actor_rollout_ref.actor.fsdp_config.fsdp_size=4`."""
