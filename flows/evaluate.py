@@ -20,7 +20,15 @@ from tasks import log_evaluation, open_run, timed
 from tasks.caching import TRAIN_FLOW_RUN_ID
 
 
-@flow(name="evaluation", flow_run_name="{run.name}-evaluation-{step}")
+def _evaluation_name() -> str:
+    """`demo-evaluation-3`; the evaluation before a warm start (step -1) is `demo-evaluation-initial`."""
+    from prefect.runtime import flow_run
+
+    run, step = flow_run.parameters["run"], flow_run.parameters["step"]
+    return f"{run.name}-evaluation-{'initial' if step == -1 else step}"
+
+
+@flow(name="evaluation", flow_run_name=_evaluation_name)
 async def evaluation(run: Run, step: int) -> dict[str, Any]:
     """Greedy rollouts of every held-out task on the weights served now (checkpoint `step`; -1: the model before
     the warm start), then the result logged."""

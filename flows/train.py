@@ -15,7 +15,12 @@ import time
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import acreate_markdown_artifact, acreate_table_artifact
+from prefect.artifacts import (
+    acreate_markdown_artifact,
+    acreate_progress_artifact,
+    acreate_table_artifact,
+    aupdate_progress_artifact,
+)
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
@@ -36,7 +41,8 @@ async def training_iteration(run: Run, iteration: int) -> dict[str, Any]:
     """rollouts (update resources -> enqueue -> runners fanned out -> wait) -> adapt spans -> PPO step -> checkpoint."""
     started = time.perf_counter()
     rollout_ids, rollouts = await collect_rollouts(run, iteration, "train")
-    rollout_seconds = time.perf_counter() - started
+    # The store's timing of the rollouts: a retried run's cached rollout stages took no time here.
+    rollout_seconds = rollouts.get("seconds") or time.perf_counter() - started
     batch = await timed(adapt_spans, run)(run, iteration, rollout_ids)
     if batch["rows"] == 0:
         raise RuntimeError(
@@ -93,6 +99,9 @@ async def train(
                 )
         before = await evaluate_at(run, 0)
         started = time.perf_counter()
+        progress = await acreate_progress_artifact(
+            100.0 * first / config.iterations, key=_key(run, "progress"), description=f"Iterations of {run.name} done"
+        )
         iteration_flow = training_iteration.with_options(task_runner=task_runner(config))
         for iteration in range(first, config.iterations):
             await iteration_flow(run, iteration)
@@ -100,10 +109,15 @@ async def train(
             if config.eval_every and step % config.eval_every == 0 and step < config.iterations:
                 await evaluate_at(run, step)
             logger.info(stages.progress_line(run, run.history[-1], step - first, time.perf_counter() - started))
+            await aupdate_progress_artifact(progress, 100.0 * step / config.iterations)
             await _publish(run)
         after = await evaluate_at(run, config.iterations)
         status = "FINISHED"
-        return stages.finish(run, before, after, initial)
+        summary = stages.finish(run, before, after, initial)
+        await acreate_markdown_artifact(
+            stages.summary_markdown(run, summary), key=_key(run, "summary"), description=f"How {run.name} went"
+        )
+        return summary
     finally:
         await run.close(status)
         if connected:
@@ -112,17 +126,19 @@ async def train(
 
 async def _publish(run: Run) -> None:
     """The run's table of iterations as a Prefect artifact (a new version each iteration), linking to MLflow."""
-    key = re.sub(r"[^a-z0-9-]", "-", f"{run.name}-training".lower())
+    key = _key(run, "training")
     columns = ["iteration", "reward", "val_reward", "pg_loss", "kl", "rollouts_ok", "rollouts_failed",
                "mismatch_mean", "mismatch_max", "rollout_tokens_per_s", "train_tokens_per_s",
                "rollout_seconds"]  # fmt: skip
+    columns = [name for name in columns if any(name in row for row in run.history)]  # kl: only with a KL term
     table = [{name: _cell(row.get(name)) for name in columns} for row in run.history]
     mlflow = stages.mlflow_link(run)
     await acreate_table_artifact(table, key=key, description=f"Training iterations of {run.name}. {mlflow}")
-    if len(run.history) == 1 or run.history[-1]["iteration"] + 1 == run.config.iterations:
-        await acreate_markdown_artifact(
-            f"## {run.name}\n\n{mlflow}\n\nCheckpoints: `{run.checkpoints_dir}`\n", key=f"{key}-links"
-        )
+
+
+def _key(run: Run, what: str) -> str:
+    """An artifact key (lowercase letters, digits and dashes): `demo-training`, `demo-progress`, `demo-summary`."""
+    return re.sub(r"[^a-z0-9-]", "-", f"{run.name}-{what}".lower())
 
 
 def _cell(value: Any) -> Any:

@@ -19,6 +19,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 import httpx
@@ -185,12 +186,17 @@ async def summarize_rollouts(store: LightningStore, rollout_ids: Sequence[str]) 
         reward = find_final_reward(await store.query_spans(rollout_id, "latest"))
         if reward is not None:
             rewards.append(reward)
+    # From the first enqueue to the last finish, by the store's clock: the same when a retried flow run gets this
+    # summary back from Prefect's cache (the rollout stages then take no time at all).
+    starts = [rollout.start_time for rollout in rollouts]
+    ends = [rollout.end_time for rollout in rollouts if rollout.end_time is not None]
     return {
         "rollouts": len(rollout_ids),
         "succeeded": statuses.count("succeeded"),
         "failed": len(rollout_ids) - statuses.count("succeeded"),
         "with_reward": len(rewards),
         "reward_mean": sum(rewards) / len(rewards) if rewards else float("nan"),
+        "seconds": max(ends) - min(starts) if starts and ends else None,
     }
 
 
@@ -430,6 +436,35 @@ def mlflow_link(run: Run) -> str:
     if run.config.tracking_uri.startswith(("http://", "https://")):
         return f"[MLflow run]({tracker.run_url})"
     return f"MLflow run `{tracker.run_id}`: `{tracker.run_url}`"
+
+
+SPARK = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: Sequence[float]) -> str:
+    """`▁▃▅█`: one bar per value, scaled between the smallest and the largest (NaN: a space)."""
+    finite = [v for v in values if v == v]
+    if not finite:
+        return ""
+    low, high = min(finite), max(finite)
+    span = (high - low) or 1.0
+    return "".join(" " if v != v else SPARK[round((v - low) / span * (len(SPARK) - 1))] for v in values)
+
+
+def summary_markdown(run: Run, summary: dict[str, Any]) -> str:
+    """The run's closing summary (a Prefect artifact): held-out rewards, the reward curve, where the weights and the
+    MLflow run are."""
+    rewards = [row["reward"] for row in run.history if "reward" in row]
+    lines = [f"## {run.name}: {run.config.iterations} iterations", "", "| held-out reward | |", "|---|---|"]
+    if run.config.warm_start is not None:
+        lines.append(f"| initial (before the warm start) | {summary['reward_initial']:.3f} |")
+    lines.append(f"| before training | {summary['reward_before']:.3f} |")
+    lines.append(f"| after training | {summary['reward_after']:.3f} |")
+    if rewards:
+        lines += ["", f"Training reward by iteration: `{sparkline(rewards)}` ({rewards[0]:.3f} -> {rewards[-1]:.3f})"]
+    checkpoint = summary.get("checkpoint")
+    lines += ["", f"Final checkpoint: `{Path(checkpoint).resolve() if checkpoint else 'none'}`", "", mlflow_link(run)]
+    return "\n".join(lines) + "\n"
 
 
 def finish(

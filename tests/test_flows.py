@@ -122,6 +122,18 @@ async def test_train_runs_two_iterations_of_seven_stages_and_reports_them(tmp_pa
         table = json.loads(max(artifacts, key=lambda a: a.created).data)
         assert [row["iteration"] for row in table] == [0, 1]
         assert {"reward", "pg_loss", "rollouts_ok", "rollouts_failed", "rollout_tokens_per_s"} <= set(table[0])
+        assert "kl" not in table[0]  # no KL term in this run: no empty column
+        (progress,) = await client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["t-progress"]))
+        )
+        assert progress.type == "progress" and float(progress.data) == 100.0
+        (summary_artifact,) = await client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["t-summary"]))
+        )
+        assert f"| after training | {summary['reward_after']:.3f} |" in summary_artifact.data
+        assert f"`{Path(summary['checkpoint']).resolve()}`" in summary_artifact.data
+        assert "Training reward by iteration: `" in summary_artifact.data
+        assert {"t-evaluation-0", "t-evaluation-2"} <= set(by_name)
 
 
 async def test_a_finished_run_resumes_for_more_iterations_without_redoing_any(tmp_path: Path) -> None:
