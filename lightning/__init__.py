@@ -82,6 +82,7 @@ def __getattr__(name: str) -> Any:
 def setup_logging(level: int | str = "INFO") -> None:
     """agent-lightning's `setup_logging`: log lines with time, logger and level to stderr at `level`."""
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request drowns what matters
 
 
 def configure_logger(level: int = logging.INFO, name: str = "lightning") -> logging.Logger:

@@ -184,8 +184,13 @@ class Trainer:
 
         agent.set_trainer(self)
         self.config = config
+        from prefect.logging.handlers import APILogHandler
+
         with temporary_prefect_server(config.run_dir / "logs" / "prefect-server.log"):
-            return await flow(config)
+            try:
+                return await flow(config)
+            finally:
+                await APILogHandler.aflush()  # the flow's last log lines, while the server is still up
 
 
 def _run_sync(coroutine: Any, method: str) -> Any:

@@ -10,6 +10,7 @@ nested ones).
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 from typing import Any
@@ -39,7 +40,7 @@ def train(**config: Any) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     agl.setup_logging()
-    config: dict[str, Any] = {}
+    config = copy.deepcopy(DEFAULTS)
     for pair in sys.argv[1:] if argv is None else argv:
         name, _, value = pair.partition("=")
         *parents, last = name.split(".")
