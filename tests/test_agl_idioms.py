@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pickle
 import subprocess
 import sys
 import threading
@@ -86,6 +87,11 @@ async def test_a_lit_agent_knows_its_runner_and_tracer_and_keeps_trained_agents(
     assert await final_reward(store, (await plain.step({})).rollout_id) == 0.25
     for runner in (first, second, plain):
         await runner.close()
+    # Pickled (to another process), it leaves its runner behind.
+    assert pickle.loads(pickle.dumps(NoInitAgent())).__dict__ == {"trained_agents": None}
+    agent.seen.clear()
+    copy = pickle.loads(pickle.dumps(agent))
+    assert copy.trained_agents == "write" and copy._runner_ref is None
 
 
 async def test_spans_made_with_propagate_false_and_returned_are_stored(store: Any) -> None:

@@ -54,6 +54,13 @@ class LitAgent(Generic[T]):
         self._trainer_ref = None
         self._runner_ref = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Sent to another process (pickled), an agent leaves its trainer and runner behind: they are this process's.
+        state = dict(self.__dict__)
+        state.pop("_trainer_ref", None)
+        state.pop("_runner_ref", None)
+        return state
+
     # --- the trainer, runner and tracer using the agent (agent-lightning's attributes) ---
 
     def set_trainer(self, trainer: Trainer) -> None:
