@@ -53,7 +53,7 @@ async def update_resources(run: Run, mode: Mode = "train") -> str:
         endpoint=f"{run.endpoints.proxy_url}/v1", model=run.endpoints.model_name, sampling_parameters=sampling,
         api_key=token,
     )  # fmt: skip
-    resources = await run.store.update_resources(run.resources_id(mode), {"llm": llm})
+    resources = await run.store.update_resources(run.resources_id(mode), {"main_llm": llm})
     run.made_progress(f"update_resources ({mode})")
     return resources.resources_id
 

@@ -403,16 +403,44 @@ async def test_a_one_key_reward_dict_is_its_own_primary(tracer: Tracer, file_sto
         (math.nan, ValueError),
         (math.inf, ValueError),
         (-math.inf, ValueError),
-        (True, TypeError),
         ("1.0", TypeError),
         (None, TypeError),
         ({"a": math.nan}, ValueError),
-        ({"a": False}, TypeError),
+        ({"a": "1"}, TypeError),
     ],
 )
 def test_emit_reward_rejects_what_is_not_a_finite_number(value: Any, error: type[Exception]) -> None:
     with pytest.raises(error, match="finite float"):
         emit_reward(value)
+
+
+async def test_emit_reward_takes_bools_and_agent_lightning_s_keywords(
+    tracer: Tracer, file_store: SqlLightningStore
+) -> None:
+    """As in agent-lightning 0.3: a bool is 1.0 / 0.0, `attributes` go on the reward span (nested dicts flattened),
+    and propagate=False records nothing but returns the span."""
+    spans = await spans_of_one_emit(
+        tracer,
+        file_store,
+        lambda: emit_reward(
+            {"correct": True, "short": False}, primary_key="correct", attributes={"judge": {"model": "m"}, "turns": 2}
+        ),
+    )
+    assert spans[0].attributes == {
+        semconv.REWARD_PREFIX + "correct": 1.0,
+        semconv.REWARD_PREFIX + "short": 0.0,
+        semconv.REWARD_PRIMARY_KEY: "correct",
+        semconv.REWARD_VALUE: 1.0,
+        "judge.model": "m",
+        "turns": 2,
+    }
+    assert find_final_reward(spans) == 1.0
+    quiet = emit_reward(False, propagate=False)
+    assert (quiet.name, quiet.attributes) == (semconv.REWARD_SPAN, {semconv.REWARD_VALUE: 0.0})
+    with pytest.raises(ValueError, match="reserved"):
+        emit_reward(1.0, attributes={"lightning.reward.value": 2.0})
+    with pytest.raises(TypeError, match="attribute 'obj' is a object"):
+        emit_reward(1.0, attributes={"obj": object()})
 
 
 @pytest.mark.parametrize(

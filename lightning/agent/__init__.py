@@ -1,15 +1,19 @@
 """The agent API: `LitAgent` to subclass, or `@rollout` on a plain function; and runner hooks.
 
 An agent gets a task (the rollout's input), the rollout's resources and the attempted rollout,
-and returns None (its reward was emitted as a span), a float (the reward), or a list of spans.
+and returns None (its reward was emitted as a span), a float or bool (the reward), or a list of spans.
+As in agent-lightning, an agent knows the runner running it (`self.runner`, `self.tracer`) and the
+Trainer that trains it (`self.trainer`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import inspect
 import logging
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -17,18 +21,102 @@ from lightning.types import LLM, AttemptedRollout, NamedResources, PromptTemplat
 
 if TYPE_CHECKING:
     from lightning.runner import Runner
+    from lightning.tracing import Tracer
+    from lightning.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-RolloutResult = None | float | int | list[Span] | list[Any]
-"""What a rollout returns: None, a reward, or spans (ours or OpenTelemetry ReadableSpans)."""
+RolloutResult = None | float | int | bool | list[Span] | list[Any]
+"""What a rollout returns: None, a reward (a bool counts as 1.0 / 0.0), or spans (ours, OpenTelemetry
+ReadableSpans, or what the emitters return)."""
+
+# The runner running the current rollout (in this asyncio task, or the thread a sync agent runs in): many runners
+# may share one agent object, and each rollout's `self.runner` is the one running it.
+_current_runner: contextvars.ContextVar[Runner | None] = contextvars.ContextVar("lightning_runner", default=None)
 
 
 class LitAgent(Generic[T]):
     """Subclass and override `rollout` (sync) or `rollout_async` (async). Override
     `training_rollout` / `validation_rollout` (or their async forms) to act differently when the
-    rollout's mode is "train" or "val"/"test"; by default both call `rollout`."""
+    rollout's mode is "train" or "val"/"test"; by default both call `rollout`.
+
+    `trained_agents` (agent-lightning's argument) is kept as `self.trained_agents` and changes nothing: every
+    call the agent makes through the rollout's LLM resource is trained, calls to other endpoints are not.
+    A subclass may define no `__init__`, or one that calls `super().__init__(...)`."""
+
+    trained_agents: str | None = None
+    _trainer_ref: weakref.ReferenceType[Trainer] | None = None
+    _runner_ref: weakref.ReferenceType[Runner] | None = None
+
+    def __init__(self, *, trained_agents: str | None = None) -> None:
+        self.trained_agents = trained_agents
+        self._trainer_ref = None
+        self._runner_ref = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Sent to another process (pickled), an agent leaves its trainer and runner behind: they are this process's.
+        state = dict(self.__dict__)
+        state.pop("_trainer_ref", None)
+        state.pop("_runner_ref", None)
+        return state
+
+    # --- the trainer, runner and tracer using the agent (agent-lightning's attributes) ---
+
+    def set_trainer(self, trainer: Trainer) -> None:
+        """Called by `Trainer.fit` / `Trainer.dev` with itself."""
+        self._trainer_ref = weakref.ref(trainer)
+
+    def get_trainer(self) -> Trainer:
+        trainer = self._trainer_ref() if self._trainer_ref is not None else None
+        if trainer is None:
+            raise ValueError(
+                f"{type(self).__name__}.trainer: no Trainer is training this agent; it is set by "
+                "lightning.Trainer(...).fit(agent, ...) or .dev(agent, ...)"
+            )
+        return trainer
+
+    @property
+    def trainer(self) -> Trainer:
+        """The `lightning.Trainer` whose fit/dev runs this agent."""
+        return self.get_trainer()
+
+    def set_runner(self, runner: Runner) -> None:
+        """Called by a runner when it starts using the agent."""
+        self._runner_ref = weakref.ref(runner)
+
+    def get_runner(self) -> Runner:
+        current = _current_runner.get()
+        if current is not None and current.agent is self:
+            return current
+        runner = self._runner_ref() if self._runner_ref is not None else None
+        if runner is None:
+            raise ValueError(
+                f"{type(self).__name__}.runner: no runner is using this agent; it is set when a "
+                "lightning.runner.Runner starts using it (inside a rollout it is the runner running it)"
+            )
+        return runner
+
+    @property
+    def runner(self) -> Runner:
+        """The runner running this rollout (outside a rollout: the last runner that started using the agent)."""
+        return self.get_runner()
+
+    def get_tracer(self) -> Tracer:
+        try:
+            return self.get_runner().tracer
+        except ValueError:
+            raise ValueError(
+                f"{type(self).__name__}.tracer is the tracer of the runner running the agent, and no runner is "
+                "using it yet; read it inside a rollout"
+            ) from None
+
+    @property
+    def tracer(self) -> Tracer:
+        """The tracer of the runner running the agent: its spans go to the rollout's attempt."""
+        return self.get_tracer()
+
+    # --- rollouts ---
 
     def rollout(self, task: T, resources: NamedResources, rollout: AttemptedRollout) -> RolloutResult:
         raise TypeError(f"{type(self).__name__} must override rollout() or rollout_async()")
@@ -65,7 +153,10 @@ class LitAgent(Generic[T]):
         """Run the rollout method that fits the rollout's mode; a sync agent runs in a worker thread
         so that the runner's heartbeats go on while it works."""
         validating = rollout.mode in ("val", "test")
-        if self.is_async:
+        is_async = self.is_async
+        if callable(is_async):  # an agent-lightning agent may override is_async() as a method
+            is_async = is_async()
+        if is_async:
             method = self.validation_rollout_async if validating else self.training_rollout_async
             return await method(task, resources, rollout)
         method_sync = self.validation_rollout if validating else self.training_rollout
@@ -80,6 +171,7 @@ class FunctionalLitAgent(LitAgent[T]):
     """A LitAgent around a plain function, made by `@rollout`; calling it calls the function."""
 
     def __init__(self, func: Callable[..., Any]) -> None:
+        super().__init__()
         self.func = func
         self._async = inspect.iscoroutinefunction(func)
         self._wants = _check_signature(func)
@@ -118,6 +210,31 @@ def rollout(func: Callable[..., Any]) -> FunctionalLitAgent[Any]:
     `prompt_template` the first PromptTemplate, `rollout` the AttemptedRollout, `resources` all of them.
     """
     return FunctionalLitAgent(func)
+
+
+def llm_rollout(func: Callable[..., Any] | None = None, *, strip_proxy: bool = True) -> Any:
+    """agent-lightning's `@llm_rollout` / `@llm_rollout(strip_proxy=...)`: `@rollout` for `f(task, llm[, rollout])`.
+    The LLM always reaches the agent routed to its rollout's attempt, which is what strip_proxy=True gives."""
+
+    def decorate(function: Callable[..., Any]) -> FunctionalLitAgent[Any]:
+        agent = FunctionalLitAgent(function)
+        if "llm" not in agent._wants:
+            raise TypeError(f"@llm_rollout function {function.__name__}() must take an `llm` parameter")
+        return agent
+
+    return decorate(func) if func is not None else decorate
+
+
+def prompt_rollout(func: Callable[..., Any] | None = None) -> Any:
+    """agent-lightning's `@prompt_rollout`: `@rollout` for `f(task, prompt_template[, rollout])`."""
+
+    def decorate(function: Callable[..., Any]) -> FunctionalLitAgent[Any]:
+        agent = FunctionalLitAgent(function)
+        if "prompt_template" not in agent._wants:
+            raise TypeError(f"@prompt_rollout function {function.__name__}() must take a `prompt_template` parameter")
+        return agent
+
+    return decorate(func) if func is not None else decorate
 
 
 def _check_signature(func: Callable[..., Any]) -> set[str]:
@@ -172,4 +289,4 @@ class Hook:
         "abandoned" when the store had moved the attempt on)."""
 
 
-__all__ = ["FunctionalLitAgent", "Hook", "LitAgent", "RolloutResult", "rollout"]
+__all__ = ["FunctionalLitAgent", "Hook", "LitAgent", "RolloutResult", "llm_rollout", "prompt_rollout", "rollout"]

@@ -12,13 +12,14 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from lightning.agent import Hook, LitAgent, RolloutResult
+from lightning.agent import Hook, LitAgent, RolloutResult, _current_runner
 from lightning.store import lifecycle
 from lightning.store.base import LightningStore
 from lightning.store.errors import AuthError, StoreError
@@ -73,6 +74,8 @@ class Runner:
         self.heartbeat_interval = heartbeat_interval
         self.idle_wait = idle_wait
         self.queue = queue
+        if isinstance(agent, LitAgent):
+            agent.set_runner(self)  # agent-lightning's `self.runner` / `self.tracer` inside the agent
 
     async def iter(self, *, stop_event: StopEvent | None = None, max_rollouts: int | None = None) -> int:
         """Claim and run rollouts until `stop_event` is set or `max_rollouts` ran; returns how many ran. A store that
@@ -151,6 +154,7 @@ class Runner:
         Raises what the agent raised, after recording it as an exception span."""
         from lightning.tracing import emit_exception, emit_reward
 
+        _current_runner.set(self)  # this task's (and a sync agent's thread's) `agent.runner`
         resources = await self._resources(claimed)
         with self.tracer.trace_context(claimed.rollout_id, claimed.attempt.attempt_id):
             for hook in self.hooks:
@@ -182,24 +186,27 @@ class Runner:
     async def _store_result(self, claimed: AttemptedRollout, result: RolloutResult, emit_reward: Any) -> None:
         if result is None:
             return
-        if isinstance(result, bool):
-            raise TypeError("the agent returned a bool; return a float reward, spans or None")
-        if isinstance(result, int | float):
+        if isinstance(result, int | float):  # a bool too: 1.0 / 0.0, as in agent-lightning
             emit_reward(float(result))
             return
         if isinstance(result, list):
             await self._store_spans(claimed, result)
             return
-        raise TypeError(f"the agent returned {type(result).__name__}; return a float reward, spans or None")
+        raise TypeError(f"the agent returned {type(result).__name__}; return a float or bool reward, spans or None")
 
     async def _store_spans(self, claimed: AttemptedRollout, spans: list[Any]) -> None:
+        from lightning.tracing import SpanCoreFields
+
         rollout_id, attempt_id = claimed.rollout_id, claimed.attempt.attempt_id
         ids = await self.store.get_many_span_sequence_ids([(rollout_id, attempt_id)] * len(spans))
         converted = []
         for span, sequence_id in zip(spans, ids, strict=True):
+            fields = {"rollout_id": rollout_id, "attempt_id": attempt_id, "sequence_id": sequence_id}
             if isinstance(span, Span):
-                fields = {"rollout_id": rollout_id, "attempt_id": attempt_id, "sequence_id": sequence_id}
                 converted.append(span.model_copy(update=fields))
+            elif isinstance(span, SpanCoreFields):  # what an emitter returned (propagate=False)
+                ids_ = {"trace_id": secrets.token_hex(16), "span_id": secrets.token_hex(8)}
+                converted.append(Span(**fields, **ids_, **span.model_dump()))
             else:  # an OpenTelemetry ReadableSpan
                 converted.append(Span.from_opentelemetry(span, rollout_id, attempt_id, sequence_id))
         await self.store.add_many_spans(converted)

@@ -2,6 +2,7 @@
 
 from lightning.tracing.emitters import (
     Operation,
+    SpanCoreFields,
     emit_exception,
     emit_message,
     emit_object,
@@ -14,6 +15,7 @@ from lightning.tracing.tracer import SpanExportError, TraceContext, Tracer
 
 __all__ = [
     "Operation",
+    "SpanCoreFields",
     "SpanExportError",
     "TraceContext",
     "Tracer",

@@ -10,6 +10,7 @@ import logging
 import math
 import numbers
 import re
+import time
 from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any, TypeVar, overload
@@ -21,6 +22,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from lightning import semconv
 from lightning.tracing.tracer import current_scope
+from lightning.types import TraceStatus
 
 logger = logging.getLogger(__name__)
 
@@ -66,19 +68,75 @@ def _active_tracer(emitter: str) -> trace_api.Tracer | None:
     return None
 
 
-def _record(emitter: str, span_name: str, attributes: dict[str, Any]) -> None:
-    tracer = _active_tracer(emitter)
-    if tracer is not None:
-        tracer.start_span(span_name, attributes=attributes).end()
+class SpanCoreFields(pydantic.BaseModel):
+    """What an emitter recorded (agent-lightning's return value of the same name): the span's name, attributes,
+    times and status. An agent may return a list of these from a rollout (e.g. made with `propagate=False`)."""
+
+    name: str
+    attributes: dict[str, Any]
+    start_time: float
+    end_time: float
+    status: TraceStatus = pydantic.Field(default_factory=lambda: TraceStatus(status_code="OK"))
+
+
+def _record(emitter: str, span_name: str, attributes: dict[str, Any], propagate: bool = True) -> SpanCoreFields:
+    """Record a span in the active trace context (propagate=False: only describe it)."""
+    now = time.time()
+    if propagate:
+        tracer = _active_tracer(emitter)
+        if tracer is not None:
+            tracer.start_span(span_name, attributes=attributes).end()
+    return SpanCoreFields(name=span_name, attributes=attributes, start_time=now, end_time=now)
+
+
+def _extra_attributes(emitter: str, attributes: Mapping[str, Any] | None, reserved: str) -> dict[str, Any]:
+    """agent-lightning's `attributes=`: extra span attributes, nested mappings flattened with dots."""
+    if attributes is None:
+        return {}
+    if not isinstance(attributes, Mapping):
+        raise TypeError(f"{emitter}: attributes must be a dict of span attributes, got {type(attributes).__name__}")
+    flat: dict[str, Any] = {}
+    _flatten(emitter, attributes, "", flat)
+    clashing = sorted(key for key in flat if key.startswith(reserved))
+    if clashing:
+        raise ValueError(f"{emitter}: attributes {clashing} are reserved ({reserved}*); rename them")
+    return flat
+
+
+def _flatten(emitter: str, attributes: Mapping[str, Any], prefix: str, into: dict[str, Any]) -> None:
+    for key, value in attributes.items():
+        if not isinstance(key, str) or not key:
+            raise TypeError(f"{emitter}: attribute names must be non-empty strings, got {key!r}")
+        name = prefix + key
+        if isinstance(value, Mapping):
+            _flatten(emitter, value, name + ".", into)
+        elif isinstance(value, str | bool | int | float):
+            into[name] = value
+        elif isinstance(value, list | tuple) and all(isinstance(item, str | bool | int | float) for item in value):
+            into[name] = list(value)
+        else:
+            raise TypeError(
+                f"{emitter}: attribute {name!r} is a {type(value).__name__}; give str, bool, int, float, a list of "
+                "those, or a dict of them (or record it with emit_object)"
+            )
 
 
 # --- rewards ---------------------------------------------------------------------------------
 
 
-def emit_reward(value: float | Mapping[str, float], primary_key: str | None = None) -> None:
-    """Record a reward span. A float is the reward; a dict holds named components, of which `primary_key`
-    (needed when there are several) is the reward."""
-    _record("emit_reward", semconv.REWARD_SPAN, _reward_attributes(value, primary_key))
+def emit_reward(
+    reward: float | Mapping[str, float],
+    primary_key: str | None = None,
+    *,
+    attributes: Mapping[str, Any] | None = None,
+    propagate: bool = True,
+) -> SpanCoreFields:
+    """Record a reward span. A number (bools count as 1.0 / 0.0) is the reward; a dict holds named rewards, of
+    which `primary_key` (needed when there are several) is the one training reads. `attributes`: extra span
+    attributes. propagate=False: record nothing, only return the span (an agent may return it in a list)."""
+    fields = _reward_attributes(reward, primary_key)
+    fields.update(_extra_attributes("emit_reward", attributes, semconv.REWARD_PREFIX))
+    return _record("emit_reward", semconv.REWARD_SPAN, fields, propagate)
 
 
 def _reward_attributes(value: float | Mapping[str, float], primary_key: str | None = None) -> dict[str, Any]:
@@ -116,9 +174,9 @@ def _reward_component_attributes(rewards: Mapping[str, float], primary_key: str 
 
 
 def _finite_reward(value: object, what: str) -> float:
-    # bool is an int to Python, but True as a reward is almost always a bug.
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"emit_reward: {what} must be a finite float, got {type(value).__name__} {value!r}")
+    # As in agent-lightning, a bool is a reward of 1.0 or 0.0.
+    if not isinstance(value, numbers.Real):
+        raise TypeError(f"emit_reward: {what} must be a finite float (or a bool), got {type(value).__name__} {value!r}")
     reward = float(value)
     if not math.isfinite(reward):
         raise ValueError(f"emit_reward: {what} must be a finite float, got {reward}")
@@ -128,21 +186,26 @@ def _finite_reward(value: object, what: str) -> float:
 # --- messages, objects, exceptions -----------------------------------------------------------
 
 
-def emit_message(message: str, **attributes: Any) -> None:
-    """Record a message span: the text, plus any OpenTelemetry attributes (str, bool, int, float, lists)."""
+def emit_message(
+    message: str, attributes: Mapping[str, Any] | None = None, *, propagate: bool = True, **more: Any
+) -> SpanCoreFields:
+    """Record a message span: the text, plus OpenTelemetry attributes given as `attributes={...}`
+    (agent-lightning's form) or as keywords. propagate=False: record nothing, only return the span."""
     if not isinstance(message, str):
         raise TypeError(f"emit_message: message must be a str, got {type(message).__name__}")
-    _record("emit_message", semconv.MESSAGE_SPAN, {**attributes, semconv.MESSAGE_BODY: message})
+    fields = {**_extra_attributes("emit_message", attributes, semconv.MESSAGE_BODY), **more}
+    return _record("emit_message", semconv.MESSAGE_SPAN, {**fields, semconv.MESSAGE_BODY: message}, propagate)
 
 
-def emit_object(obj: Any) -> None:
-    """Record an object span holding `obj` as JSON (dicts, lists, str, numbers, bools, None, pydantic models).
-    Keys named like secrets are redacted."""
+def emit_object(obj: Any, attributes: Mapping[str, Any] | None = None, *, propagate: bool = True) -> SpanCoreFields:
+    """Record an object span holding `obj` as JSON (dicts, lists, str, numbers, bools, None, pydantic models),
+    plus extra span `attributes`. Keys named like secrets are redacted. propagate=False: only return the span."""
     try:
         encoded = json.dumps(_plain(obj, strict=True), allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"emit_object: {type(obj).__name__} cannot be recorded as JSON: {exc}") from exc
-    _record("emit_object", semconv.OBJECT_SPAN, {semconv.OBJECT_JSON: encoded})
+    fields = _extra_attributes("emit_object", attributes, semconv.OBJECT_JSON)
+    return _record("emit_object", semconv.OBJECT_SPAN, {**fields, semconv.OBJECT_JSON: encoded}, propagate)
 
 
 def emit_exception(exc: BaseException) -> None:

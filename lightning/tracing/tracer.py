@@ -454,6 +454,11 @@ class Tracer:
         on exit, wait (up to flush_timeout) until they are in the store, raising if writing failed."""
         return TraceContext(self, rollout_id, attempt_id, name)
 
+    def get_langchain_handler(self) -> None:
+        """agent-lightning's LangChain callback handler: None here, as the LLM proxy records every call the agent
+        makes through its LLM resource (agent-lightning code passes `callbacks=[handler] if handler else []`)."""
+        return None
+
     def flush(self, timeout: float = 30.0) -> None:
         """Block until every span ended so far is in the store; raise SpanExportError if writing failed."""
         self._processor.flush(timeout)

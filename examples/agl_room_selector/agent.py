@@ -1,0 +1,136 @@
+"""A function-calling agent in agent-lightning 0.3's style (its room-selector example's task, our own code): given a
+meeting request, the model calls a `get_rooms_and_availability` tool and picks a room. Reward: True when it picks the
+best room (the smallest free one that fits the attendees, the equipment and the accessibility needed).
+
+Written as for agent-lightning, with `import lightning as agl`: an `@agl.rollout` function taking the task and the
+`llm`, a bool reward emitted with `agl.emit_reward(..., primary_key=..., attributes=...)`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from openai import OpenAI
+
+import lightning as agl
+
+TASKS = Path(__file__).with_name("tasks.jsonl")
+MAX_TURNS = 3
+ROOMS = [
+    {"id": "Lyra", "capacity": 4, "equipment": ["screen"], "accessible": True},
+    {"id": "Orion", "capacity": 6, "equipment": ["projector", "whiteboard"], "accessible": False},
+    {"id": "Vega", "capacity": 8, "equipment": ["projector"], "accessible": True},
+    {"id": "Atlas", "capacity": 12, "equipment": ["projector", "whiteboard", "screen"], "accessible": True},
+    {"id": "Nova", "capacity": 20, "equipment": ["projector", "microphone"], "accessible": True},
+]
+BOOKINGS = {  # (room, date) -> busy (start, end) in minutes after midnight
+    ("Lyra", "2025-10-13"): [(540, 600)],
+    ("Orion", "2025-10-13"): [(600, 720)],
+    ("Vega", "2025-10-13"): [(780, 840)],
+    ("Atlas", "2025-10-14"): [(540, 1020)],
+    ("Vega", "2025-10-14"): [(600, 660)],
+}
+SYSTEM_PROMPT = "Pick the smallest free room that fits. End with final_choice: <room>"
+ROOM_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_rooms_and_availability",
+        "description": "Rooms and whether each is free",
+        "parameters": {
+            "type": "object",
+            "properties": {"date": {"type": "string"}, "time": {"type": "string"}, "duration_min": {"type": "integer"}},
+            "required": ["date", "time", "duration_min"],
+        },
+    },
+}
+
+
+@agl.rollout
+def room_selector(task: dict[str, Any], llm: agl.LLM) -> None:
+    client = OpenAI(base_url=llm.endpoint, api_key=llm.api_key or "dummy", max_retries=0)
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": describe(task)},
+    ]
+    choice, tool_calls = None, 0
+    for _ in range(MAX_TURNS):
+        response = client.chat.completions.create(
+            model=llm.model, messages=messages, tools=[ROOM_TOOL], **llm.sampling_parameters
+        )
+        message = response.choices[0].message
+        if not message.tool_calls:
+            choice = final_choice(message.content or "")
+            break
+        messages.append(message.model_dump(exclude_none=True))
+        for call in message.tool_calls:
+            tool_calls += 1
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": run_tool(call.function.arguments)})
+    correct = choice == task["expected_choice"]
+    agl.emit_reward(
+        {"correct": correct, "used_tool": tool_calls > 0},
+        primary_key="correct",
+        attributes={"choice": choice or "", "expected": task["expected_choice"]},
+    )
+
+
+def describe(task: dict[str, Any]) -> str:
+    needs = ", ".join(task["needs"]) or "nothing special"
+    access = "yes" if task["accessible_required"] else "no"
+    return (
+        f"Date: {task['date']}. Time: {task['time']}. Duration: {task['duration_min']} min. "
+        f"Attendees: {task['attendees']}. Needs: {needs}. Accessible: {access}."
+    )
+
+
+def final_choice(text: str) -> str | None:
+    found = re.search(r"final_choice:\s*([A-Za-z]+)", text)
+    return found.group(1).capitalize() if found else None
+
+
+def run_tool(arguments: str) -> str:
+    """The tool's reply to the model (errors too, as text)."""
+    try:
+        given = json.loads(arguments)
+        return json.dumps(rooms_and_availability(given["date"], given["time"], int(given["duration_min"])))
+    except (ValueError, KeyError, TypeError) as exc:
+        return f"error: {exc}"
+
+
+def rooms_and_availability(date: str, time: str, duration_min: int) -> list[dict[str, Any]]:
+    hours, minutes = (int(part) for part in time.split(":"))
+    start = hours * 60 + minutes
+    end = start + duration_min
+    rooms = []
+    for room in ROOMS:
+        busy = BOOKINGS.get((room["id"], date), [])
+        rooms.append({**room, "free": all(end <= busy_start or start >= busy_end for busy_start, busy_end in busy)})
+    return rooms
+
+
+def best_room(task: dict[str, Any]) -> str | None:
+    """The grader's answer: the smallest free room that fits (ties: the first listed)."""
+    fitting = [
+        room
+        for room in rooms_and_availability(task["date"], task["time"], task["duration_min"])
+        if room["free"]
+        and room["capacity"] >= task["attendees"]
+        and set(task["needs"]) <= set(room["equipment"])
+        and (room["accessible"] or not task["accessible_required"])
+    ]
+    return min(fitting, key=lambda room: room["capacity"])["id"] if fitting else None
+
+
+def tasks() -> list[dict[str, Any]]:
+    """Meeting requests, each with the room to choose."""
+    return [json.loads(line) for line in TASKS.read_text().splitlines() if line.strip()]
+
+
+def train_tasks() -> list[dict[str, Any]]:
+    return tasks()[:8]
+
+
+def val_tasks() -> list[dict[str, Any]]:
+    return tasks()[8:]

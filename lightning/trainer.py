@@ -1,0 +1,334 @@
+"""agent-lightning's `Trainer`, over this project's flows: `Trainer(...).fit(agent, train_dataset, val_dataset=...)`
+builds a `TrainConfig` and runs the `train` flow on it; `.dev(...)` runs the `dev` flow (one batch of rollouts,
+adapted, nothing trained). It is a facade, not a second pipeline: what a run does is what `python -m flows.train`
+does with the same config.
+
+This is the one place where the library hands off to the flows: `fit` and `dev` import `flows.train` / `flows.dev`
+inside the method, so importing `lightning` (this module included) never imports Prefect. Without PREFECT_API_URL
+the flow runs on a temporary Prefect server of its own, as on the command line.
+
+The flows name the agent and the datasets as `module:attr` entry points. An agent that its module holds under a
+name (not `__main__`) is named so; any other agent object is put in this process's `registry` and named
+`lightning.trainer:registry.<name>`, which only runner tasks on threads of this process (task_runner `default`)
+can reach. Datasets in memory are written to JSONL in the run directory (rollout inputs are JSON in the store
+anyway); a string is taken as the path or entry point it names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import re
+import sys
+import types
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol, SupportsIndex, TypeVar
+
+from lightning import preflight
+from lightning.agent import FunctionalLitAgent, LitAgent
+from lightning.algorithm.config import TrainerConfig
+from lightning.config import ConfigError, TrainConfig, load_config, load_entry_point, validate_config
+from lightning.types import LLM, ProxyLLM
+
+T_co = TypeVar("T_co", covariant=True)
+
+registry = types.SimpleNamespace()
+"""Agents given to `fit` / `dev` that no module holds: `lightning.trainer:registry.<name>` (this process only)."""
+REGISTRY_SPEC = "lightning.trainer:registry"
+_ids = itertools.count(1)
+
+# agent-lightning Trainer arguments that have no meaning here, and what to use instead.
+_REFUSED = {
+    "max_rollouts": "a run's runners stop when the iteration's rollouts are done; bound the work with iterations=, "
+    "batch_size= and samples_per_task=",
+    "max_tasks": "a run's runners stop when the iteration's rollouts are done; bound the work with iterations=, "
+    "batch_size= and samples_per_task=",
+    "tracer": "each runner records spans with its own lightning.Tracer into the run's store, and the run's LLM proxy "
+    "records every LLM call; leave tracer out",
+    "adapter": "spans become training rows by lightning's adapter; choose its shape with "
+    "adapter_shape='transition' (one row per LLM call) or 'trajectory' (one per rollout)",
+    "triplet_exporter": "spans become training rows by lightning's adapter; choose its shape with "
+    "adapter_shape='transition' or 'trajectory'",
+    "runner": "the run starts its runners; size them with n_runners= and runner_concurrency=",
+    "strategy": "runner tasks run on threads of the flow (task_runner='default') or on Ray (task_runner='ray')",
+    "port": "runners reach the store directly; to serve it over HTTP run `lightning store serve` and give "
+    "store='http://host:port'",
+    "llm_proxy": "every run starts its own LLM proxy; give proxy_endpoint= to use one that is running",
+    "hooks": "hooks are not passed to a run's runners; use lightning.runner.Runner(agent, store, hooks=[...]) directly",
+}
+
+
+class Dataset(Protocol[T_co]):
+    """agent-lightning's dataset type: anything with `len()` and `[i]` (a list will do)."""
+
+    def __getitem__(self, index: SupportsIndex, /) -> T_co: ...
+
+    def __len__(self) -> int: ...
+
+
+class Trainer:
+    """`Trainer(n_runners=2, algorithm={"lr": 1e-4}, iterations=3, batch_size=8).fit(agent, train, val_dataset=val)`.
+
+    Keywords: agent-lightning's `n_runners` (`n_workers`), `algorithm` (a `TrainerConfig` or a dict of its fields),
+    `store` (a store URL, or an HttpLightningStore), `initial_resources` (one `LLM`: the
+    endpoint rollouts use, as inference backend `external`); any `TrainConfig` field (run_name, iterations, model,
+    batch_size, ...); and `config=` (a TrainConfig, a dict of its fields, or a YAML file) under them. The other
+    agent-lightning arguments are refused with what to use instead."""
+
+    def __init__(
+        self,
+        *,
+        n_runners: int | None = None,
+        n_workers: int | None = None,
+        algorithm: TrainerConfig | Mapping[str, Any] | None = None,
+        store: Any = None,
+        initial_resources: Mapping[str, Any] | None = None,
+        config: TrainConfig | Mapping[str, Any] | str | Path | None = None,
+        dev: bool = False,
+        daemon: bool = True,
+        **fields: Any,
+    ) -> None:
+        refused = sorted(name for name in _REFUSED if fields.get(name) is not None)
+        if refused:
+            raise TypeError(
+                "Trainer: " + "; ".join(f"{name}= is not supported here: {_REFUSED[name]}" for name in refused)
+            )
+        for name in _REFUSED:
+            fields.pop(name, None)
+        if dev:
+            raise TypeError(
+                "Trainer(dev=True) is agent-lightning's deprecated form; call Trainer(...).dev(agent, data)"
+            )
+        if not daemon:
+            raise ValueError("Trainer(daemon=False): every process a run starts dies with it; leave daemon out")
+        self._base = _base_config(config)
+        self._fields: dict[str, Any] = dict(fields)
+        if n_workers is not None and n_runners is not None and n_workers != n_runners:
+            raise ValueError(f"Trainer: n_workers={n_workers} and n_runners={n_runners} disagree; give n_runners only")
+        if n_runners is not None or n_workers is not None:
+            self._fields["n_runners"] = n_runners if n_runners is not None else n_workers
+        if algorithm is not None:
+            self._fields["algorithm"] = _algorithm_fields(algorithm)
+        if store is not None:
+            self._fields["store_url"] = _store_url(store)
+        if initial_resources is not None:
+            self._fields.update(_resource_fields(initial_resources))
+        validate_config({**self._base, **self._fields}, "Trainer's configuration")  # a bad field fails here
+        self.n_runners = self._fields.get("n_runners", self._base.get("n_runners", TrainConfig().n_runners))
+        self.algorithm = self._fields.get("algorithm")
+        self.config: TrainConfig | None = None
+        """The TrainConfig of the last fit or dev."""
+
+    # --- agent-lightning's entry points ---
+
+    def fit(self, agent: LitAgent[Any], train_dataset: Any = None, *, val_dataset: Any = None) -> dict[str, Any]:
+        """Train `agent` on `train_dataset` with the `train` flow; returns what the flow returns (the run's summary)."""
+        return _run_sync(self.fit_async(agent, train_dataset, val_dataset=val_dataset), "fit")
+
+    def dev(self, agent: LitAgent[Any], train_dataset: Any = None, *, val_dataset: Any = None) -> dict[str, Any]:
+        """One batch of `train_dataset` rollouts through the `dev` flow, adapted to a training batch; nothing is
+        trained. Returns the flow's report (rollouts and batch). `val_dataset` is accepted and unused."""
+        return _run_sync(self.dev_async(agent, train_dataset, val_dataset=val_dataset), "dev")
+
+    async def fit_async(self, agent: LitAgent[Any], train_dataset: Any = None, *, val_dataset: Any = None) -> Any:
+        """`fit` for code already in an event loop."""
+        return await self._run("train", agent, train_dataset, val_dataset)
+
+    async def dev_async(self, agent: LitAgent[Any], train_dataset: Any = None, *, val_dataset: Any = None) -> Any:
+        """`dev` for code already in an event loop."""
+        return await self._run("dev", agent, train_dataset, val_dataset)
+
+    # --- the config ---
+
+    def build_config(self, agent: Any, train_dataset: Any = None, val_dataset: Any = None) -> TrainConfig:
+        """The TrainConfig that fit/dev run: the keywords over `config=`, with the agent and the datasets."""
+        data = {**self._base, **self._fields}
+        agent_spec = _agent_spec(agent)
+        data["agent"] = agent_spec
+        data.setdefault("run_name", _run_name(agent))
+        output_dir = Path(data.get("output_dir", TrainConfig().output_dir))
+        data_dir = (output_dir / data["run_name"] / "data").resolve()
+        if train_dataset is None and "train_data" not in self._base:
+            raise ValueError("Trainer: give train_dataset (a list of tasks, a .jsonl/.parquet path or module:function)")
+        if train_dataset is not None:
+            data["train_data"] = _dataset_spec(train_dataset, "train_dataset", data_dir / "train.jsonl")
+        if val_dataset is not None:
+            data["val_data"] = _dataset_spec(val_dataset, "val_dataset", data_dir / "val.jsonl")
+        elif "val_data" not in self._base:
+            data["val_data"] = None
+        config = validate_config(data, "Trainer's configuration")
+        if config.task_runner == "ray" and agent_spec.startswith(REGISTRY_SPEC):
+            raise ValueError(
+                "Trainer: task_runner 'ray' runs the agent in other processes, which cannot see "
+                f"{type(agent).__name__} defined here; define it at the top level of an importable module (not the "
+                "script you run), or use task_runner 'default'"
+            )
+        return config
+
+    async def _run(self, flow_name: str, agent: Any, train_dataset: Any, val_dataset: Any) -> Any:
+        if not isinstance(agent, LitAgent):
+            raise TypeError(
+                f"Trainer: agent is a {type(agent).__name__}; give a LitAgent instance or a @lightning.rollout function"
+            )
+        config = self.build_config(agent, train_dataset, val_dataset)
+        preflight.check(config)
+        # The hand-off to the flows: imported here only, so that importing lightning never imports Prefect.
+        from flows.cli import temporary_prefect_server
+
+        if flow_name == "train":
+            from flows.train import train as flow
+        else:
+            from flows.dev import dev as flow
+
+        agent.set_trainer(self)
+        self.config = config
+        from prefect.logging.handlers import APILogHandler
+
+        with temporary_prefect_server(config.run_dir / "logs" / "prefect-server.log"):
+            try:
+                return await flow(config)
+            finally:
+                await APILogHandler.aflush()  # the flow's last log lines, while the server is still up
+
+
+def _run_sync(coroutine: Any, method: str) -> Any:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    coroutine.close()
+    raise RuntimeError(
+        f"Trainer.{method}() was called inside a running event loop; use `await trainer.{method}_async(...)`"
+    )
+
+
+def _base_config(config: TrainConfig | Mapping[str, Any] | str | Path | None) -> dict[str, Any]:
+    if config is None:
+        return {}
+    if isinstance(config, TrainConfig):
+        return config.model_dump(exclude_unset=True)
+    if isinstance(config, Mapping):
+        return dict(config)
+    if isinstance(config, str | Path):
+        return load_config(config).model_dump(exclude_unset=True)
+    raise TypeError(
+        f"Trainer: config= takes a TrainConfig, a dict of its fields or a YAML path, not {type(config).__name__}"
+    )
+
+
+def _algorithm_fields(algorithm: Any) -> dict[str, Any]:
+    if isinstance(algorithm, TrainerConfig):
+        return algorithm.model_dump(exclude_unset=True)
+    if isinstance(algorithm, Mapping):
+        if {"actor_rollout_ref", "data", "trainer"} & set(algorithm):
+            raise ValueError(
+                "Trainer: algorithm= looks like a verl config (agent-lightning's VERL(config)); give the fields of "
+                "lightning.TrainerConfig (lr, kl_coef, advantage, clip_low, ...) and TrainConfig fields as keywords "
+                "(batch_size=, samples_per_task=, max_prompt_length=, max_response_length=, trainer_backend='verl')"
+            )
+        return dict(algorithm)
+    raise TypeError(
+        f"Trainer: algorithm= is a {type(algorithm).__name__}; give a lightning.TrainerConfig or a dict of its fields "
+        "(lr, kl_coef, advantage, ...): agent-lightning's algorithm objects do not run here"
+    )
+
+
+def _store_url(store: Any) -> str:
+    if isinstance(store, str):
+        return store
+    base_url = getattr(store, "base_url", None)  # an HttpLightningStore: the server the run's parts can reach too
+    if isinstance(base_url, str):
+        return base_url
+    raise TypeError(
+        f"Trainer: store= is a {type(store).__name__}; a run opens its store by URL in every process that needs it: "
+        "give the URL (sqlite:///path.db, postgresql://user@host/db, or http://host:port of `lightning store serve`)"
+    )
+
+
+def _resource_fields(resources: Mapping[str, Any]) -> dict[str, Any]:
+    llms = {name: value for name, value in resources.items() if isinstance(value, LLM)}
+    others = sorted(name for name in resources if name not in llms)
+    if others or len(llms) != 1:
+        raise ValueError(
+            "Trainer: initial_resources= takes one LLM (the endpoint rollouts call, as inference backend 'external'); "
+            f"got {sorted(resources)}. The run gives the agent its LLM as resources['main_llm']; pass prompt "
+            "templates and other settings to the agent itself"
+        )
+    (llm,) = llms.values()
+    if isinstance(llm, ProxyLLM):
+        raise ValueError(
+            "Trainer: initial_resources= got a ProxyLLM; the run starts its own proxy: give the LLM behind it"
+        )
+    if llm.api_key:
+        raise ValueError(
+            "Trainer: initial_resources= holds an API key; put it in an environment variable and give "
+            "inference={'backend': 'external', 'endpoint': ..., 'api_key_env': 'NAME'} instead"
+        )
+    fields: dict[str, Any] = {
+        "inference": {"backend": "external", "endpoint": llm.endpoint, "served_model_name": llm.model}
+    }
+    if llm.sampling_parameters:
+        fields["sampling"] = dict(llm.sampling_parameters)
+    return fields
+
+
+def _agent_spec(agent: Any) -> str:
+    """`module:name` when the agent's module holds it under a name (and it is not the script run), else a name in
+    this process's registry."""
+    module_name = getattr(agent, "__module__", None) or type(agent).__module__
+    if module_name != "__main__" and module_name in sys.modules:
+        module = sys.modules[module_name]
+        names = [getattr(agent, "__name__", None)] + [name for name, value in vars(module).items() if value is agent]
+        for name in names:
+            if isinstance(name, str) and name.isidentifier() and getattr(module, name, None) is agent:
+                spec = f"{module_name}:{name}"
+                try:
+                    if load_entry_point(spec, "agent") is agent:
+                        return spec
+                except ConfigError:
+                    pass
+    name = f"{re.sub(r'[^A-Za-z0-9_]', '_', _run_name(agent))}_{next(_ids)}"
+    setattr(registry, name, agent)
+    return f"{REGISTRY_SPEC}.{name}"
+
+
+def _run_name(agent: Any) -> str:
+    name = agent.__name__ if isinstance(agent, FunctionalLitAgent) else type(agent).__name__
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", name).strip("-._") or "agent"
+    return name[:100]
+
+
+def _dataset_spec(dataset: Any, argument: str, path: Path) -> str:
+    if isinstance(dataset, str | Path):
+        return str(dataset)
+    try:
+        tasks = [dataset[i] for i in range(len(dataset))]
+    except TypeError as exc:
+        raise TypeError(
+            f"Trainer: {argument} is a {type(dataset).__name__}; give a list of tasks (or anything with len() and "
+            "[i]), a .jsonl/.parquet path or module:function"
+        ) from exc
+    if not tasks:
+        raise ValueError(f"Trainer: {argument} is empty")
+    lines = []
+    for index, task in enumerate(tasks):
+        try:
+            lines.append(json.dumps(_plain(task), allow_nan=False))
+        except (TypeError, ValueError) as exc:
+            raise TypeError(
+                f"Trainer: {argument}[{index}] cannot be written as JSON ({exc}); tasks are rollout inputs, stored as "
+                "JSON: give dicts, lists, strings and numbers (or pydantic models)"
+            ) from None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def _plain(task: Any) -> Any:
+    dump = getattr(task, "model_dump", None)  # a pydantic model
+    return dump(mode="json") if callable(dump) else task
+
+
+__all__ = ["Dataset", "Trainer", "registry"]
