@@ -374,9 +374,20 @@ def test_the_global_tracer_provider_is_untouched(tmp_path: Path) -> None:
 # --- emitters ----------------------------------------------------------------------------------
 
 
+def agl_dimensions(*dimensions: tuple[str, float]) -> dict[str, Any]:
+    """agent-lightning 0.3's reward attributes, primary first: what its `find_final_reward` reads."""
+    attributes: dict[str, Any] = {}
+    for index, (name, value) in enumerate(dimensions):
+        attributes[f"agentlightning.reward.{index}.name"] = name
+        attributes[f"agentlightning.reward.{index}.value"] = value
+    return attributes
+
+
 async def test_emit_reward_float(tracer: Tracer, file_store: SqlLightningStore) -> None:
     spans = await spans_of_one_emit(tracer, file_store, lambda: emit_reward(1))
-    assert [(span.name, span.attributes) for span in spans] == [(semconv.REWARD_SPAN, {semconv.REWARD_VALUE: 1.0})]
+    assert [(span.name, span.attributes) for span in spans] == [
+        (semconv.REWARD_SPAN, {semconv.REWARD_VALUE: 1.0, **agl_dimensions(("primary", 1.0))})
+    ]
 
 
 async def test_emit_reward_dict_with_primary_key(tracer: Tracer, file_store: SqlLightningStore) -> None:
@@ -388,6 +399,7 @@ async def test_emit_reward_dict_with_primary_key(tracer: Tracer, file_store: Sql
         semconv.REWARD_PREFIX + "brevity": 0.25,
         semconv.REWARD_PRIMARY_KEY: "correct",
         semconv.REWARD_VALUE: 1.0,
+        **agl_dimensions(("correct", 1.0), ("brevity", 0.25)),
     }
 
 
@@ -431,12 +443,16 @@ async def test_emit_reward_takes_bools_and_agent_lightning_s_keywords(
         semconv.REWARD_PREFIX + "short": 0.0,
         semconv.REWARD_PRIMARY_KEY: "correct",
         semconv.REWARD_VALUE: 1.0,
+        **agl_dimensions(("correct", 1.0), ("short", 0.0)),
         "judge.model": "m",
         "turns": 2,
     }
     assert find_final_reward(spans) == 1.0
     quiet = emit_reward(False, propagate=False)
-    assert (quiet.name, quiet.attributes) == (semconv.REWARD_SPAN, {semconv.REWARD_VALUE: 0.0})
+    assert (quiet.name, quiet.attributes) == (
+        semconv.REWARD_SPAN,
+        {semconv.REWARD_VALUE: 0.0, **agl_dimensions(("primary", 0.0))},
+    )
     with pytest.raises(ValueError, match="reserved"):
         emit_reward(1.0, attributes={"lightning.reward.value": 2.0})
     with pytest.raises(TypeError, match="attribute 'obj' is a object"):

@@ -140,12 +140,24 @@ def emit_reward(
 
 
 def _reward_attributes(value: float | Mapping[str, float], primary_key: str | None = None) -> dict[str, Any]:
-    """The attributes of a reward span, after checking every value is a finite number."""
+    """The attributes of a reward span, after checking every value is a finite number: ours, and agent-lightning
+    0.3's list of dimensions (primary first), so its `find_final_reward` reads our rewards too."""
     if isinstance(value, Mapping):
-        return _reward_component_attributes(value, primary_key)
-    if primary_key is not None:
-        raise ValueError("emit_reward: primary_key picks a component of a dict of rewards; a single reward has none")
-    return {semconv.REWARD_VALUE: _finite_reward(value, "the reward")}
+        attributes = _reward_component_attributes(value, primary_key)
+        primary = attributes[semconv.REWARD_PRIMARY_KEY]
+        dimensions = [(primary, attributes[semconv.REWARD_VALUE])]
+        dimensions += [(name, float(v)) for name, v in value.items() if name != primary]
+    else:
+        if primary_key is not None:
+            raise ValueError(
+                "emit_reward: primary_key picks a component of a dict of rewards; a single reward has none"
+            )
+        attributes = {semconv.REWARD_VALUE: _finite_reward(value, "the reward")}
+        dimensions = [("primary", attributes[semconv.REWARD_VALUE])]
+    for index, (name, reward) in enumerate(dimensions):
+        attributes[f"{semconv.PEER_REWARD_SPAN}.{index}.name"] = name
+        attributes[f"{semconv.PEER_REWARD_SPAN}.{index}.value"] = reward
+    return attributes
 
 
 def _reward_component_attributes(rewards: Mapping[str, float], primary_key: str | None) -> dict[str, Any]:
