@@ -6,7 +6,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -519,3 +522,33 @@ async def test_a_tools_request_through_litellm_reaches_the_backend_and_its_span(
     assert response.choices[0].message.content == "".join(ANSWER)
     assert backend.requests[0]["tools"] == tools
     assert json.loads(span.attributes[semconv.GEN_AI_TOOL_DEFINITIONS]) == tools
+
+
+def test_the_proxy_command_answers_the_name_it_advertises(tmp_path: Path) -> None:
+    """`lightning proxy serve --backend URL` in front of a server that serves another name (as the embedded server
+    serves `tiny`): what its /v1/models lists is what it answers."""
+    port = free_port()
+    with backends() as [(backend, url)]:
+        backend.served_models = ["tiny"]
+        command = [sys.executable, "-m", "lightning.cli", "proxy", "serve", "--backend", url, "--port", str(port)]
+        command += ["--store", f"sqlite:///{tmp_path}/store.db"]
+        process = subprocess.Popen(command, cwd=Path(__file__).resolve().parent.parent)
+        try:
+            base = f"http://127.0.0.1:{port}/v1"
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    models = httpx.get(f"{base}/models").json()
+                    break
+                except httpx.TransportError:
+                    assert process.poll() is None and time.monotonic() < deadline, "the proxy did not start"
+                    time.sleep(0.2)
+            [advertised] = [model["id"] for model in models["data"]]
+            plain = openai.OpenAI(base_url=base, api_key="unused", max_retries=0)
+            response = plain.chat.completions.create(model=advertised, messages=MESSAGES)
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
+    assert advertised == "policy"
+    assert response.choices[0].message.content == "".join(ANSWER)
+    assert [request["model"] for request in backend.requests] == ["tiny"]

@@ -338,7 +338,7 @@ class LLMProxy:
                     # backend sent so far is still the attempt's, so store it from a task of its own.
                     call.error = "the agent stopped reading the stream"
                     self._spawn(self._close_and_record(upstream, call, context, first_chunk_at))
-            await self._close_and_record(upstream, call, context, first_chunk_at)
+            await self._close_and_record(upstream, call, context, first_chunk_at, drain=reader.done)
             rest = reader.rest()
             if rest:
                 yield rest
@@ -459,12 +459,20 @@ class LLMProxy:
         )
 
     async def _close_and_record(
-        self, upstream: aiohttp.ClientResponse, call: Call, context: tuple[Any, ...], first_chunk_at: float | None
+        self,
+        upstream: aiohttp.ClientResponse,
+        call: Call,
+        context: tuple[Any, ...],
+        first_chunk_at: float | None,
+        drain: bool = False,
     ) -> None:
-        if upstream.content.at_eof():
-            upstream.release()
-        else:  # after `[DONE]`: read the body's end in the background, so the connection stays reusable
+        """Release the backend's response and store the span. With `drain` (the stream reached `[DONE]`), the end of
+        the body is read in the background first, so the connection stays reusable; otherwise releasing an unfinished
+        response closes its connection, which tells the backend to stop generating."""
+        if drain and not upstream.content.at_eof():
             self._spawn(_drain(upstream))
+        else:
+            upstream.release()
         await self._record(call, *context, first_chunk_at=first_chunk_at)
 
     def _spawn(self, coro: Any) -> None:
@@ -686,7 +694,7 @@ async def _pass_through(upstream: aiohttp.ClientResponse, stream: bool) -> Respo
     return StreamingResponse(relay(), status_code=200, media_type=_media_type(upstream))
 
 
-async def _drain(upstream: aiohttp.ClientResponse, timeout: float = 30.0) -> None:
+async def _drain(upstream: aiohttp.ClientResponse, timeout: float = 5.0) -> None:
     """Read what a backend still sends after `[DONE]` (normally just the body's end), then release it."""
     try:
         async with asyncio.timeout(timeout):
