@@ -52,7 +52,8 @@ class Backend(BaseModel):
     token_ids: bool = True
     """The server takes vLLM's `return_token_ids`; the proxy then always asks for token ids."""
     model: str | None = None
-    """If set, the `model` of every forwarded request is rewritten to this served model name."""
+    """If set, the `model` of every forwarded request is rewritten to this served model name. If not, a call for the
+    proxy's `model_name` is sent under the name this server lists on `GET /models` (asked once)."""
     provider: str = "vllm"
     """`gen_ai.provider.name` on the spans."""
 
@@ -82,8 +83,9 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
 class LLMProxy:
     """Forwards OpenAI-style calls to `backends`, stores a span per call in `store`.
 
-    - `model_name`: what agents are told to ask for (`as_resource`); with `Backend.model` set the
-      proxy rewrites it to each server's own name.
+    - `model_name`: what agents are told to ask for (`as_resource`) and what `/v1/models` lists; a
+      call for it goes to each backend under that backend's own name: `Backend.model` when set,
+      else the first name the backend's `GET /models` lists when it does not list `model_name`.
     - `external_models`: names answered through LiteLLM instead of the backends.
     - `token`: bearer token every request must carry (the agents' `api_key`); required to listen
       beyond loopback.
@@ -515,6 +517,8 @@ class LLMProxy:
             url = f"{backend.url.rstrip('/')}/models"
             try:
                 async with self._http().get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=10)) as response:
+                    if response.status >= 500:  # starting or failing: ask again on the next call
+                        return None
                     listing = await response.json(content_type=None) if response.status == 200 else None
             except (ValueError, aiohttp.ClientResponseError):  # not JSON: the name stays as the agent sent it
                 listing = None
@@ -627,11 +631,9 @@ def _unauthorised() -> JSONResponse:
 def _other_served_model(listing: Any, model_name: str) -> str | None:
     """From a `GET /models` answer: None if it lists `model_name` (or lists nothing readable), else its first id."""
     data = listing.get("data") if isinstance(listing, dict) else None
-    ids = (
-        [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
-        if isinstance(data, list)
-        else []
-    )
+    if not isinstance(data, list):
+        return None
+    ids = [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
     return None if not ids or model_name in ids else ids[0]
 
 
