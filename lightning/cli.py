@@ -153,7 +153,12 @@ def _parser() -> argparse.ArgumentParser:
         default=os.environ.get(BACKEND_KEY_ENV),
         help=f"API key the backends require (default: ${BACKEND_KEY_ENV})",
     )
-    proxy_serve.add_argument("--model-name", default="policy", help="model name agents ask for (default: %(default)s)")
+    proxy_serve.add_argument(
+        "--model-name",
+        default="policy",
+        help="model name agents ask for, listed on /v1/models; a call for it reaches each backend under the name that "
+        "backend serves (the first its GET /v1/models lists) (default: %(default)s)",
+    )
     proxy_serve.add_argument(
         "--external-models",
         default=None,

@@ -50,6 +50,8 @@ GEN_AI_INPUT_MESSAGES = "gen_ai.input.messages"
 """The request's messages (chat) or prompt (completions), as JSON text."""
 GEN_AI_OUTPUT_MESSAGES = "gen_ai.output.messages"
 """One output message per choice, as JSON text: role, content, tool_calls, finish_reason."""
+GEN_AI_TOOL_DEFINITIONS = "gen_ai.tool.definitions"
+"""The request's `tools` as sent (OpenAI's shape), as JSON text; absent when the request has none."""
 GEN_AI_REQUEST_PREFIX = "gen_ai.request."
 """Sampling parameters as sent: `gen_ai.request.temperature`, `.top_p`, `.max_tokens`, `.seed`, ..."""
 

@@ -19,6 +19,7 @@ from lightning.inference.__main__ import main as inference_main
 from lightning.models import build_tiny_model
 
 MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
+TOOLS = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object", "properties": {}}}}]
 
 
 @pytest.fixture(scope="module")
@@ -286,6 +287,35 @@ def test_unknown_fields_are_accepted_and_tools_reach_the_template(client: openai
     assert extra(response, "prompt_token_ids") == chat_prompt_ids(tokenizer, MESSAGES, tools=tools)
 
 
+def test_refusals_say_what_is_supported(server: tuple[str, Any], client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match=r'response_format.*\{"type": "text"\}'):
+        client.chat.completions.create(model="tiny", messages=MESSAGES, response_format={"type": "json_object"})
+    with pytest.raises(openai.BadRequestError, match="tool_choice.*'auto'.*'none'"):
+        client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required")
+    # What the server does honour is accepted.
+    for extra_fields in ({"response_format": {"type": "text"}}, {"tools": TOOLS, "tool_choice": "none"}):
+        response = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, **extra_fields)
+        assert response.choices[0].message.tool_calls is None
+
+
+def test_an_agents_tool_call_turn_renders_through_the_chat_template(client: openai.OpenAI, tokenizer: Any) -> None:
+    """What a tool-using agent sends back (the SDK's assistant message dumped, then the tool's reply) is rendered by
+    the template with the call in it, exactly as the tokenizer renders it."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "calc", "arguments": '{"x": "2 + 2"}'}}
+    messages = [*MESSAGES, {"role": "assistant", "tool_calls": [call]}]
+    messages.append({"role": "tool", "tool_call_id": "call_1", "content": "4"})
+    response = client.chat.completions.create(
+        model="tiny", messages=messages, tools=TOOLS, max_tokens=2, extra_body={"return_token_ids": True}
+    )
+    prompt_ids = extra(response, "prompt_token_ids")
+    assert prompt_ids == chat_prompt_ids(tokenizer, messages, tools=TOOLS)
+    text = tokenizer.decode(prompt_ids)
+    assert (
+        '<|im_start|>assistant\n<tool_call>{"name": "calc", "arguments": {"x": "2 + 2"}}</tool_call><|im_end|>' in text
+    )
+    assert "<|im_start|>tool\n4<|im_end|>" in text
+
+
 def test_models_and_health(server: tuple[str, Any], client: openai.OpenAI) -> None:
     assert [model.id for model in client.models.list()] == ["tiny"]
     assert httpx.get(f"{server[0]}/health").status_code == 200
@@ -305,6 +335,26 @@ def test_models_and_health(server: tuple[str, Any], client: openai.OpenAI) -> No
         ("chat/completions", {"messages": MESSAGES, "max_tokens": 100_000}, 400, "max_tokens"),
         ("chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, 400, "top_logprobs"),
         ("chat/completions", {"model": "gpt-9", "messages": MESSAGES}, 404, "model"),
+        (
+            "chat/completions",
+            {"messages": MESSAGES, "response_format": {"type": "json_object"}},
+            400,
+            "response_format",
+        ),
+        (
+            "chat/completions",
+            {"messages": MESSAGES, "response_format": {"type": "json_schema"}},
+            400,
+            "response_format",
+        ),
+        ("chat/completions", {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required"}, 400, "tool_choice"),
+        ("chat/completions", {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "sometimes"}, 400, "tool_choice"),
+        (
+            "chat/completions",
+            {"messages": MESSAGES, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "calc"}}},
+            400,
+            "tool_choice",
+        ),
         ("completions", {"prompt": [5] * 600}, 400, "prompt"),
         ("completions", {"prompt": [10**6]}, 400, "prompt"),
         ("completions", {"prompt": ""}, 400, "prompt"),

@@ -6,6 +6,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import subprocess
+import sys
+import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -397,3 +401,154 @@ async def test_runners_hand_agents_the_proxy_routed_to_their_attempt(store: SqlL
             llm_spans = [s for s in spans if s.attributes.get(semconv.GEN_AI_OPERATION) == "chat"]
             assert len(llm_spans) == 1
             assert token_ids(llm_spans[0]) == (PROMPT_IDS, [ANSWER_IDS])
+
+
+class GatedStream:
+    """A backend that streams `before` (one write each, apart, so they reach the proxy in separate reads), then
+    holds its response open until `gate` is set, then sends `after` and ends it."""
+
+    def __init__(self, before: list[bytes], after: list[bytes]) -> None:
+        self.before, self.after = before, after
+        self.gate = threading.Event()
+        self.ended = threading.Event()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):
+            pass
+        if scope["method"] != "POST":  # GET /v1/models: not served here
+            await send({"type": "http.response.start", "status": 404, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for piece in self.before:
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+            await asyncio.sleep(0.1)
+        while not self.gate.is_set():
+            await asyncio.sleep(0.01)
+        for piece in self.after:
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        self.ended.set()
+
+
+def sse_chunk(content: str, finish_reason: str | None = None) -> bytes:
+    choice = {"index": 0, "delta": {"content": content}, "finish_reason": finish_reason}
+    return b"data: " + json.dumps({"id": "gated-1", "model": "policy", "choices": [choice]}).encode() + b"\n\n"
+
+
+async def test_a_done_split_across_reads_still_waits_for_the_span_and_ends_the_stream(store: SqlLightningStore) -> None:
+    backend = GatedStream([sse_chunk("4", "stop"), b"data: [DO", b"NE]\n\n"], [])
+    with serving(backend) as url, running(LLMProxy(store, [Backend(url=f"{url}/v1", token_ids=False)])) as proxy:
+        rollout, llm = await attempt_llm(store, proxy)
+        body = {"model": "policy", "messages": MESSAGES, "stream": True}
+        async with (
+            httpx.AsyncClient(timeout=30) as http,
+            http.stream("POST", f"{llm.endpoint}/chat/completions", json=body) as response,
+        ):
+            received = b""
+            async for data in response.aiter_bytes():
+                received += data
+                if b"data: [DONE]\n\n" in received:
+                    spans_at_done = await store.query_spans(rollout.rollout_id)
+            # The proxy ended the agent's stream at [DONE], while the backend still holds its response open.
+            ended_before_backend = not backend.ended.is_set()
+        backend.gate.set()
+    assert received == sse_chunk("4", "stop") + b"data: [DONE]\n\n"
+    assert ended_before_backend
+    [span] = spans_at_done
+    assert span.status.status_code == "OK"
+    assert json.loads(span.attributes[semconv.GEN_AI_OUTPUT_MESSAGES])[0]["content"] == "4"
+
+
+async def test_the_plain_v1_route_streams_without_buffering(store: SqlLightningStore) -> None:
+    backend = GatedStream([sse_chunk("The")], [sse_chunk(" end", "stop"), b"data: [DONE]\n\n"])
+    with serving(backend) as url, running(LLMProxy(store, [Backend(url=f"{url}/v1", token_ids=False)])) as proxy:
+        plain = openai.AsyncOpenAI(base_url=f"{proxy.url}/v1", api_key="unused", max_retries=0, timeout=30)
+        stream = await plain.chat.completions.create(model="policy", messages=MESSAGES, stream=True)
+        # The backend sends the rest only when the gate opens: a proxy that buffered would never answer here.
+        first = await asyncio.wait_for(stream.__anext__(), timeout=20)
+        assert not backend.ended.is_set()
+        backend.gate.set()
+        rest = [chunk.choices[0].delta.content async for chunk in stream]
+    assert first.choices[0].delta.content == "The"
+    assert rest == [" end"]
+
+
+async def test_the_advertised_model_name_is_mapped_to_what_the_backend_serves(store: SqlLightningStore) -> None:
+    with backends() as [(backend, url)], running(LLMProxy(store, [url], model_name="policy")) as proxy:
+        backend.served_models = ["tiny"]  # a server started with its own --served-model-name
+        _, llm = await attempt_llm(store, proxy)
+        plain = openai.AsyncOpenAI(base_url=f"{proxy.url}/v1", api_key="unused", max_retries=0)
+        advertised = [model.id for model in (await plain.models.list()).data]
+        for name in advertised:
+            await client(llm).chat.completions.create(model=name, messages=MESSAGES)
+            await plain.chat.completions.create(model=name, messages=MESSAGES, stream=True)
+        await client(llm).chat.completions.create(model="tiny", messages=MESSAGES)  # the backend's own name works too
+    assert advertised == ["policy"]
+    assert [request["model"] for request in backend.requests] == ["tiny", "tiny", "tiny"]
+
+
+async def test_tool_definitions_are_recorded_on_the_span(store: SqlLightningStore) -> None:
+    tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object", "properties": {}}}}]
+    with backends() as [(backend, url)], running(LLMProxy(store, [url])) as proxy:
+        rollout, llm = await attempt_llm(store, proxy)
+        await client(llm).chat.completions.create(model="policy", messages=MESSAGES, tools=tools, tool_choice="auto")
+        stream = await client(llm).chat.completions.create(model="policy", messages=MESSAGES, tools=tools, stream=True)
+        _ = [chunk async for chunk in stream]
+        await client(llm).chat.completions.create(model="policy", messages=MESSAGES)
+        spans = sorted(await store.query_spans(rollout.rollout_id), key=lambda s: s.sequence_id)
+    assert backend.requests[0]["tools"] == tools
+    assert [json.loads(s.attributes.get(semconv.GEN_AI_TOOL_DEFINITIONS, "null")) for s in spans] == [
+        tools,
+        tools,
+        None,
+    ]
+    assert spans[0].attributes[semconv.GEN_AI_REQUEST_PREFIX + "tool_choice"] == "auto"
+
+
+async def test_a_tools_request_through_litellm_reaches_the_backend_and_its_span(store: SqlLightningStore) -> None:
+    # LiteLLM 1.106.2 imports `mcp` for any request with tools: without it this call fails.
+    tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object", "properties": {}}}}]
+    with backends() as [(backend, url)]:
+        external = ExternalModel(
+            model_name="judge", litellm_params={"model": "openai/judge", "api_base": url, "api_key": "unused"}
+        )
+        with running(LLMProxy(store, [url], external_models=[external])) as proxy:
+            rollout, llm = await attempt_llm(store, proxy)
+            response = await client(llm).chat.completions.create(model="judge", messages=MESSAGES, tools=tools)
+            [span] = await store.query_spans(rollout.rollout_id)
+    assert response.choices[0].message.content == "".join(ANSWER)
+    assert backend.requests[0]["tools"] == tools
+    assert json.loads(span.attributes[semconv.GEN_AI_TOOL_DEFINITIONS]) == tools
+
+
+def test_the_proxy_command_answers_the_name_it_advertises(tmp_path: Path) -> None:
+    """`lightning proxy serve --backend URL` in front of a server that serves another name (as the embedded server
+    serves `tiny`): what its /v1/models lists is what it answers."""
+    port = free_port()
+    with backends() as [(backend, url)]:
+        backend.served_models = ["tiny"]
+        command = [sys.executable, "-m", "lightning.cli", "proxy", "serve", "--backend", url, "--port", str(port)]
+        command += ["--store", f"sqlite:///{tmp_path}/store.db"]
+        process = subprocess.Popen(command, cwd=Path(__file__).resolve().parent.parent)
+        try:
+            base = f"http://127.0.0.1:{port}/v1"
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    models = httpx.get(f"{base}/models").json()
+                    break
+                except httpx.TransportError:
+                    assert process.poll() is None and time.monotonic() < deadline, "the proxy did not start"
+                    time.sleep(0.2)
+            [advertised] = [model["id"] for model in models["data"]]
+            plain = openai.OpenAI(base_url=base, api_key="unused", max_retries=0)
+            response = plain.chat.completions.create(model=advertised, messages=MESSAGES)
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
+    assert advertised == "policy"
+    assert response.choices[0].message.content == "".join(ANSWER)
+    assert [request["model"] for request in backend.requests] == ["tiny"]

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from lightning.inference.engine import InferenceEngine, Output, SamplingParams, TokenLogprob
+from lightning.inference.tools import ToolCall, ToolCallParser, split_tool_calls
 from lightning.serving import BearerAuth
 
 
@@ -67,7 +68,14 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    """"auto" (the default) or "none"; "required" and a named function need constrained decoding: refused."""
+    response_format: dict[str, Any] | None = None
+    """Only {"type": "text"}: JSON modes need constrained decoding, which this server does not do."""
     add_generation_prompt: bool = True
+
+    def parses_tool_calls(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 class CompletionRequest(_GenerationRequest):
@@ -177,6 +185,8 @@ def create_inference_app(
         check_model(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise OpenAIError(400, "top_logprobs: needs logprobs set to true", "top_logprobs")
+        check_tool_choice(body.tool_choice)
+        check_response_format(body.response_format)
         prompt_ids = chat_prompt_token_ids(engine, body)
         max_tokens = body.max_completion_tokens or body.max_tokens
         params = sampling_params(
@@ -191,11 +201,22 @@ def create_inference_app(
         choices = await collect(outputs, params.n)
         response = whole_response(request_id, "chat.completion", model_name, prompt_ids, choices)
         for index, choice in enumerate(choices):
+            message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+            finish_reason = choice.finish_reason
+            if body.parses_tool_calls():
+                content, tool_calls = split_tool_calls(choice.text)
+                if tool_calls:
+                    message = {
+                        "role": "assistant",
+                        "content": content if content.strip() else None,
+                        "tool_calls": [call.model_dump() for call in tool_calls],
+                    }
+                    finish_reason = tool_calls_finish_reason(finish_reason)
             item: dict[str, Any] = {
                 "index": index,
-                "message": {"role": "assistant", "content": choice.text},
+                "message": message,
                 "logprobs": chat_logprobs(engine, choice.logprobs) if body.logprobs else None,
-                "finish_reason": choice.finish_reason,
+                "finish_reason": finish_reason,
             }
             if body.return_token_ids:
                 item["token_ids"] = choice.token_ids
@@ -234,6 +255,41 @@ def create_inference_app(
         return response
 
     return app
+
+
+# ---- what the server does not do ----------------------------------------------------------------------------------
+
+
+def check_tool_choice(tool_choice: str | dict[str, Any] | None) -> None:
+    """ "auto" and "none" are honoured; forcing a call ("required", a named function) needs constrained decoding."""
+    if tool_choice is None or tool_choice in ("auto", "none"):
+        return
+    forced = tool_choice if isinstance(tool_choice, str) else json.dumps(tool_choice)
+    if isinstance(tool_choice, str) and tool_choice != "required":
+        raise OpenAIError(400, f"tool_choice: {forced!r} is not one of 'auto', 'none', 'required'", "tool_choice")
+    raise OpenAIError(
+        400,
+        f"tool_choice: {forced} would force a tool call, which needs constrained decoding; this server does not do "
+        "it. Send 'auto' (the model may call a tool) or 'none', or use the vllm backend.",
+        "tool_choice",
+    )
+
+
+def check_response_format(response_format: dict[str, Any] | None) -> None:
+    if response_format is None or response_format.get("type") == "text":
+        return
+    kind = response_format.get("type")
+    raise OpenAIError(
+        400,
+        f"response_format: {kind!r} needs constrained decoding, which this server does not do; only "
+        '{"type": "text"} is supported (ask for JSON in the prompt, or use the vllm backend)',
+        "response_format",
+    )
+
+
+def tool_calls_finish_reason(finish_reason: str | None) -> str | None:
+    """OpenAI ends a turn that calls tools with "tool_calls"; a cut-off one ("length") stays what it was."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
 
 
 # ---- prompts and sampling parameters --------------------------------------------------------------------------------
@@ -439,15 +495,34 @@ async def chat_stream(
         for i in range(body.n)
     ]
     yield chunk(first, **({"prompt_token_ids": prompt_ids} if body.return_token_ids else {}))
+    # With tools, each choice's text goes through a parser: a tool call goes out whole once its block is closed.
+    parsers = [ToolCallParser() for _ in range(body.n)] if body.parses_tool_calls() else None
+    tool_calls_sent = [0] * body.n
     completion_tokens = 0
     try:
         async for output in outputs:
             completion_tokens += len(output.token_ids)
+            delta: dict[str, Any] = {"content": output.text}
+            finish_reason = output.finish_reason
+            if parsers is not None:
+                parser = parsers[output.index]
+                pieces = parser.feed(output.text) + (parser.finish() if output.finish_reason else [])
+                calls = [piece for piece in pieces if isinstance(piece, ToolCall)]
+                delta = {"content": "".join(piece for piece in pieces if isinstance(piece, str))}
+                if calls:
+                    delta["content"] = delta["content"] or None  # OpenAI: null beside tool calls
+                    first_index = tool_calls_sent[output.index]
+                    delta["tool_calls"] = [
+                        {"index": first_index + k, **call.model_dump()} for k, call in enumerate(calls)
+                    ]
+                    tool_calls_sent[output.index] += len(calls)
+                if tool_calls_sent[output.index]:
+                    finish_reason = tool_calls_finish_reason(finish_reason)
             choice: dict[str, Any] = {
                 "index": output.index,
-                "delta": {"content": output.text},
+                "delta": delta,
                 "logprobs": chat_logprobs(engine, output.logprobs) if body.logprobs else None,
-                "finish_reason": output.finish_reason,
+                "finish_reason": finish_reason,
             }
             if body.return_token_ids:
                 choice["token_ids"] = output.token_ids

@@ -52,7 +52,8 @@ class Backend(BaseModel):
     token_ids: bool = True
     """The server takes vLLM's `return_token_ids`; the proxy then always asks for token ids."""
     model: str | None = None
-    """If set, the `model` of every forwarded request is rewritten to this served model name."""
+    """If set, the `model` of every forwarded request is rewritten to this served model name. If not, a call for the
+    proxy's `model_name` is sent under the name this server lists on `GET /models` (asked once)."""
     provider: str = "vllm"
     """`gen_ai.provider.name` on the spans."""
 
@@ -82,8 +83,9 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
 class LLMProxy:
     """Forwards OpenAI-style calls to `backends`, stores a span per call in `store`.
 
-    - `model_name`: what agents are told to ask for (`as_resource`); with `Backend.model` set the
-      proxy rewrites it to each server's own name.
+    - `model_name`: what agents are told to ask for (`as_resource`) and what `/v1/models` lists; a
+      call for it goes to each backend under that backend's own name: `Backend.model` when set,
+      else the first name the backend's `GET /models` lists when it does not list `model_name`.
     - `external_models`: names answered through LiteLLM instead of the backends.
     - `token`: bearer token every request must carry (the agents' `api_key`); required to listen
       beyond loopback.
@@ -122,6 +124,8 @@ class LLMProxy:
         self._known_attempts: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._next_backend = 0
         self._down_until: dict[int, float] = {}
+        self._served: dict[str, str | None] = {}
+        """Per backend URL: the model it serves when it does not list `model_name` (None: it does, or unknown)."""
         self._client: aiohttp.ClientSession | None = None
         self._open: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
@@ -167,6 +171,7 @@ class LLMProxy:
         """Replace the backends (e.g. vLLM servers started or restarted); rollouts re-stick."""
         self.backends = [b if isinstance(b, Backend) else Backend(url=b) for b in backends]
         self._sticky.clear()
+        self._served.clear()
 
     def status(self) -> dict[str, Any]:
         return {
@@ -299,7 +304,7 @@ class LLMProxy:
         stream = bool(body.get("stream"))
         upstream, backend, tries = await self._send(raw, body, path, operation, rollout_id)
         if operation is None or rollout_id is None or attempt_id is None:
-            return await _pass_through(upstream)  # not an LLM call of an attempt: no span
+            return await _pass_through(upstream, stream)  # not an LLM call of an attempt: no span
         call = Call(operation=operation, request=body, stream=stream, status_code=upstream.status)
         context = (rollout_id, attempt_id, request.headers.get("traceparent"), backend, tries, started)
         if not stream or upstream.status != 200:
@@ -310,20 +315,21 @@ class LLMProxy:
             return Response(content, status_code=upstream.status, media_type=_media_type(upstream))
 
         async def relay() -> AsyncIterator[bytes]:
+            # Each event goes on as soon as it is whole; `[DONE]` (however the reads split it) only after the span
+            # is stored, so an agent that has its answer finds the span.
             reader = SseReader()
-            tail = b""
             first_chunk_at = None
             finished = False
             try:
                 async for data in upstream.content.iter_any():
                     first_chunk_at = first_chunk_at or time.time()
-                    for event in reader.feed(data):
+                    whole, events = reader.feed(data)
+                    for event in events:
                         call.read_chunk(event)
-                    done_at = data.find(b"data: [DONE]")
-                    if done_at >= 0:  # hold the end back until the span is stored
-                        data, tail = data[:done_at], data[done_at:]
-                    if data:
-                        yield data
+                    if whole:
+                        yield whole
+                    if reader.done:  # the answer is complete: do not wait for the backend to end its body
+                        break
                 finished = True
             except (TimeoutError, aiohttp.ClientError) as exc:
                 call.error = f"the backend's stream broke off: {exc!r}"
@@ -334,9 +340,10 @@ class LLMProxy:
                     # backend sent so far is still the attempt's, so store it from a task of its own.
                     call.error = "the agent stopped reading the stream"
                     self._spawn(self._close_and_record(upstream, call, context, first_chunk_at))
-            await self._close_and_record(upstream, call, context, first_chunk_at)
-            if tail:
-                yield tail
+            await self._close_and_record(upstream, call, context, first_chunk_at, drain=reader.done)
+            rest = reader.rest()
+            if rest:
+                yield rest
 
         return StreamingResponse(relay(), status_code=200, media_type="text/event-stream")
 
@@ -357,7 +364,8 @@ class LLMProxy:
                 headers["authorization"] = f"Bearer {backend.api_key}"
             url = f"{backend.url.rstrip('/')}/{path}"
             try:
-                response = await client.post(url, data=_payload(raw, body, backend, operation), headers=headers)
+                model = await self._backend_model(backend, body)
+                response = await client.post(url, data=_payload(raw, body, backend, operation, model), headers=headers)
             except _RETRYABLE as exc:
                 failure = f"{backend.url}: {type(exc).__name__}: {exc}"
                 if isinstance(exc, aiohttp.ClientConnectorError):
@@ -453,9 +461,20 @@ class LLMProxy:
         )
 
     async def _close_and_record(
-        self, upstream: aiohttp.ClientResponse, call: Call, context: tuple[Any, ...], first_chunk_at: float | None
+        self,
+        upstream: aiohttp.ClientResponse,
+        call: Call,
+        context: tuple[Any, ...],
+        first_chunk_at: float | None,
+        drain: bool = False,
     ) -> None:
-        upstream.release()
+        """Release the backend's response and store the span. With `drain` (the stream reached `[DONE]`), the end of
+        the body is read in the background first, so the connection stays reusable; otherwise releasing an unfinished
+        response closes its connection, which tells the backend to stop generating."""
+        if drain and not upstream.content.at_eof():
+            self._spawn(_drain(upstream))
+        else:
+            upstream.release()
         await self._record(call, *context, first_chunk_at=first_chunk_at)
 
     def _spawn(self, coro: Any) -> None:
@@ -481,6 +500,30 @@ class LLMProxy:
         self._known_attempts[key] = None
         if len(self._known_attempts) > _KNOWN_ATTEMPTS:
             self._known_attempts.popitem(last=False)
+
+    async def _backend_model(self, backend: Backend, body: dict[str, Any]) -> str | None:
+        """The `model` to send `backend` instead of the request's, or None to leave it.
+
+        `Backend.model` when set; otherwise a call for the advertised `model_name` goes to a backend that serves
+        another name (a server started with its own `--served-model-name`) under the first name its
+        `GET /models` lists, asked once per backend. Calls naming any other model pass unchanged.
+        """
+        if backend.model is not None:
+            return backend.model
+        if body.get("model") != self.model_name:
+            return None
+        if backend.url not in self._served:
+            headers = {"authorization": f"Bearer {backend.api_key}"} if backend.api_key else {}
+            url = f"{backend.url.rstrip('/')}/models"
+            try:
+                async with self._http().get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=10)) as response:
+                    if response.status >= 500:  # starting or failing: ask again on the next call
+                        return None
+                    listing = await response.json(content_type=None) if response.status == 200 else None
+            except (ValueError, aiohttp.ClientResponseError):  # not JSON: the name stays as the agent sent it
+                listing = None
+            self._served[backend.url] = _other_served_model(listing, self.model_name)
+        return self._served[backend.url]
 
     def _backend_order(self, rollout_id: str | None) -> list[int]:
         """The rollout's backend first (its prefix cache), then the others; new rollouts round-robin."""
@@ -585,17 +628,26 @@ def _unauthorised() -> JSONResponse:
     return error_response(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>'")
 
 
-def _payload(raw: bytes, body: dict[str, Any], backend: Backend, operation: str | None) -> bytes:
+def _other_served_model(listing: Any, model_name: str) -> str | None:
+    """From a `GET /models` answer: None if it lists `model_name` (or lists nothing readable), else its first id."""
+    data = listing.get("data") if isinstance(listing, dict) else None
+    if not isinstance(data, list):
+        return None
+    ids = [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+    return None if not ids or model_name in ids else ids[0]
+
+
+def _payload(raw: bytes, body: dict[str, Any], backend: Backend, operation: str | None, model: str | None) -> bytes:
     """The request as the agent sent it, but asking for token ids and the sampled tokens' log-probs (which the
-    trainer compares with its own: the train/inference mismatch), and naming the server's model."""
+    trainer compares with its own: the train/inference mismatch), and naming the server's model (`model`)."""
     changes: dict[str, Any] = {}
     if operation is not None and backend.token_ids and body.get("return_token_ids") is not True:
         changes["return_token_ids"] = True
     asked = body.get("logprobs")  # chat: true/false; completions: a number, 0 included
     if operation is not None and backend.token_ids and (asked is None or asked is False):
         changes["logprobs"] = True if operation == "chat" else 0
-    if backend.model is not None and body.get("model") != backend.model:
-        changes["model"] = backend.model
+    if model is not None and body.get("model") != model:
+        changes["model"] = model
     return json.dumps({**body, **changes}).encode() if changes else raw
 
 
@@ -625,7 +677,32 @@ def _media_type(response: aiohttp.ClientResponse) -> str:
     return response.headers.get("content-type", "application/json")
 
 
-async def _pass_through(upstream: aiohttp.ClientResponse) -> Response:
-    content = await upstream.read()
-    upstream.release()
-    return Response(content, status_code=upstream.status, media_type=_media_type(upstream))
+async def _pass_through(upstream: aiohttp.ClientResponse, stream: bool) -> Response:
+    """The backend's answer as is; a stream goes on piece by piece as it arrives, like the routed path's."""
+    if not stream or upstream.status != 200:
+        content = await upstream.read()
+        upstream.release()
+        return Response(content, status_code=upstream.status, media_type=_media_type(upstream))
+
+    async def relay() -> AsyncIterator[bytes]:
+        try:
+            async for data in upstream.content.iter_any():
+                yield data
+        except (TimeoutError, aiohttp.ClientError) as exc:  # headers are sent: the stream just ends early
+            logger.warning("LLM proxy: the backend's stream broke off: %r", exc)
+        finally:
+            upstream.release()
+
+    return StreamingResponse(relay(), status_code=200, media_type=_media_type(upstream))
+
+
+async def _drain(upstream: aiohttp.ClientResponse, timeout: float = 5.0) -> None:
+    """Read what a backend still sends after `[DONE]` (normally just the body's end), then release it."""
+    try:
+        async with asyncio.timeout(timeout):
+            async for _ in upstream.content.iter_any():
+                pass
+    except (TimeoutError, aiohttp.ClientError):
+        pass
+    finally:
+        upstream.release()

@@ -20,6 +20,7 @@ _REQUEST_PARAMETERS = (
     "stop",
     "frequency_penalty",
     "presence_penalty",
+    "tool_choice",  # "auto", "none", "required" (a named function is an object: not copied)
 )
 
 
@@ -135,6 +136,8 @@ class Call:
                 attrs[semconv.GEN_AI_REQUEST_PREFIX + name] = value
         prompt = request.get("messages") if self.operation == "chat" else request.get("prompt")
         attrs[semconv.GEN_AI_INPUT_MESSAGES] = json.dumps(prompt, ensure_ascii=False)
+        if request.get("tools"):
+            attrs[semconv.GEN_AI_TOOL_DEFINITIONS] = json.dumps(request["tools"], ensure_ascii=False)
         if self.response_id:
             attrs[semconv.GEN_AI_RESPONSE_ID] = self.response_id
         if self.response_model:
@@ -206,29 +209,48 @@ def _output_message(choice: Choice) -> dict[str, Any]:
 
 
 class SseReader:
-    """Splits a byte stream of server-sent events into JSON payloads; `[DONE]` and comments are skipped."""
+    """Splits a byte stream of server-sent events into whole events, for a relay that passes each event on as soon
+    as it is whole.
+
+    `feed` returns the bytes of the events it completed (to pass on unchanged) and their JSON payloads. It holds
+    back the end of an event not yet whole (no client acts on an event before its blank line), and everything from
+    the `[DONE]` event on, however the reads split it: then `done` is true and `rest()` gives the held bytes.
+    Comments and payloads that are not JSON pass on without a payload.
+    """
 
     def __init__(self) -> None:
         self._buffer = b""
+        self.done = False
 
-    def feed(self, data: bytes) -> list[dict[str, Any]]:
+    def feed(self, data: bytes) -> tuple[bytes, list[dict[str, Any]]]:
         self._buffer += data
-        events = []
-        while True:
-            end = _event_end(self._buffer)
-            if end is None:
-                return events
-            raw, self._buffer = self._buffer[: end[0]], self._buffer[end[1] :]
+        if self.done:
+            return b"", []
+        events: list[dict[str, Any]] = []
+        whole = 0  # the end of the whole events found so far
+        while (end := _event_end(self._buffer, whole)) is not None:
+            raw = self._buffer[whole : end[0]]
             payload = b"".join(line[5:].lstrip() for line in raw.splitlines() if line.startswith(b"data:"))
-            if payload and payload != b"[DONE]":
+            if payload == b"[DONE]":
+                self.done = True
+                break
+            whole = end[1]
+            if payload:
                 try:
                     events.append(json.loads(payload))
                 except json.JSONDecodeError:
-                    continue  # not ours to judge: the bytes were passed on to the agent unchanged
+                    continue  # not ours to judge: the bytes are passed on to the agent unchanged
+        passed, self._buffer = self._buffer[:whole], self._buffer[whole:]
+        return passed, events
+
+    def rest(self) -> bytes:
+        """The bytes held back: from `[DONE]` on, or an event the stream never finished."""
+        rest, self._buffer = self._buffer, b""
+        return rest
 
 
-def _event_end(buffer: bytes) -> tuple[int, int] | None:
-    """(end of the first event, start of the next) if a whole event is buffered."""
-    positions = [(buffer.find(sep), len(sep)) for sep in (b"\n\n", b"\r\n\r\n")]
+def _event_end(buffer: bytes, start: int) -> tuple[int, int] | None:
+    """(end of the first event from `start`, start of the next) if a whole event is buffered there."""
+    positions = [(buffer.find(sep, start), len(sep)) for sep in (b"\n\n", b"\r\n\r\n")]
     found = [(pos, pos + size) for pos, size in positions if pos >= 0]
     return min(found) if found else None

@@ -38,6 +38,8 @@ class FixedBackend:
         self.requests: list[dict[str, Any]] = []
         self.fail_next = 0
         self.stream_delay = 0.0
+        self.served_models: list[str] = []
+        """What GET /v1/models lists; empty: that route answers 404, as some servers do."""
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -54,6 +56,13 @@ class FixedBackend:
         path = scope["path"]
         if path == "/health":
             await _send(send, 200, b'{"status":"ok"}')
+            return
+        if path == "/v1/models" and scope["method"] == "GET":  # not a call: not recorded, never failed
+            if not self.served_models:
+                await _send(send, 404, b'{"error":{"message":"no such route","code":404}}')
+            else:
+                data = [{"id": name, "object": "model", "owned_by": "fixed"} for name in self.served_models]
+                await _send(send, 200, json.dumps({"object": "list", "data": data}).encode())
             return
         body = json.loads(raw) if raw else {}
         self.requests.append(body)
