@@ -68,11 +68,13 @@ def test_a_failed_deployment_run_retried_redoes_only_the_failed_stage(
     prefect_server: PrefectServer, tmp_path: Path
 ) -> None:
     env = prefect_server.env
-    for module in ("deployments.deploy", "deployments.setup"):  # setup a second time: it must be idempotent
+    results = tmp_path / "shared-results"  # where every worker would find finished stages (a shared mount)
+    # setup a second time: it must be idempotent, and it points the pool's flow runs at the shared results
+    for command in (["deployments.deploy"], ["deployments.setup", "--result-storage", str(results)]):
         done = subprocess.run(
-            [sys.executable, "-m", module], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=180
+            [sys.executable, "-m", *command], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=180
         )
-        assert done.returncode == 0, f"{module} failed:\n{done.stdout}\n{done.stderr}"
+        assert done.returncode == 0, f"{command} failed:\n{done.stdout}\n{done.stderr}"
 
     worker_log = tmp_path / "worker.log"
     worker = start_logged([PREFECT, "worker", "start", "--pool", WORK_POOL], worker_log, env=env, cwd=tmp_path)
@@ -104,6 +106,7 @@ def test_a_failed_deployment_run_retried_redoes_only_the_failed_stage(
     finally:
         stop_process_group(worker)
 
+    assert len(list(results.iterdir())) >= len(CACHED_STAGES), "the stages' results are not in the shared storage"
     train_config = validate_config(config)
     assert_each_rollout_enqueued_and_run_once(train_config)
     assert latest_step(train_config) == 2
