@@ -90,12 +90,67 @@ def run_flow_cli(flow: Any, argv: list[str] | None, description: str | None) -> 
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    with temporary_prefect_server(config.run_dir / "logs" / "prefect-server.log"):
+    with temporary_prefect_server(config.run_dir / "logs" / "prefect-server.log"), progress_bar(flow.name, config):
         result = asyncio.run(flow(config))
     print(json.dumps(result, indent=2, default=str))
     if isinstance(result, dict) and "reward_after" in result:
         print(where_to_look(config, result))
     return result
+
+
+@contextlib.contextmanager
+def progress_bar(flow_name: str, config: Any, interval: float = 1.0) -> Iterator[None]:
+    """On a terminal, a bar of the training iterations done, with the rollouts of the run's queue finished and in
+    flight, drawn from the run's checkpoints and store every `interval` seconds while the flow runs; log lines print
+    above it. Nothing when stderr is not a terminal (CI, a file, a pipe) or the flow is not `train`."""
+    if flow_name != "train" or not sys.stderr.isatty():
+        yield
+        return
+    import logging
+    import threading
+
+    from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    stop = threading.Event()
+    bar = tqdm(total=config.iterations, desc=config.run_name, unit="it", file=sys.stderr, dynamic_ncols=True)
+
+    def watch() -> None:
+        asyncio.run(_watch(config, bar, stop, interval))
+
+    watcher = threading.Thread(target=watch, name="progress-bar", daemon=True)
+    watcher.start()
+    try:
+        # Prefect's console handler is the root logger's: its lines go through tqdm, above the bar.
+        with logging_redirect_tqdm(loggers=[logging.getLogger()], tqdm_class=tqdm):
+            yield
+    finally:
+        stop.set()
+        watcher.join(timeout=5)
+        bar.close()
+
+
+async def _watch(config: Any, bar: Any, stop: Any, interval: float) -> None:
+    from lightning.progress import snapshot
+    from lightning.store import open_store
+
+    store = None
+    try:
+        while not stop.wait(interval):
+            if store is None:
+                if not config.run_dir.exists():  # the run has not opened its store yet
+                    continue
+                store = open_store(config.store_url, watchdog_interval=None)
+            try:
+                now = await snapshot(config, store)
+            except Exception:  # a store busy or not there yet: the next look will do
+                continue
+            if now.iterations_done > bar.n:
+                bar.update(now.iterations_done - bar.n)
+            bar.set_postfix_str(f"rollouts {now.rollouts_finished}/{now.rollouts_enqueued} done", refresh=True)
+    finally:
+        if store is not None:
+            await store.close()
 
 
 def where_to_look(config: Any, summary: dict[str, Any]) -> str:
