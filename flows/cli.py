@@ -109,6 +109,21 @@ def where_to_look(config: Any, summary: dict[str, Any]) -> str:
         f"  checkpoint:  {summary['checkpoint']}\n"
         f"  Prefect UI:  .venv/bin/prefect server start   then open http://127.0.0.1:4200/runs "
         f"(flow run {config.run_name!r})\n"
-        f"  MLflow UI:   LITELLM_LOCAL_MODEL_COST_MAP=True .venv/bin/mlflow ui --backend-store-uri "
-        f"{config.tracking_uri}   then open http://127.0.0.1:5000\n"
+        f"  MLflow UI:   {mlflow_ui(config.tracking_uri)}   (run {config.run_name!r} of experiment "
+        f"{config.experiment!r}: metrics, agent traces, config.yaml)\n"
+        + (
+            f"  model:       models:/{model['name']}/{model['version']} registered; promote it with "
+            f".venv/bin/lightning mlflow promote {model['name']} {model['version']}\n"
+            if (model := summary.get("registered_model"))
+            else ""
+        )
     )
+
+
+def mlflow_ui(tracking_uri: str) -> str:
+    """How to see the runs of `tracking_uri`: a server's address, or the command that serves a local store's UI."""
+    if tracking_uri.startswith(("http://", "https://")):
+        return f"open {tracking_uri}"
+    if tracking_uri == "sqlite:///.lightning/mlflow.db":
+        return "make mlflow-ui   then open http://127.0.0.1:5000"
+    return f".venv/bin/lightning mlflow ui --backend-store-uri {tracking_uri}   then open http://127.0.0.1:5000"
