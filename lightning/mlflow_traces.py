@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -47,6 +48,7 @@ _LEFT_IN_STORE = {
     semconv.GEN_AI_OUTPUT_MESSAGES,
 }
 _GLOBAL_URI = threading.Lock()
+ASYNC_LOGGING = "MLFLOW_ENABLE_ASYNC_TRACE_LOGGING"
 
 
 def choose(rollout_ids: Sequence[str], count: int | Literal["all"]) -> list[str]:
@@ -78,8 +80,6 @@ async def export_rollouts(
 
 def write_traces(tracker: Any, records: Sequence[tuple[AttemptedRollout, list[Span]]]) -> list[str]:
     """The blocking half of `export_rollouts`: one trace per (rollout, its attempt's spans) not yet in the run."""
-    import mlflow
-
     if not records:
         return []
     done = _exported_attempts(tracker, {_tag_values(rollout) for rollout, _ in records})
@@ -89,7 +89,6 @@ def write_traces(tracker: Any, records: Sequence[tuple[AttemptedRollout, list[Sp
             if rollout.attempt.attempt_id in done:
                 continue
             written.append(_write_trace(tracker, rollout, spans))
-        mlflow.flush_trace_async_logging()
     return written
 
 
@@ -135,14 +134,24 @@ def _exported_attempts(tracker: Any, groups: set[tuple[str, str]]) -> set[str]:
 
 @contextmanager
 def _global_tracking_uri(uri: str) -> Iterator[None]:
+    """MLflow's tracer writing to `uri`, synchronously: its asynchronous queue would only add the seconds that
+    flushing it takes, since the export waits for the traces anyway."""
     import mlflow
 
     with _GLOBAL_URI:
         previous = mlflow.get_tracking_uri() if mlflow.is_tracking_uri_set() else None
+        was_async = os.environ.get(ASYNC_LOGGING)
+        os.environ[ASYNC_LOGGING] = "false"  # read when the tracer is set up again, below
+        # A local store prices LLM spans with LiteLLM, which would fetch its price list from the internet first.
+        os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
         mlflow.set_tracking_uri(uri)
         try:
             yield
         finally:
+            if was_async is None:
+                os.environ.pop(ASYNC_LOGGING, None)
+            else:
+                os.environ[ASYNC_LOGGING] = was_async
             mlflow.set_tracking_uri(previous)  # None: unset again
 
 
@@ -285,8 +294,7 @@ def _llm_call(attributes: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
             "total_tokens": usage["total_tokens"],
         }  # fmt: skip
     served = attributes.get(semconv.GEN_AI_RESPONSE_MODEL) or model
-    if served is not None:
-        extra[SpanAttributeKey.MODEL] = served
+    if served is not None:  # (MLflow reads the model's name from the gen_ai attributes too)
         outputs["model"] = served
     return inputs, outputs, extra
 
