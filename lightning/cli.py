@@ -244,7 +244,9 @@ def _parser() -> argparse.ArgumentParser:
         "ui",
         help="serve MLflow's UI on a tracking store (default: the runs' local SQLite store)",
         description="Run `mlflow ui` on a tracking store, with LITELLM_LOCAL_MODEL_COST_MAP=True: MLflow imports "
-        "LiteLLM, which otherwise fetches its model price list from the internet first (minutes offline).",
+        "LiteLLM, which otherwise fetches its model price list from the internet first (minutes offline). MLflow's "
+        "job runner (seven worker processes for GenAI evaluation jobs, which training runs do not use) stays off "
+        "unless MLFLOW_SERVER_ENABLE_JOB_EXECUTION=true.",
     )
     ui.add_argument(
         "--backend-store-uri", default=os.environ.get("MLFLOW_TRACKING_URI", MLFLOW_DEFAULT_URI),
@@ -277,6 +279,7 @@ def _mlflow_ui(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     command += ["--host", args.host, "--port", str(args.port)]
     print(f"MLflow UI on http://{args.host}:{args.port} ({args.backend_store_uri}); Ctrl-C stops it", flush=True)
     os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
+    os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
     os.execvp(command[0], command)
     return 0  # not reached
 

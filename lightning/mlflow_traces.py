@@ -49,6 +49,7 @@ _LEFT_IN_STORE = {
 }
 _GLOBAL_URI = threading.Lock()
 ASYNC_LOGGING = "MLFLOW_ENABLE_ASYNC_TRACE_LOGGING"
+TRACKING_URI = "MLFLOW_TRACKING_URI"
 
 
 def choose(rollout_ids: Sequence[str], count: int | Literal["all"]) -> list[str]:
@@ -140,19 +141,27 @@ def _global_tracking_uri(uri: str) -> Iterator[None]:
 
     with _GLOBAL_URI:
         previous = mlflow.get_tracking_uri() if mlflow.is_tracking_uri_set() else None
-        was_async = os.environ.get(ASYNC_LOGGING)
+        saved = {name: os.environ.get(name) for name in (ASYNC_LOGGING, TRACKING_URI)}
         os.environ[ASYNC_LOGGING] = "false"  # read when the tracer is set up again, below
         # A local store prices LLM spans with LiteLLM, which would fetch its price list from the internet first.
         os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
         mlflow.set_tracking_uri(uri)
+        # MLflow also puts the URI (a password read from ${VAR} included) in the environment, for child processes: a
+        # serving process restarted meanwhile would inherit it. MLflow's tracer reads the URI it was given instead.
+        _restore(TRACKING_URI, saved[TRACKING_URI])
         try:
             yield
         finally:
-            if was_async is None:
-                os.environ.pop(ASYNC_LOGGING, None)
-            else:
-                os.environ[ASYNC_LOGGING] = was_async
+            _restore(ASYNC_LOGGING, saved[ASYNC_LOGGING])
             mlflow.set_tracking_uri(previous)  # None: unset again
+            _restore(TRACKING_URI, saved[TRACKING_URI])
+
+
+def _restore(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 
 def _ns(seconds: float | None, default: float) -> int:

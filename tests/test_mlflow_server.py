@@ -46,7 +46,8 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     command = [MLFLOW, "server", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--artifacts-destination",
                str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]  # fmt: skip
     log = (root / "server.log").open("w")
-    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    # (as `lightning mlflow ui` runs it: no job runner, whose seven processes are for GenAI evaluation jobs)
+    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
