@@ -38,7 +38,8 @@ STARTUP_SECONDS = 120
 
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """`mlflow server` on a free port of 127.0.0.1, on SQLite, serving its artifacts; its URL."""
+    """`mlflow server` on a free port of 127.0.0.1, on SQLite, serving its artifacts (its URL), started while
+    Prefect's test server starts."""
     root = tmp_path_factory.mktemp("mlflow-server")
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -51,15 +52,16 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + STARTUP_SECONDS
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            if server.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"mlflow server did not start:\n{(root / 'server.log').read_text()[-3000:]}")
-            time.sleep(0.5)
-        yield url
+        with prefect_test_harness(server_startup_timeout=180):
+            deadline = time.monotonic() + STARTUP_SECONDS
+            while True:
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                if server.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"mlflow server did not start:\n{(root / 'server.log').read_text()[-3000:]}")
+                time.sleep(0.5)
+            yield url
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(server.pid, signal.SIGTERM)
@@ -69,12 +71,6 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
         log.close()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def prefect_server() -> Iterator[None]:
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
 
 
 async def test_a_run_s_traces_tags_config_and_model_in_a_real_mlflow_server(
