@@ -35,7 +35,7 @@ def temporary_prefect_server(log_path: Path) -> Iterator[None]:
     """Without a Prefect server configured (PREFECT_API_URL), one for this command, as Prefect would start (the same
     app, UI off), but under `lightning.lifeline`: it dies with this process even when this process is killed, which
     Prefect's own temporary server does not (it is stopped at exit, which SIGKILL skips)."""
-    from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
+    from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL, get_current_settings, temporary_settings
 
     if PREFECT_API_URL.value():
         yield
@@ -63,7 +63,9 @@ def temporary_prefect_server(log_path: Path) -> Iterator[None]:
     print(f"Starting a temporary Prefect server on {server.url} (log: {log_path})", file=sys.stderr, flush=True)
     server.start()
     try:
-        with temporary_settings({PREFECT_API_URL: server.url}):
+        # This server has no UI, and is gone after the run; `prefect server start` shows its runs (same database)
+        # at Prefect's usual address, where links to a flow run (logs, MLflow's run tags) point.
+        with temporary_settings({PREFECT_API_URL: server.url, PREFECT_UI_URL: "http://127.0.0.1:4200"}):
             yield
     finally:
         server.stop()
