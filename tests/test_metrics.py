@@ -182,3 +182,23 @@ def test_run_url_on_a_server() -> None:
 def test_importing_lightning_does_not_import_mlflow() -> None:
     code = "import sys, lightning, lightning.metrics; assert 'mlflow' not in sys.modules, 'mlflow imported'"
     subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True)
+
+
+def test_mlflow_link_names_the_run_s_page_or_the_offline_ui_command(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from lightning.config import load_config
+    from lightning.run import Endpoints, Run, _Parts
+    from lightning.stages import mlflow_link
+
+    def link(tracking_uri: str) -> str:
+        run = Run(config=load_config({"run_name": "r", "tracking_uri": tracking_uri}),
+                  endpoints=Endpoints(proxy_url="", model_name="policy"), queue="r")  # fmt: skip
+        tracker = MlflowTracker(tracking_uri, experiment="lightning")
+        tracker.experiment_id, tracker.run_id = "7", "abc"
+        run._parts = _Parts(store=SimpleNamespace(), model_dir=tmp_path, tracker=tracker)  # type: ignore[arg-type]
+        return mlflow_link(run)
+
+    # MLflow 3's UI routes a run's page under its experiment (a server's run page is checked in test_mlflow_server).
+    assert link("http://mlflow:5000") == "[MLflow run](http://mlflow:5000/#/experiments/7/runs/abc)"
+    assert "`lightning mlflow ui --backend-store-uri sqlite:///x.db`" in link("sqlite:///x.db")
