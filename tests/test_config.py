@@ -145,7 +145,7 @@ def test_the_cli_prints_defaults_and_checks_files(tmp_path: Path) -> None:
         ({"store_url": "postgresql://u:${NO_SUCH_VARIABLE}@h/db"}, "store_url: ${NO_SUCH_VARIABLE} names the"),
     ],
 )
-def test_a_run_that_cannot_start_says_why_in_seconds_before_anything_starts(
+def test_a_run_that_cannot_start_says_why_before_anything_starts(
     tmp_path: Path, change: dict[str, str], said: str
 ) -> None:
     config = {"run_name": "bad", "output_dir": str(tmp_path / "runs"), "store_url": f"sqlite:///{tmp_path}/s.db"}
