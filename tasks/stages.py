@@ -97,11 +97,15 @@ def timed(stage: T, run: Run | TrainConfig) -> T:
 
 @task(name="open_run", task_run_name="open_run-{config.run_name}", cache_policy=NO_CACHE)
 async def open_run(
-    config: TrainConfig, train: bool = True, weights: str | None = None, queue: str | None = None
+    config: TrainConfig,
+    train: bool = True,
+    weights: str | None = None,
+    queue: str | None = None,
+    track: bool | None = None,
 ) -> Run:
     """Bring up the run's store, serving parts, trainer and MLflow run in this process (never cached: a retried
     flow run is a new process and needs its own)."""
-    return await Run.open(config, train=train, weights=weights, queue=queue)
+    return await Run.open(config, train=train, weights=weights, queue=queue, track=track)
 
 
 @task(name="update_resources", task_run_name="update_resources-{mode}-{iteration}", cache_policy=NO_CACHE, **TRANSIENT)
