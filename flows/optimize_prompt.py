@@ -65,11 +65,10 @@ async def apo_round(run: Run, iteration: int, beam: list[Candidate]) -> dict[str
     beam = trained["candidates"]
     critiques = critique.map(unmapped(run), unmapped(iteration), beam, [trained["rollouts"][c.id] for c in beam])  # 2
     gradients = await asyncio.to_thread(lambda: [future.result() for future in critiques])
-    parents = [(parent, gradient) for parent, gradient in zip(beam, gradients, strict=True)]
-    pairs = [(parent, gradient, v) for parent, gradient in parents for v in range(1, settings.branch_factor + 1)]
-    edits = propose_edit.map(
-        unmapped(run), unmapped(iteration), [p for p, _, _ in pairs], [g for _, g, _ in pairs], [v for _, _, v in pairs]
-    )  # 3
+    variants = range(1, settings.branch_factor + 1)
+    branches = [(parent, gradient, v) for parent, gradient in zip(beam, gradients, strict=True) for v in variants]
+    parents, texts, numbers = (list(column) for column in zip(*branches, strict=True))
+    edits = propose_edit.map(unmapped(run), unmapped(iteration), parents, texts, numbers)  # 3
     proposed = await asyncio.to_thread(lambda: [future.result() for future in edits])
     everyone = [*beam, *apo.new_candidates(beam, proposed)]
     unscored = [each for each in everyone if each.val_reward is None]
@@ -79,7 +78,7 @@ async def apo_round(run: Run, iteration: int, beam: list[Candidate]) -> dict[str
     metrics = await log_round(run, iteration, everyone, new_beam)
     get_run_logger().info(
         "round %d: %d candidates, validation reward best %.3f, mean %.3f; best prompt %s",
-        iteration + 1, len(everyone), metrics["val_reward_best"], metrics["val_reward_mean"], new_beam[0].id,
+        iteration, len(everyone), metrics["val_reward_best"], metrics["val_reward_mean"], new_beam[0].id,
     )  # fmt: skip
     return {"beam": new_beam, "scored": everyone, "critiques": dict(zip([c.id for c in beam], gradients, strict=True))}
 
@@ -146,7 +145,7 @@ def _rows(iteration: int, scored: list[Candidate], beam: list[Candidate]) -> lis
     kept = {each.id for each in beam}
     return [
         {
-            "round": iteration + 1,
+            "round": iteration,
             "candidate": each.id,
             "parent": each.parent or "",
             "train_reward": _cell(each.train_reward),

@@ -123,7 +123,7 @@ def test_the_stand_in_answers_by_the_stated_rule() -> None:
 # --- the flow, end to end --------------------------------------------------------------------------------
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def prefect_harness() -> Iterator[None]:
     from prefect.testing.utilities import prefect_test_harness
 
@@ -192,3 +192,20 @@ def _edited_ids(summary: dict[str, Any]) -> set[str]:
     seed = room_booking.INITIAL_PROMPT
     head, _, last = seed.rpartition("\n\n")
     return {apo.candidate(summary["best_prompt"]).id, apo.candidate(f"{head}\n\nThink step by step. {last}").id}
+
+
+@pytest.mark.slow
+def test_dev_dry_runs_the_seed_prompt_and_shows_what_the_optimiser_would_see(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prefect_harness: None
+) -> None:
+    from flows.dev import dev
+
+    monkeypatch.setenv("APO_TEST_KEY", "sk-test")
+    with serving(scripted_apo_app()) as url:
+        config = apo_config(tmp_path, url).model_copy(update={"batch_size": 8, "samples_per_task": 1})
+        result = asyncio.run(dev(config))
+
+    assert result["rollouts"]["succeeded"] == 8 and result["rollouts"]["reward_mean"] < 0.5  # the seed prompt's
+    [worst] = result["lowest_reward"]
+    assert worst["reward"] == 0.0 and worst["messages"][0]["content"].startswith("You book meeting rooms.")
+    assert "final_choice:" in worst["messages"][-1]["content"]
