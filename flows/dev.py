@@ -1,6 +1,8 @@
 """`dev`: a dry run of one batch of rollouts and the adapter, without updates (agent-lightning's Trainer.dev).
 Checks that the agent, the dataset, the proxy and the adapter fit together before a long run, on the run's current
-weights, in a queue of its own: a `dev` beside a training of the same run never touches its rollouts.
+weights, in a queue of its own: a `dev` beside a training of the same run never touches its rollouts. For a prompt
+optimisation config (`apo` set) the rollouts run on the seed prompt, and instead of the adapter's batch it reports
+the lowest-reward transcript, as the optimiser would be shown it.
 
     python -m flows.dev examples/copy_task/demo.yaml [--set batch_size=4]
 """
@@ -16,6 +18,7 @@ from prefect.runtime import flow_run
 from flows.params import effective_config, flow_run_name
 from flows.rollouts import collect_rollouts
 from flows.secret_blocks import export_secret_blocks
+from lightning import apo
 from lightning.config import TrainConfig
 from tasks import adapt_spans, open_run, timed
 from tasks.caching import TRAIN_FLOW_RUN_ID
@@ -36,10 +39,20 @@ async def dev(config: TrainConfig = TrainConfig(), overrides: dict[str, Any] | N
     run = await timed(open_run, config)(config, train=False, queue=f"{config.run_name}.dev")
     try:
         rollout_ids, rollouts = await collect_rollouts(run, iteration, "train")
-        batch = await timed(adapt_spans, run)(run, iteration, rollout_ids)
+        if config.apo is not None:  # prompt optimisation trains no weights: it reads rewards and transcripts
+            worst = await apo.lowest_reward_transcripts(run, rollout_ids, 1)
+        else:
+            batch = await timed(adapt_spans, run)(run, iteration, rollout_ids)
     finally:
         await run.close()
-    get_run_logger().info(
+    logger = get_run_logger()
+    if config.apo is not None:
+        logger.info(
+            "dev: %d rollouts (%d failed) on the seed prompt, reward %.3f; the lowest-reward transcript, as the "
+            "optimiser would see it: %s", rollouts["rollouts"], rollouts["failed"], rollouts["reward_mean"], worst,
+        )  # fmt: skip
+        return {"rollouts": rollouts, "lowest_reward": worst}
+    logger.info(
         "dev: %d rollouts (%d failed), reward %.3f, %d training rows; adapter: %s",
         rollouts["rollouts"], rollouts["failed"], rollouts["reward_mean"], batch["rows"], batch["adapter"],
     )  # fmt: skip

@@ -22,6 +22,12 @@ async def collect_rollouts(run: Run, iteration: int, mode: Mode) -> tuple[list[s
     others run again (`rollout_retries` rounds) before the phase fails."""
     resources_id = await timed(update_resources, run)(run, iteration, mode)
     rollout_ids = await timed(enqueue_rollouts, run)(run, iteration, resources_id, mode)
+    return rollout_ids, await run_rollouts(run, iteration, rollout_ids, mode)
+
+
+async def run_rollouts(run: Run, iteration: int, rollout_ids: list[str], mode: Mode) -> dict[str, Any]:
+    """Enqueued rollouts run by `run_runner` tasks fanned out, then waited for; their summary. When fewer than
+    `min_success_fraction` succeeded, the others run again (`rollout_retries` rounds) before the phase fails."""
     for round_ in range(run.config.rollout_retries + 1):
         runners = timed(run_runner, run).map(
             unmapped(run), unmapped(iteration), unmapped(rollout_ids), range(run.config.n_runners), unmapped(mode),
@@ -30,7 +36,7 @@ async def collect_rollouts(run: Run, iteration: int, mode: Mode) -> tuple[list[s
         await asyncio.to_thread(runners.result)
         summary = await timed(wait_for_rollouts, run)(run, iteration, rollout_ids, mode, round_)
         if stages.enough_succeeded(run, summary):
-            return rollout_ids, summary
+            return summary
         if round_ < run.config.rollout_retries:
             await timed(requeue_unsuccessful, run)(run, iteration, rollout_ids, mode, round_)
     raise await stages.rollouts_failed(run, iteration, rollout_ids, summary)

@@ -60,7 +60,10 @@ _NOT_HERE = {
     "VERL": "give lightning.Trainer(algorithm={...}) the fields of lightning.TrainerConfig (lr, kl_coef, "
     "advantage, ...) and TrainConfig fields as keywords (batch_size, samples_per_task, max_prompt_length, ...); "
     "trainer_backend='verl' runs verl's FSDP workers",
-    "APO": "prompt optimisation (APO) is not implemented here; lightning trains the model's weights",
+    "APO": "prompt optimisation is the `optimize_prompt` flow: give the TrainConfig an `apo` section (the seed "
+    "prompt, and APO's beam_width, branch_factor, beam_rounds, gradient_batch_size, val_batch_size, gradient_model, "
+    "apply_edit_model, diversity_temperature) and run `python -m flows.optimize_prompt CONFIG.yaml` "
+    "(examples/room_booking/apo.yaml)",
     "Baseline": "Trainer.dev(agent, dataset) runs one batch of rollouts without training",
     "InMemoryLightningStore": "use lightning.SqlLightningStore('sqlite://') (in memory) or a SQLite file",
     "LLMProxy": "every run starts its own LLM proxy; see TrainConfig.proxy_endpoint to use a running one",

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from lightning.algorithm.config import TrainerConfig, VerlOptions
 from lightning.serving import is_loopback
 from lightning.store.sql import DEFAULT_URL as DEFAULT_STORE_URL
-from lightning.types import RolloutConfig
+from lightning.types import PromptTemplate, RolloutConfig
 
 ENTRY_POINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
@@ -151,6 +151,75 @@ class WarmStart(BaseModel):
         return value
 
 
+class ApoConfig(BaseModel):
+    """Automatic prompt optimisation (the `optimize_prompt` flow): beam search over a prompt template by textual
+    gradients (ProTeGi). Each round, the beam's prompts run on a batch of training tasks, an optimiser model
+    critiques the low-reward transcripts and proposes edited prompts, and the best `beam_width` prompts on the
+    validation batch stay. The field names follow agent-lightning 0.3's `APO`."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    initial_prompt: str | None = None
+    """The seed prompt template's text (give this or `initial_prompt_from`)."""
+    initial_prompt_from: str | None = None
+    """The seed prompt as `module:attr`, a string or a PromptTemplate (give this or `initial_prompt`)."""
+    prompt_engine: Literal["f-string", "jinja"] = "f-string"
+    """How the template is rendered: Python's str.format ({name}) or Jinja2 ({{ name }})."""
+    resource_name: str = "prompt_template"
+    """The name of the PromptTemplate resource in the rollouts' resources (beside `main_llm`)."""
+    beam_width: int = Field(default=4, ge=1)
+    """Prompts kept after each round."""
+    branch_factor: int = Field(default=4, ge=1)
+    """Edited prompts asked for from each prompt of the beam per round."""
+    beam_rounds: int = Field(default=3, ge=1)
+    """Rounds of critique, edit and selection."""
+    gradient_batch_size: int = Field(default=4, ge=1)
+    """Training tasks each prompt of the beam runs on per round; their lowest-reward transcripts are critiqued."""
+    val_batch_size: int = Field(default=16, ge=1)
+    """Validation tasks every candidate is scored on (the same tasks every round, so scores compare)."""
+    gradient_model: str = "gpt-5-mini"
+    """The LiteLLM model that writes the critique (the textual gradient): `gpt-5-mini`, `anthropic/...`,
+    `openai/<name>` with `api_base` for any OpenAI-compatible server."""
+    apply_edit_model: str = "gpt-4.1-mini"
+    """The LiteLLM model that rewrites a prompt from the critique."""
+    api_base: str | None = None
+    """The optimiser models' endpoint (None: the provider's own)."""
+    api_key_env: str | None = None
+    """Name of the environment variable holding the optimiser's API key (never the key itself); None: LiteLLM's
+    usual variable for the provider (OPENAI_API_KEY, ANTHROPIC_API_KEY, ...)."""
+    diversity_temperature: float = Field(default=1.0, ge=0)
+    """Sampling temperature of the optimiser calls (edits of one prompt should differ)."""
+    prompt_name: str | None = None
+    """The name the best prompt is registered under in MLflow's prompt registry (default: the run's name)."""
+
+    @model_validator(mode="after")
+    def _one_seed(self) -> ApoConfig:
+        if (self.initial_prompt is None) == (self.initial_prompt_from is None):
+            raise ValueError(
+                "initial_prompt: give the seed prompt either as text (`initial_prompt`) or as module:attr "
+                "(`initial_prompt_from`), not both or neither"
+            )
+        if self.initial_prompt_from is not None and not ENTRY_POINT.match(self.initial_prompt_from):
+            raise ValueError("initial_prompt_from: give module:attr, e.g. examples.room_booking.agent:INITIAL_PROMPT")
+        if self.initial_prompt is not None and not self.initial_prompt.strip():
+            raise ValueError("initial_prompt: the seed prompt is empty")
+        return self
+
+    def seed(self) -> PromptTemplate:
+        """The seed prompt as a PromptTemplate (`initial_prompt`, or what `initial_prompt_from` names)."""
+        if self.initial_prompt is not None:
+            return PromptTemplate(template=self.initial_prompt, engine=self.prompt_engine)
+        found = load_entry_point(str(self.initial_prompt_from), "apo.initial_prompt_from")
+        if isinstance(found, PromptTemplate):
+            return found
+        if isinstance(found, str) and found.strip():
+            return PromptTemplate(template=found, engine=self.prompt_engine)
+        raise ConfigError(
+            f"apo.initial_prompt_from: {self.initial_prompt_from} is a {type(found).__name__}; it must name a "
+            "non-empty string or a lightning.types.PromptTemplate"
+        )
+
+
 def _default_rollout_config() -> RolloutConfig:
     return RolloutConfig(timeout_seconds=300, max_attempts=2, retry_condition=["failed", "timeout", "unresponsive"])
 
@@ -245,6 +314,9 @@ class TrainConfig(BaseModel):
     """The Ray cluster (ray://host:10001 or auto) for task_runner ray and the verl backend; None: a local one."""
     seed: int = 0
     """Seeds the tiny model and the order tasks are drawn in (the update has `algorithm.seed`)."""
+    apo: ApoConfig | None = None
+    """Prompt optimisation by the `optimize_prompt` flow (None: none). When set, every flow's rollouts also get
+    the seed prompt as the PromptTemplate resource `apo.resource_name`."""
 
     @field_validator("run_name")
     @classmethod

@@ -26,6 +26,8 @@ def problems(config: TrainConfig) -> list[str]:
     if config.warm_start is not None:
         spec = config.warm_start.demonstrations
         _check(found, "warm_start.demonstrations", lambda: load_entry_point(spec, "warm_start.demonstrations"))
+    if config.apo is not None:  # the seed prompt loads (and parses: `lightning.apo` checks its placeholders)
+        _check(found, "apo.initial_prompt_from", config.apo.seed)
     if config.model != "tiny":
         _check(found, "model", lambda: _model_problem(Path(config.model)))
     for field in ("store_url", "tracking_uri"):

@@ -64,8 +64,9 @@ class _Parts:
     """What an open run holds in this process."""
 
     store: LightningStore
-    model_dir: Path
-    """The initial policy (the trainer's KL reference)."""
+    model_dir: Path | None
+    """The initial policy (the trainer's KL reference); None until first asked for when the run serves an endpoint
+    it did not start and does not train (`Run.model_dir` prepares it then)."""
     trainer: Any = None
     tracker: Any = None
     stack: Any = None
@@ -141,7 +142,10 @@ class Run(BaseModel):
 
     @property
     def model_dir(self) -> Path:
-        return self._open_parts().model_dir
+        parts = self._open_parts()
+        if parts.model_dir is None:
+            parts.model_dir = prepare_model(self.config)
+        return parts.model_dir
 
     @property
     def trainer(self) -> Any:
@@ -178,7 +182,7 @@ class Run(BaseModel):
         if parts.tokenizer is None:
             from transformers import AutoTokenizer
 
-            parts.tokenizer = AutoTokenizer.from_pretrained(parts.model_dir)
+            parts.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         return parts.tokenizer
 
     def dataset(self, field_name: str) -> list[Any]:
@@ -294,24 +298,29 @@ class Run(BaseModel):
         weights: str | None = None,
         queue: str | None = None,
         mlflow_tags: dict[str, str] | None = None,
+        track: bool | None = None,
     ) -> Run:
         """Bring the run up in this process: the store, the serving parts on the latest weights (or on the
-        checkpoint `weights`) and, with `train`, the trainer process and the MLflow run, tagged with `mlflow_tags`
-        besides its source commit and user (the flows add their flow run's URL). `queue`: the store queue
-        of its rollouts (default: the run's name). Rollouts an earlier process left running in that queue are
-        requeued: from now on this process owns it. First, what can be checked in seconds is (`preflight`): a
-        missing dataset or an agent that does not import is one clear error, before any server starts."""
+        checkpoint `weights`) and, with `train`, the trainer process and the MLflow run (`track`: the MLflow run
+        alone, or not; default: with `train`), tagged with `mlflow_tags` besides its source commit and user (the
+        flows add their flow run's URL). `queue`: the store queue of its rollouts (default: the run's name).
+        Rollouts an earlier process left running in that queue are requeued: from now on this process owns it.
+        First, what can be checked in seconds is (`preflight`): a missing dataset or an agent that does not import
+        is one clear error, before any server starts."""
         from lightning import preflight
 
         await asyncio.to_thread(preflight.check, config)
         config.run_dir.mkdir(parents=True, exist_ok=True)
         dump_stacks_on_signal(config.run_dir / "stacks", "flow")
-        model_dir = await asyncio.to_thread(prepare_model, config)
+        # A run that neither trains nor serves the model itself (an external endpoint, a running server) builds or
+        # checks no model before a stage asks for it (a tokenizer for the adapter).
+        serves_model = not (config.proxy_endpoint or config.inference.endpoint)
+        model_dir = await asyncio.to_thread(prepare_model, config) if train or serves_model else None
         from lightning.checkpoint import verified_latest_checkpoint
 
         # Checksums checked here, once: a damaged newest checkpoint is set aside and the run resumes before it.
         latest = await asyncio.to_thread(verified_latest_checkpoint, checkpoints_dir(config))
-        serving_dir = Path(weights) if weights else model_dir if latest is None else latest
+        serving_dir = Path(weights) if weights else latest or model_dir or Path(config.model)
         parts = _Parts(store=open_run_store(config), model_dir=model_dir)
         endpoints = Endpoints(proxy_url="", model_name=config.inference.served_model_name)
         run = cls(config=config, endpoints=endpoints, queue=queue or config.run_name)
@@ -320,12 +329,13 @@ class Run(BaseModel):
             parts.history = recorded_history(config)
             await requeue_orphans(parts.store, run.queue)
             if train:  # the trainer process loads torch and the model while the servers come up
-                parts.trainer = _trainer(config, model_dir)
+                parts.trainer = _trainer(config, run.model_dir)
                 parts.closers.append(parts.trainer.close)
                 trainer_ready = asyncio.create_task(asyncio.to_thread(parts.trainer.start))
             run.endpoints = await asyncio.to_thread(_start_serving, config, parts, serving_dir)
-            if train:
+            if train if track is None else track:
                 parts.tracker = await asyncio.to_thread(_start_tracker, config, parts.history, mlflow_tags)
+            if train:
                 await asyncio.wait_for(trainer_ready, timeout=config.timeouts.startup)
             parts.weight_version = serving_step(config, weights)
             if not config.proxy_endpoint:  # every span from now on records the weights that produced it

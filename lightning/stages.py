@@ -43,19 +43,27 @@ class RolloutsFailed(RuntimeError):
 
 
 async def update_resources(run: Run, mode: Mode = "train") -> str:
-    """Point the run's LLM resource for `mode` at this process's proxy, with the mode's sampling parameters; its id
-    (the same for every iteration of the run: rollouts of an earlier process of the run reach this proxy too)."""
+    """Point the run's LLM resource for `mode` at this process's proxy, with the mode's sampling parameters (and,
+    with `apo` set, the seed prompt beside it); its id (the same for every iteration of the run: rollouts of an
+    earlier process of the run reach this proxy too)."""
     run.check_serving()
+    config = run.config
+    llm = run_llm(run, mode)
+    prompt = {config.apo.resource_name: config.apo.seed()} if config.apo is not None else {}
+    resources = await run.store.update_resources(run.resources_id(mode), {"main_llm": llm, **prompt})
+    run.made_progress(f"update_resources ({mode})")
+    return resources.resources_id
+
+
+def run_llm(run: Run, mode: Mode) -> ProxyLLM:
+    """The run's LLM resource for `mode`: this process's proxy, with the mode's sampling parameters."""
     config = run.config
     sampling = config.eval_sampling if mode == "val" else config.sampling
     token = proxy_token() if config.proxy_endpoint else run.proxy_token
-    llm = ProxyLLM(
+    return ProxyLLM(
         endpoint=f"{run.endpoints.proxy_url}/v1", model=run.endpoints.model_name, sampling_parameters=sampling,
         api_key=token,
     )  # fmt: skip
-    resources = await run.store.update_resources(run.resources_id(mode), {"main_llm": llm})
-    run.made_progress(f"update_resources ({mode})")
-    return resources.resources_id
 
 
 def select_tasks(run: Run, iteration: int) -> list[Any]:

@@ -97,11 +97,15 @@ def timed(stage: T, run: Run | TrainConfig) -> T:
 
 @task(name="open_run", task_run_name="open_run-{config.run_name}", cache_policy=NO_CACHE)
 async def open_run(
-    config: TrainConfig, train: bool = True, weights: str | None = None, queue: str | None = None
+    config: TrainConfig,
+    train: bool = True,
+    weights: str | None = None,
+    queue: str | None = None,
+    track: bool | None = None,
 ) -> Run:
     """Bring up the run's store, serving parts, trainer and MLflow run in this process (never cached: a retried
     flow run is a new process and needs its own). The MLflow run is tagged with this flow run's id and URL."""
-    return await Run.open(config, train=train, weights=weights, queue=queue, mlflow_tags=flow_run_tags())
+    return await Run.open(config, train=train, weights=weights, queue=queue, track=track, mlflow_tags=flow_run_tags())
 
 
 def flow_run_tags() -> dict[str, str]:

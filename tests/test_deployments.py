@@ -53,10 +53,12 @@ def small_config(tmp_path: Path) -> dict[str, Any]:
 def test_prefect_yaml_deploys_the_demo_config_on_the_process_pool() -> None:
     spec = yaml.safe_load((REPO_ROOT / "prefect.yaml").read_text())
     deployments = {d["name"]: d for d in spec["deployments"]}
-    assert set(deployments) == {"demo", "nightly", "evaluate", "dev"}
+    assert set(deployments) == {"demo", "nightly", "evaluate", "dev", "room-booking"}
     demo = load_config(REPO_ROOT / "examples" / "copy_task" / "demo.yaml")
+    room_booking = load_config(REPO_ROOT / "examples" / "room_booking" / "apo.yaml")
     for name, deployment in deployments.items():
-        assert validate_config(deployment["parameters"]["config"]) == demo, name
+        expected = room_booking if name == "room-booking" else demo
+        assert validate_config(deployment["parameters"]["config"]) == expected, name
         assert deployment["work_pool"]["name"] == WORK_POOL, name
         path, flow = deployment["entrypoint"].split(":")
         assert (REPO_ROOT / path).is_file() and f"async def {flow}(" in (REPO_ROOT / path).read_text(), name
