@@ -50,7 +50,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	@# torch's CPU build first: with no torch installed, the plain requirement pulls several GB of CUDA.
 	$(PY) -m pip install --quiet --disable-pip-version-check $(TORCH)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,ray,verl-cpu]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,ray,verl-cpu,bench]'
 	@# verl's CPU modules for the batch-contract tests, without its GPU-stack requirements (see pyproject's verl-cpu).
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps verl==0.9.1
 	touch $(STAMP)
