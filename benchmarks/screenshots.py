@@ -1,9 +1,10 @@
 """Screenshots of what a user sees in the Prefect and MLflow UIs after a short training run, taken with headless
-Chromium (`apt-get install chromium`), for docs/images/.
+Chromium driven by Playwright (`apt-get install chromium` and `pip install -e '.[screenshots]'`), for
+docs/images/.
 
     .venv/bin/python benchmarks/screenshots.py [--out docs/images]
 
-It starts a Prefect server (UI on), deploys the flows, runs a 2-iteration train flow from the `train/demo`
+It starts a Prefect server (UI on), deploys the flows, runs a 6-iteration train flow from the `train/demo`
 deployment through a process worker with `overrides`, starts an MLflow UI on the run's tracking database, and
 saves: Prefect's run form (descriptions), the flow run's artifacts (progress, summary), MLflow's run page and its
 traces view. Everything listens on 127.0.0.1 and is stopped at the end.
@@ -27,10 +28,9 @@ REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
 BIN = Path(PY).parent
 OVERRIDES = {
-    "run_name": "screenshots", "iterations": 2, "batch_size": 8, "samples_per_task": 4, "warm_start": None,
-    "sampling": {"temperature": 1.0, "max_tokens": 2}, "eval_sampling": {"temperature": 0.0, "max_tokens": 2},
-    "max_prompt_length": 64, "max_response_length": 4,
+    "run_name": "screenshots", "iterations": 6, "batch_size": 16, "samples_per_task": 8, "eval_every": 3,
 }  # fmt: skip
+"""The deployment's demo config, shortened: 6 iterations after its warm start, held-out rewards at 0, 3 and 6."""
 
 
 def wait_for(url: str, seconds: float = 300) -> None:
@@ -51,13 +51,43 @@ def api_get(base: str, path: str) -> dict:
         return json.loads(answer.read())
 
 
-def shoot(chromium: str, url: str, out: Path, wait_ms: int = 20000) -> None:
-    subprocess.run(
-        [chromium, "--headless=new", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--window-size=1440,1000",
-         f"--virtual-time-budget={wait_ms}", f"--screenshot={out}", url],
-        check=True, capture_output=True, timeout=180,
+def artifact_id(base: str, key: str) -> str:
+    """The newest version of an artifact key (its own page renders the markdown or table; the key's page lists
+    versions only)."""
+    request = urllib.request.Request(
+        base + "/artifacts/filter", method="POST", headers={"Content-Type": "application/json"},
+        data=json.dumps({"artifacts": {"key": {"any_": [key]}}, "sort": "CREATED_DESC", "limit": 1}).encode(),
     )  # fmt: skip
-    print(f"saved {out} ({url})")
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        return json.loads(answer.read())[0]["id"]
+
+
+class Camera:
+    """Headless Chromium driven by Playwright: open a page, click what hides the content, wait, save."""
+
+    def __init__(self, chromium: str) -> None:
+        from playwright.sync_api import sync_playwright
+
+        self._playwright = sync_playwright().start()
+        self._browser = self._playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        self._page = self._browser.new_page(viewport={"width": 1440, "height": 1000}, color_scheme="light")
+
+    def shoot(self, url: str, out: Path, clicks: tuple[str, ...] = (), settle_s: float = 6.0) -> None:
+        page = self._page
+        page.goto(url, wait_until="load", timeout=120_000)
+        page.wait_for_timeout(settle_s * 1000)
+        for selector in clicks:
+            for element in page.locator(selector).all():
+                if element.is_visible():
+                    element.click()
+                    page.wait_for_timeout(1500)
+        page.wait_for_timeout(2000)
+        page.screenshot(path=str(out))
+        print(f"saved {out} ({url})")
+
+    def close(self) -> None:
+        self._browser.close()
+        self._playwright.stop()
 
 
 def main() -> None:
@@ -99,11 +129,12 @@ def main() -> None:
         print("flow run ended:", state["state"]["type"])
 
         deployment = api_get(base, "/deployments/name/train/demo")
+        camera = Camera(args.chromium)
         ui = "http://127.0.0.1:4321"
-        shoot(args.chromium, f"{ui}/deployments/deployment/{deployment['id']}/run", out / "prefect-run-form.png")
-        shoot(args.chromium, f"{ui}/runs/flow-run/{flow_run_id}?tab=Artifacts", out / "prefect-artifacts.png")
+        camera.shoot(f"{ui}/deployments/deployment/{deployment['id']}/run", out / "prefect-run-form.png")
+        camera.shoot(f"{ui}/runs/flow-run/{flow_run_id}", out / "prefect-artifacts.png", clicks=("text=Artifacts",))
         for key in ("screenshots-summary", "screenshots-progress"):
-            shoot(args.chromium, f"{ui}/artifacts/key/{key}", out / f"prefect-{key.split('-')[-1]}.png")
+            camera.shoot(f"{ui}/artifacts/artifact/{artifact_id(base, key)}", out / f"prefect-{key.split('-')[-1]}.png")
 
         mlflow_log = open(work / "mlflow.log", "w")  # noqa: SIM115
         mlflow = [str(BIN / "mlflow"), "ui", "--backend-store-uri", overrides["tracking_uri"], "--host", "127.0.0.1",
@@ -115,14 +146,21 @@ def main() -> None:
         client = mlflow_client.MlflowClient(overrides["tracking_uri"])
         experiment = client.get_experiment_by_name("lightning")
         (run,) = client.search_runs([experiment.experiment_id], max_results=1)
-        mlflow_ui = "http://127.0.0.1:5321/#/experiments"
-        shoot(args.chromium, f"{mlflow_ui}/{experiment.experiment_id}/runs/{run.info.run_id}", out / "mlflow-run.png")
-        shoot(
-            args.chromium,
-            f"{mlflow_ui}/{experiment.experiment_id}/runs/{run.info.run_id}/model-metrics",
-            out / "mlflow-model-metrics.png",
+        trace = client.search_traces(locations=[experiment.experiment_id], max_results=1)[0]
+        page = f"http://127.0.0.1:5321/#/experiments/{experiment.experiment_id}"
+        # MLflow's UI opens in its GenAI mode, with a tour pop-up and an assistant panel over the content: switch to
+        # its model-training mode once (the page remembers it), then close what covers the pages.
+        tidy = ('button:has-text("Got it")', 'button[aria-label="Close"]')
+        camera.shoot(f"{page}/runs", out / "mlflow-runs.png", clicks=(*tidy, 'text="Model training"'))
+        camera.shoot(f"{page}/runs/{run.info.run_id}", out / "mlflow-run.png", clicks=tidy)
+        camera.shoot(f"{page}/runs/{run.info.run_id}/model-metrics", out / "mlflow-model-metrics.png", clicks=tidy)
+        camera.shoot(f"{page}/traces", out / "mlflow-traces.png", clicks=tidy)
+        camera.shoot(
+            f"{page}/traces?selectedEvaluationId={trace.info.trace_id}",
+            out / "mlflow-trace.png",
+            clicks=(*tidy, 'text="chat policy"'),
         )
-        shoot(args.chromium, f"{mlflow_ui}/{experiment.experiment_id}/traces", out / "mlflow-traces.png")
+        camera.close()
     finally:
         for process in reversed(processes):
             process.terminate()

@@ -164,7 +164,7 @@ def where_to_look(config: Any, summary: dict[str, Any]) -> str:
         f"\nHeld-out reward of {summary['run_name']}: {warm}{before:.3f} {start}, {after:.3f} after "
         f"{summary['iterations']} iterations of RL.\n"
         f"  checkpoint:  {summary['checkpoint']}\n"
-        f"  Prefect UI:  .venv/bin/prefect server start   then open http://127.0.0.1:4200/runs "
+        f"  Prefect UI:  make prefect-ui   then open http://127.0.0.1:4200/runs "
         f"(flow run {config.run_name!r})\n"
         f"  MLflow UI:   {mlflow_ui(config.tracking_uri)}   (run {config.run_name!r} of experiment "
         f"{config.experiment!r}: metrics, agent traces, config.yaml)\n"
