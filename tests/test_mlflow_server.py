@@ -138,10 +138,10 @@ async def test_a_run_s_traces_tags_config_and_model_in_a_real_mlflow_server(
     assert cli.main(["mlflow", "promote", "traced-model", "latest", "--tracking-uri", mlflow_server]) == 0
     assert client.get_model_version_by_alias("traced-model", "champion").version == "1"
 
-    # The link the flow publishes is the run's page on the server.
+    # The run's summary artifact links the run's page on the server.
     async with get_client() as prefect:
         artifacts = await prefect.read_artifacts(
-            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["traced-training-links"]))
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["traced-summary"]))
         )
     assert f"{mlflow_server}/#/experiments/{experiment_id}/runs/{run_id}" in artifacts[0].data
     assert httpx.get(f"{mlflow_server}/", timeout=10).status_code == 200
