@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import tempfile
@@ -81,25 +82,37 @@ def main() -> None:
         tracking_uri=f"sqlite:///{workdir}/mlflow.db",
         output_dir=str(workdir / "runs"),
     )
+    load_before = os.getloadavg()
     times = asyncio.run(_with_prefect(base, args.iterations))
-    direct, prefect = statistics.mean(times["direct"]), statistics.mean(times["prefect"])
+    load_after = os.getloadavg()
+    # Paired: iteration i as the flow minus iteration i called directly (run back to back).
+    added = [prefect - direct for prefect, direct in zip(times["prefect"], times["direct"], strict=True)]
     print(
         f"\nOne demo iteration ({base.batch_size} tasks x {base.samples_per_task} samples, {base.n_runners} runner "
-        f"tasks), {args.iterations} timed iterations each, interleaved"
+        f"tasks), {args.iterations} timed iterations each, interleaved; {os.cpu_count()} cores, load average "
+        f"(1 min) {load_before[0]:.2f} before, {load_after[0]:.2f} after"
     )
     print("| stages run | mean s/iteration | median s/iteration |")
     print("|---|---|---|")
     for mode, label in (("direct", "called directly"), ("prefect", "as the Prefect flow")):
         print(f"| {label} | {statistics.mean(times[mode]):.3f} | {statistics.median(times[mode]):.3f} |")
-    print(f"\nPrefect / direct: {prefect / direct:.3f} (Prefect adds {100 * (prefect / direct - 1):+.1f}%)")
+    print(f"| Prefect adds (flow - direct, paired) | {statistics.mean(added):+.3f} | {statistics.median(added):+.3f} |")
+    direct = statistics.median(times["direct"])
+    print(f"\nPrefect adds {statistics.median(added):+.3f} s per iteration (median), "
+          f"{100 * statistics.median(added) / direct:+.1f}% of the median direct iteration")  # fmt: skip
 
 
 async def _with_prefect(base: TrainConfig, iterations: int) -> dict[str, Any]:
-    """Run inside a flow so the subflow and its tasks report to one parent, as under `train`."""
+    """Run inside a flow so the subflow and its tasks report to one parent, as under `train` (which also names
+    itself in the stages' cache keys)."""
     from prefect import flow
+    from prefect.runtime import flow_run
+
+    from tasks.caching import TRAIN_FLOW_RUN_ID
 
     @flow(name="flow-overhead")
     async def overhead() -> dict[str, list[float]]:
+        TRAIN_FLOW_RUN_ID.set(str(flow_run.get_id()))
         return await measure(base, iterations)
 
     return await overhead()
