@@ -32,7 +32,7 @@ from lightning import raycluster, stages
 from lightning.algorithm.worker import UpdateLost
 from lightning.config import TrainConfig
 from lightning.run import Run
-from tasks import adapt_spans, checkpoint, open_run, ppo_step, timed, warm_start
+from tasks import adapt_spans, checkpoint, gpu_limited, open_run, ppo_step, timed, warm_start
 from tasks.caching import TRAIN_FLOW_RUN_ID
 
 
@@ -49,8 +49,9 @@ async def training_iteration(run: Run, iteration: int) -> dict[str, Any]:
             f"iteration {iteration}: no training rows from {rollouts['rollouts']} rollouts "
             f"({rollouts['failed']} failed); adapter report: {batch['adapter']}, batch report: {batch['batch']}"
         )
+    update = timed(await gpu_limited(ppo_step), run)
     for attempt in range(2):
-        metrics = await timed(ppo_step, run)(run, iteration, batch["batch_path"])
+        metrics = await update(run, iteration, batch["batch_path"])
         row = stages.iteration_row(iteration, rollouts, batch, metrics, rollout_seconds)
         try:
             saved = await timed(checkpoint, run)(run, iteration, row)

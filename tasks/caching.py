@@ -29,13 +29,21 @@ def stage_cache_key(context: Any, parameters: dict[str, Any]) -> str:
     return f"{root}-{run.queue}-{iteration}-{context.task.name}-{digest}"
 
 
+_roots: dict[str, str | None] = {}
+"""Flow run id -> its top-level flow run's id, which never changes: asked of the API once per flow run, not once
+per task (two round trips, made while the flow's event loop waits)."""
+
+
 def _root_flow_run_id() -> str | None:
     """The top-level flow run's id from Prefect's API: for tasks in processes the context variable does not reach
     (runner tasks on Ray workers)."""
     from prefect.runtime import flow_run
 
     try:
-        return flow_run.root_flow_run_id or None
+        current = flow_run.id
+        if current not in _roots:
+            _roots[current] = flow_run.root_flow_run_id or None
+        return _roots[current]
     except Exception:  # no flow run context, or the API is unreachable: the subflow's id still makes a valid key
         return None
 

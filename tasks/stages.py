@@ -6,8 +6,9 @@ declared on the decorator:
 - results persisted as JSON under a (train run, run name, iteration, stage) cache key, so retrying a failed
   flow run skips the stages that finished. Not cached: `open_run` and `update_resources`, which bring up and point
   at this process's servers (a retried flow run is a new process);
-- `ppo_step` is tagged `gpu`: `prefect concurrency-limit create gpu 1` (done by `deployments/setup.py`) allows
-  one update per GPU at a time;
+- `ppo_step` takes a slot of the concurrency limit on the tag `gpu` where Prefect's server has one
+  (`prefect concurrency-limit create gpu 1`, done by `deployments/setup.py`): one update per GPU at a time,
+  whatever the number of runs. Where the server has none, it is not tagged at all (`gpu_limited` says why);
 - a timeout on every stage, from the run's `timeouts` when the flow calls it (`timed`): Prefect's is the outer
   bound, a minute past the deadline the library enforces inside (it kills the trainer process at
   `timeouts.ppo_step`, stops waiting for rollouts at `timeouts.rollouts`), whose error names the stage.
@@ -19,8 +20,9 @@ import os
 import socket
 from typing import Any, TypeVar
 
-from prefect import Task, task
+from prefect import Task, get_client, task
 from prefect.cache_policies import NO_CACHE
+from prefect.exceptions import ObjectNotFound
 
 from lightning import stages
 from lightning.algorithm.worker import TrainerCrashed, UpdateLost
@@ -38,6 +40,8 @@ STAGE = {"persist_result": True, "result_serializer": "json", "cache_key_fn": st
 TRANSIENT = {"retries": 2, "retry_delay_seconds": [2, 10], "retry_jitter_factor": 0.5}
 MARGIN_SECONDS = 60.0
 """Prefect's timeout comes this long after the library's own deadline for the stage."""
+GPU_TAG = "gpu"
+"""The tag whose concurrency limit, where the server has one, lets one `ppo_step` at a time use the GPU."""
 
 T = TypeVar("T", bound=Task[Any, Any])
 
@@ -93,6 +97,24 @@ def timed(stage: T, run: Run | TrainConfig) -> T:
         "log_evaluation": timeouts.update_resources,
     }[stage.name]
     return stage.with_options(timeout_seconds=seconds + MARGIN_SECONDS)
+
+
+async def gpu_limited(stage: T) -> T:
+    """`stage` tagged `gpu` if Prefect's server has a concurrency limit on that tag, else `stage` as it is.
+
+    Why not tag it always: for every tag a task carries, Prefect's task engine asks the server for a slot before the
+    task starts (POST /v2/concurrency_limits/increment-with-lease), limit or not. That is a write transaction on
+    the server's database, and on SQLite (the temporary server, a small deployment) it waits behind the task-run
+    events the server is writing: measured 1.8-2 s before each `ppo_step`, which follows a burst of task runs.
+    Prefect remembers a tag without a limit for 5 s only, less than an iteration. Whether the limit exists is a
+    read, which does not wait; it is asked each time, so a limit created during a run applies from the next call.
+    """
+    async with get_client() as client:
+        try:
+            await client.read_concurrency_limit_by_tag(GPU_TAG)
+        except ObjectNotFound:
+            return stage
+    return stage.with_options(tags=[*stage.tags, GPU_TAG])
 
 
 @task(name="open_run", task_run_name="open_run-{config.run_name}", cache_policy=NO_CACHE)
@@ -167,12 +189,13 @@ async def adapt_spans(run: Run, iteration: int, rollout_ids: list[str]) -> dict[
 
 
 @task(
-    name="ppo_step", task_run_name="ppo_step-{iteration}", tags=["gpu"],
+    name="ppo_step", task_run_name="ppo_step-{iteration}",
     **{**STAGE, "cache_key_fn": ppo_step_cache_key}, retries=1, retry_condition_fn=_retry_only(TrainerCrashed),
 )  # fmt: skip
 async def ppo_step(run: Run, iteration: int, batch_path: str) -> dict[str, float]:
     """Retried once if the trainer process died (it restarts from the latest checkpoint and takes the same step);
-    its cache key names the trainer process, whose memory holds the update until `checkpoint` saves it."""
+    its cache key names the trainer process, whose memory holds the update until `checkpoint` saves it. Called
+    through `gpu_limited`, which tags it `gpu` where the server limits that tag."""
     drill(run, "ppo_step", iteration)
     return await stages.ppo_step(run, iteration, batch_path)
 

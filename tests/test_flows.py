@@ -73,7 +73,14 @@ async def val_rollouts(config: TrainConfig) -> dict[int, list[Any]]:
 
 async def test_train_runs_two_iterations_of_seven_stages_and_reports_them(tmp_path: Path) -> None:
     config = small_config(tmp_path)
-    summary = await train(config)
+    # As `deployments/setup.py` creates it: with the limit, ppo_step is tagged `gpu` (and takes its slot).
+    async with get_client() as client:
+        await client.create_concurrency_limit(tag="gpu", concurrency_limit=1)
+    try:
+        summary = await train(config)
+    finally:
+        async with get_client() as client:
+            await client.delete_concurrency_limit_by_tag("gpu")
 
     assert summary["run_name"] == "t" and summary["iterations"] == 2
     assert 0 <= summary["reward_before"] <= 1 and 0 <= summary["reward_after"] <= 1
@@ -149,6 +156,13 @@ async def test_a_finished_run_resumes_for_more_iterations_without_redoing_any(tm
     mlflow = MlflowClient(config.tracking_uri)
     assert [m.step for m in mlflow.get_metric_history(more["mlflow_run_id"], "reward")] == [0, 1]
     assert [m.step for m in mlflow.get_metric_history(more["mlflow_run_id"], "val.reward_mean")] == [0, 1, 2]
+    async with get_client() as client:  # no `gpu` limit on this server: ppo_step is not tagged (no slot to ask for)
+        runs = await client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["t-iteration-1"]))
+        )
+        latest = max(runs, key=lambda run: run.created)
+        tasks = await client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [latest.id]}))
+    assert next(t for t in tasks if t.name == "ppo_step-1").tags == []
 
 
 async def test_a_warm_start_runs_once_before_iteration_zero_and_is_reported(tmp_path: Path) -> None:
