@@ -22,6 +22,8 @@ import contextlib
 import functools
 import json
 import logging
+import operator
+import re
 import sqlite3
 import threading
 import time
@@ -30,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
+import orjson
 import pydantic
 from sqlalchemy import (
     ColumnElement,
@@ -73,6 +76,7 @@ from lightning.types import (
     new_attempt_id,
     new_resources_id,
     new_rollout_id,
+    new_rollout_ids,
 )
 
 logger = logging.getLogger(__name__)
@@ -640,6 +644,12 @@ class _Sql:
         sql, constants = rendered
         return sql, ({**constants, **params} if constants else params)
 
+    def multi_row(self, dialect: Any) -> tuple[str, list[str]]:
+        """For an INSERT of one row: the text before VALUES, and the row's parameter names in order."""
+        text, _ = self.render(dialect, {})
+        head, _, values = text.partition(" VALUES ")
+        return head, re.findall(r":(\w+)", values)
+
 
 class _Tx:
     """One open transaction: `conn` (SQLAlchemy) for composed queries, the methods below for _Sql."""
@@ -667,6 +677,21 @@ class _Tx:
         cursor = self.driver.cursor()
         cursor.executemany(text, [sql.render(self.dialect, row)[1] for row in rows])
         cursor.close()
+
+    def insert_rows(self, sql: _Sql, rows: list[dict[str, Any]]) -> None:
+        """Run an INSERT of one row (bound by name) for each of `rows`. On SQLite as multi-row INSERTs: binding
+        a whole batch to one statement costs about half of what executemany's step per row does."""
+        if self.dialect.name != "sqlite" or len(rows) == 1:
+            self.run_many(sql, rows)
+            return
+        head, names = sql.multi_row(self.dialect)
+        row_values = operator.itemgetter(*names)
+        row_marks = "(" + ",".join("?" * len(names)) + ")"
+        chunk = 32_766 // len(names)  # SQLite binds at most 32,766 values to one statement
+        for start in range(0, len(rows), chunk):
+            part = rows[start : start + chunk]
+            params = [value for row in part for value in row_values(sql.render(self.dialect, row)[1])]
+            self.driver.execute(f"{head} VALUES {','.join([row_marks] * len(part))}", params)
 
     def insert_each(self, sql: _Sql, rows: list[dict[str, Any]]) -> list[bool]:
         """Run an INSERT ... ON CONFLICT DO NOTHING per row; which rows went in."""
@@ -844,12 +869,13 @@ def _op_enqueue(tx: _Tx, requests: list[EnqueueRolloutRequest], encoded: list[st
     results: list[Rollout | None] = [None] * len(requests)
     first_with_key: dict[str, int] = {}
     plain_rows: list[dict[str, Any]] = []
+    rollout_ids = new_rollout_ids(len(requests))
     for index, request in enumerate(requests):
         key = request.idempotency_key
         if key is not None and key in first_with_key:
             continue  # the same key twice in one batch: both get the first one's rollout
         rollout = Rollout(
-            rollout_id=new_rollout_id(),
+            rollout_id=rollout_ids[index],
             input=request.input,
             start_time=now,
             mode=request.mode,
@@ -868,7 +894,7 @@ def _op_enqueue(tx: _Tx, requests: list[EnqueueRolloutRequest], encoded: list[st
             # The key was used by an earlier call: hand back that rollout, enqueue nothing.
             results[index] = _rollout(tx.first(_SELECT_ROLLOUT_BY_KEY, {"key": key}))
     if plain_rows:
-        tx.run_many(_INSERT_ROLLOUT, plain_rows)
+        tx.insert_rows(_INSERT_ROLLOUT, plain_rows)
     for index, request in enumerate(requests):
         if results[index] is None:
             results[index] = results[first_with_key[request.idempotency_key]]
@@ -1298,9 +1324,20 @@ def _op_statistics(tx: _Tx) -> dict[str, Any]:
 
 
 _JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+# Types orjson would write but the json module refuses: they go to `default`, which has none, so they fail.
+_ORJSON_OPTIONS = orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_DATACLASS
 
 
 def _json(value: Any, argument: str) -> str:
+    # orjson first: ~25x faster than the json module, on every enqueue. It writes NaN and infinity as null and
+    # refuses what the json module may take (integer keys, integers past 64 bits), so output with a null, and any
+    # value orjson refuses, goes to the json module, whose result (or error) stands.
+    try:
+        encoded = orjson.dumps(value, option=_ORJSON_OPTIONS)
+        if b"null" not in encoded:
+            return encoded.decode()
+    except TypeError:
+        pass
     try:
         return _JSON.encode(value)
     except (TypeError, ValueError) as exc:
