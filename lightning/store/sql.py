@@ -290,22 +290,28 @@ class SqlLightningStore(LightningStore):
         return await self._run(_op_start_rollout, request, encoded_input, time.time())
 
     async def _dequeue_rollout(self, request: contract.DequeueRollout) -> AttemptedRollout | None:
-        fields = request.model_dump()
-        claimed = await self._dequeue_many_rollouts(contract.DequeueRollouts(limit=1, **fields))
+        claimed = await self._dequeue(request.queue, 1, request.worker_id, request.wait)
         return claimed[0] if claimed else None
 
     async def _dequeue_many_rollouts(self, request: contract.DequeueRollouts) -> list[AttemptedRollout]:
+        return await self._dequeue(request.queue, request.limit, request.worker_id, request.wait)
+
+    async def _dequeue(
+        self, queue: str | None, limit: int, worker_id: str | None, wait: float
+    ) -> list[AttemptedRollout]:
         """Claim up to `limit` rollouts of the queue, oldest first. With an empty queue, return [] at once, or
         with `wait` > 0 keep trying for up to `wait` seconds: an enqueue through this store object wakes the wait
         at once, others are seen within 0.5 s."""
-        if request.limit == 0:
+        if limit == 0:
             return []
-        queue = request.queue or DEFAULT_QUEUE
-        deadline = time.monotonic() + request.wait
+        queue = queue or DEFAULT_QUEUE
+        if wait <= 0:  # the common poll: no waiter to register
+            return await self._run(_op_dequeue, queue, limit, worker_id, time.time())
+        deadline = time.monotonic() + wait
         with self._enqueued.listening() as enqueued:
             while True:
                 enqueued.clear()
-                claimed = await self._run(_op_dequeue, queue, request.limit, request.worker_id, time.time())
+                claimed = await self._run(_op_dequeue, queue, limit, worker_id, time.time())
                 remaining = deadline - time.monotonic()
                 if claimed or remaining <= 0:
                     return claimed
@@ -1042,7 +1048,7 @@ def _move_attempt(tx: _Tx, attempt: Attempt, row: dict[str, Any], status: Attemp
         attempt.sequence_id,
         row["latest_attempt_id"] == attempt.attempt_id,
         row["rollout_status"],
-        RolloutConfig.model_validate_json(row["config"]),
+        _config(row["config"]),
     )
     if new_rollout_status is not None and new_rollout_status != row["rollout_status"]:
         _set_rollout_status(tx, attempt.rollout_id, new_rollout_status, now)
@@ -1186,7 +1192,7 @@ def _op_watchdog(tx: _Tx, now: float) -> int:
     marked = 0
     for result_row in tx.conn.execute(overdue).all():
         row = dict(result_row._mapping)
-        config = RolloutConfig.model_validate_json(row["config"])
+        config = _config(row["config"])
         verdict = lifecycle.watchdog_verdict(row["status"], row["start_time"], row["last_heartbeat_time"], config, now)
         if verdict is None:
             continue
@@ -1383,6 +1389,11 @@ def _config_json(config: RolloutConfig) -> str:
     return _DEFAULT_CONFIG_JSON if config is _DEFAULT_CONFIG else config.model_dump_json()
 
 
+def _config(encoded: str) -> RolloutConfig:
+    # Most rollouts keep the default config, and RolloutConfig is frozen: one parsed object serves them all.
+    return _DEFAULT_CONFIG if encoded == _DEFAULT_CONFIG_JSON else RolloutConfig.model_validate_json(encoded)
+
+
 def _rollout(mapping: Any) -> Rollout:
     metadata = mapping["metadata"]
     return Rollout(
@@ -1393,7 +1404,7 @@ def _rollout(mapping: Any) -> Rollout:
         mode=mapping["mode"],
         resources_id=mapping["resources_id"],
         status=mapping["status"],
-        config=RolloutConfig.model_validate_json(mapping["config"]),
+        config=_config(mapping["config"]),
         metadata=None if metadata is None else json.loads(metadata),
     )
 
