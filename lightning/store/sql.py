@@ -1377,8 +1377,9 @@ def _rollout_row(
 
 
 def _span_json(span: Span) -> str:
-    # Defaults (empty events, null parents, ...) are left out: a third less JSON to store and parse.
-    return span.model_dump_json(exclude_defaults=True)
+    # All fields, defaults too: leaving them out (exclude_defaults) compares the nested models with their defaults
+    # in Python, 3.5 us a span, more than the extra ~100 bytes cost to store and parse.
+    return span.__pydantic_serializer__.to_json(span).decode()
 
 
 _DEFAULT_CONFIG = RolloutConfig()
