@@ -687,7 +687,10 @@ class _Tx:
     def insert_rows(self, sql: _Sql, rows: list[dict[str, Any]]) -> None:
         """Run an INSERT of one row (bound by name) for each of `rows`. On SQLite as multi-row INSERTs: binding
         a whole batch to one statement costs about half of what executemany's step per row does."""
-        if self.dialect.name != "sqlite" or len(rows) == 1:
+        if len(rows) == 1:
+            self.run(sql, rows[0])
+            return
+        if self.dialect.name != "sqlite":
             self.run_many(sql, rows)
             return
         head, names = sql.multi_row(self.dialect)
