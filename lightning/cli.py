@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import sys
@@ -411,6 +412,15 @@ def _proxy_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     return 0
 
 
+def _freeze_startup_objects() -> None:
+    """Keep what imports and startup made out of the garbage collector's passes. A server imports FastAPI,
+    SQLAlchemy, pydantic and OpenTelemetry: a full pass over all that, which any request allocating a few
+    thousand objects (a batch of 100 rollouts) sets off now and then, cost more than the request itself
+    (measured: 0.39 s of 0.47 s spent building a batch's models went to it)."""
+    gc.collect()
+    gc.freeze()
+
+
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import uvicorn
 
@@ -424,6 +434,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         auth = "bearer token required" if token else "no token"
         print(f"lightning store: {store!r} on http://{args.host}:{args.port} ({auth})", file=sys.stderr, flush=True)
         app = create_app(store, token=token, max_body_bytes=int(args.max_body_mb * 1024 * 1024))
+        _freeze_startup_objects()
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log)
     finally:
         asyncio.run(store.close())

@@ -49,6 +49,12 @@ def new_rollout_id() -> str:
     return f"ro-{os.urandom(8).hex()}"
 
 
+def new_rollout_ids(count: int) -> list[str]:
+    """`count` rollout ids from one os.urandom call, for a batch enqueue."""
+    random = os.urandom(8 * count).hex()
+    return [f"ro-{random[i : i + 16]}" for i in range(0, 16 * count, 16)]
+
+
 def new_attempt_id() -> str:
     return f"at-{os.urandom(8).hex()}"
 

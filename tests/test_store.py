@@ -1183,6 +1183,35 @@ def test_a_store_from_before_queues_keeps_its_rollouts_in_the_default_queue(tmp_
     assert "ix_rollouts_queue_head" in indexes and "ix_rollouts_queue" not in indexes
 
 
+def test_repeated_query_spans_sees_spans_added_since_through_any_store(tmp_path: Any) -> None:
+    """query_spans keeps decoded answers while the database is unchanged: a span added through this store object,
+    or through another one on the same file (another connection, as another process would be), shows at once."""
+    from lightning.store import SqlLightningStore
+
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+
+    async def check() -> None:
+        async with (
+            SqlLightningStore(url, watchdog_interval=None) as reader,
+            SqlLightningStore(url, watchdog_interval=None) as writer,
+        ):
+            claimed = await reader.enqueue_rollout("task") and await reader.dequeue_rollout()
+            rollout_id, attempt_id = claimed.rollout_id, claimed.attempt.attempt_id
+            await reader.add_span(make_span(rollout_id, attempt_id, 1, span_id="a"))
+            first = await reader.query_spans(rollout_id)
+            first.items.clear()  # the caller's list, not the store's
+            assert [s.span_id for s in await reader.query_spans(rollout_id)] == ["a"]
+            await writer.add_span(make_span(rollout_id, attempt_id, 2, span_id="b"))
+            assert [s.span_id for s in await reader.query_spans(rollout_id)] == ["a", "b"]
+            await reader.add_span(make_span(rollout_id, attempt_id, 3, span_id="c"))
+            assert [s.span_id for s in await reader.query_spans(rollout_id, attempt_id)] == ["a", "b", "c"]
+            assert [s.span_id for s in await writer.query_spans(rollout_id, "latest")] == ["a", "b", "c"]
+            await writer.start_attempt(rollout_id)
+            assert list(await reader.query_spans(rollout_id, "latest")) == []
+
+    asyncio.run(check())
+
+
 OLD_ROLLOUTS_TABLE = """
 CREATE TABLE rollouts (
     seq INTEGER NOT NULL PRIMARY KEY, rollout_id VARCHAR(64) NOT NULL UNIQUE, input TEXT NOT NULL,
