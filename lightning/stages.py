@@ -131,7 +131,7 @@ async def run_runners(run: Run, rollout_ids: Sequence[str], index: int = 0, mode
     async with run.connect_store() as store:
         stop = asyncio.Event()
         tracer = Tracer(store)  # one exporter for the fleet, not a thread per runner
-        resources: dict[str, Any] = {}  # read once per resources id: update_resources came before this stage
+        resources: dict[str, Any] = {}  # each id read once: update_resources came before this stage
         fleet = [
             Runner(
                 agent,

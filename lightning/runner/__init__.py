@@ -50,9 +50,9 @@ class Runner:
     - `idle_wait`: longest single wait for work when the queue is empty; an enqueue through the same
       store (or the same store server) wakes the runner at once.
     - `queue`: the store queue it takes rollouts from (None: the default queue).
-    - `resources_cache`: a dict shared by runners whose rollouts' resources do not change while they run (the
-      runners of one rollout stage: `update_resources` comes before them): each resources id is then read from the
-      store once, not once per rollout. None (the default): read per rollout, seeing every update.
+    - `resources_cache`: a dict shared by runners on one event loop whose rollouts' resources do not change while
+      they run (the runners of one rollout stage: `update_resources` comes before them): each resources id is then
+      read from the store once, not once per rollout. None (the default): read per rollout, seeing every update.
     """
 
     def __init__(
@@ -66,7 +66,7 @@ class Runner:
         heartbeat_interval: float = 5.0,
         idle_wait: float = 1.0,
         queue: str | None = None,
-        resources_cache: dict[str, ResourcesUpdate] | None = None,
+        resources_cache: dict[str, asyncio.Future[ResourcesUpdate | None]] | None = None,
     ) -> None:
         from lightning.tracing import Tracer
 
@@ -181,12 +181,20 @@ class Runner:
     async def _resources(self, claimed: AttemptedRollout) -> NamedResources:
         if claimed.resources_id is None:
             return {}
+        # The cache holds the read itself, so that runners starting together share one read rather than each
+        # missing the cache; a read that failed or found nothing is not kept (a later rollout reads again).
         cache = self.resources_cache
-        found = cache.get(claimed.resources_id) if cache is not None else None
-        if found is None:
-            found = await self.store.get_resources_by_id(claimed.resources_id)
-            if found is not None and cache is not None:
-                cache[claimed.resources_id] = found
+        reading = cache.get(claimed.resources_id) if cache is not None else None
+        if reading is None:
+            reading = asyncio.ensure_future(self.store.get_resources_by_id(claimed.resources_id))
+            if cache is not None:
+                cache[claimed.resources_id] = reading
+        try:
+            found = await asyncio.shield(reading)  # one runner cancelled does not cancel the others' read
+        finally:
+            failed = reading.done() and (reading.cancelled() or reading.exception() or reading.result() is None)
+            if cache is not None and failed and cache.get(claimed.resources_id) is reading:
+                del cache[claimed.resources_id]
         if found is None:
             raise LookupError(f"rollout {claimed.rollout_id} names resources {claimed.resources_id!r}, which are gone")
         # An LLM behind the proxy reaches the agent already routed to this attempt, so its calls
