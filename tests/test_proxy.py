@@ -357,36 +357,6 @@ async def test_concurrent_calls_of_many_attempts_each_leave_their_span(store: Sq
         assert proxy.writer.written == 32 and proxy.writer.failed == 0
 
 
-async def test_new_attempts_calling_together_are_checked_together_and_unknown_ones_refused(
-    store: SqlLightningStore,
-) -> None:
-    with backends() as [(_, url)], running(LLMProxy(store, [url])) as proxy:
-        attempts = [await attempt_llm(store, proxy) for _ in range(8)]
-        first, _ = attempts[0]
-        older = proxy.as_resource(first.rollout_id, first.attempt.attempt_id)
-        await store.update_attempt(first.rollout_id, first.attempt.attempt_id, status="failed")
-        newer = await store.start_attempt(first.rollout_id)  # the first attempt is no longer the latest
-        reads = []
-        query = store.query_rollouts
-
-        async def counted(**filters: Any) -> Any:
-            reads.append(filters)
-            return await query(**filters)
-
-        store.query_rollouts = counted  # type: ignore[method-assign]
-        llms = [llm for _, llm in attempts[1:]] + [older, proxy.as_resource(first.rollout_id, newer.attempt.attempt_id)]
-        answers = await asyncio.gather(
-            *(client(llm).chat.completions.create(model="policy", messages=MESSAGES) for llm in llms)
-        )
-        async with httpx.AsyncClient() as http:
-            unknown = await http.post(
-                f"{proxy.url}/rollout/{first.rollout_id}/attempt/at-unknown/v1/chat/completions",
-                json={"model": "policy", "messages": MESSAGES},
-            )
-    assert len(answers) == 9 and unknown.status_code == 404
-    assert len(reads) < 9  # not a store read per new attempt
-
-
 async def test_external_models_go_through_litellm_with_spans_but_no_token_ids(store: SqlLightningStore) -> None:
     with backends() as [(backend, url)]:
         external = ExternalModel(

@@ -28,7 +28,7 @@ from lightning.proxy.capture import Call, SseReader
 from lightning.proxy.writer import SpanWriter
 from lightning.serving import BearerAuth
 from lightning.store.base import LightningStore
-from lightning.types import LLM, AttemptedRollout, OtelResource, ProxyLLM, Span, SpanContext, TraceStatus
+from lightning.types import LLM, OtelResource, ProxyLLM, Span, SpanContext, TraceStatus
 
 logger = logging.getLogger(__name__)
 
@@ -122,8 +122,6 @@ class LLMProxy:
         self._in_flight = 0
         self._sticky: OrderedDict[str, int] = OrderedDict()
         self._known_attempts: OrderedDict[tuple[str, str], None] = OrderedDict()
-        self._checking: dict[tuple[str, str], asyncio.Future[bool]] = {}  # attempts calls wait on, not yet read
-        self._checker: asyncio.Task[None] | None = None
         self._next_backend = 0
         self._down_until: dict[int, float] = {}
         self._served: dict[str, str | None] = {}
@@ -491,52 +489,17 @@ class LLMProxy:
         key = (rollout_id, attempt_id)
         if key in self._known_attempts:
             return
-        loop = asyncio.get_running_loop()
-        checked = self._checking.get(key)
-        if checked is None:
-            checked = self._checking[key] = loop.create_future()
-            if self._checker is None or self._checker.done():
-                self._checker = loop.create_task(self._check_in_rounds())
-        if not await asyncio.shield(checked):  # a call that goes away leaves the check to the others waiting on it
+        attempts = await self.store.query_attempts(rollout_id)
+        if not any(a.attempt_id == attempt_id for a in attempts):
             raise ProxyError(
                 404,
                 f"the store has no attempt {attempt_id!r} of rollout {rollout_id!r}; use the endpoint the runner "
                 "handed the agent (proxy.as_resource(rollout_id, attempt_id))",
                 "attempt_id",
             )
-
-    async def _check_in_rounds(self) -> None:
-        """Check the attempts that calls wait on, all of a round in one store read: the first calls of a batch of
-        new attempts arrive together, and a read each, one after another, held them all up."""
-        while self._checking:
-            await asyncio.sleep(0)  # calls that arrived together join this round
-            round_, self._checking = self._checking, {}
-            try:
-                known = await self._known_among(list(round_))
-            except Exception as exc:
-                for checked in round_.values():
-                    checked.set_exception(exc)
-                continue
-            for key, checked in round_.items():
-                if key in known:
-                    self._known_attempts[key] = None
-                checked.set_result(key in known)
-            while len(self._known_attempts) > _KNOWN_ATTEMPTS:
-                self._known_attempts.popitem(last=False)
-
-    async def _known_among(self, keys: list[tuple[str, str]]) -> set[tuple[str, str]]:
-        """Those of the (rollout id, attempt id) pairs the store knows: one read of the rollouts with their latest
-        attempts; an attempt not the latest of its rollout (rare) costs a read of the rollout's attempts."""
-        rollouts = await self.store.query_rollouts(rollout_id_in=sorted({rollout_id for rollout_id, _ in keys}))
-        latest = {(r.rollout_id, r.attempt.attempt_id) for r in rollouts if isinstance(r, AttemptedRollout)}
-        known = {key for key in keys if key in latest}
-        existing = {r.rollout_id for r in rollouts}
-        for rollout_id, attempt_id in keys:
-            if (rollout_id, attempt_id) in known or rollout_id not in existing:
-                continue
-            if any(a.attempt_id == attempt_id for a in await self.store.query_attempts(rollout_id)):
-                known.add((rollout_id, attempt_id))
-        return known
+        self._known_attempts[key] = None
+        if len(self._known_attempts) > _KNOWN_ATTEMPTS:
+            self._known_attempts.popitem(last=False)
 
     async def _backend_model(self, backend: Backend, body: dict[str, Any]) -> str | None:
         """The `model` to send `backend` instead of the request's, or None to leave it.
