@@ -122,6 +122,7 @@ async def run_runners(run: Run, rollout_ids: Sequence[str], index: int = 0, mode
     every one of `rollout_ids` has finished, or the phase's deadline passes. Runs where the run is open, or in a
     process the run was sent to (a Ray worker), with a store connection of its own there."""
     from lightning.runner import Runner
+    from lightning.runner.fleet import run_fleet
     from lightning.tracing import Tracer
 
     config = run.config
@@ -130,27 +131,31 @@ async def run_runners(run: Run, rollout_ids: Sequence[str], index: int = 0, mode
     async with run.connect_store() as store:
         stop = asyncio.Event()
         tracer = Tracer(store)  # one exporter for the fleet, not a thread per runner
+        resources: dict[str, Any] = {}  # each id read once: update_resources came before this stage
         fleet = [
             Runner(
                 agent,
                 store,
                 tracer=tracer,
                 worker_id=f"{run.queue}-runner{index}-{i}",
-                idle_wait=0.05,
                 queue=run.queue,
+                resources_cache=resources,
             )  # fmt: skip
             for i in range(config.runner_concurrency)
         ]
-        working = [asyncio.create_task(runner.iter(stop_event=stop)) for runner in fleet]
+        # One claim loop for the fleet (lightning.runner.fleet.run_fleet), not a poll per idle runner.
+        working = asyncio.create_task(run_fleet(fleet, store, stop_event=stop, queue=run.queue, idle_wait=0.05))
         try:
             finished = await store.wait_for_rollouts(rollout_ids=list(rollout_ids), timeout=rollout_deadline(run, mode))
         finally:
             stop.set()
-            ran = await asyncio.gather(*working, return_exceptions=True)
+            (ran,) = await asyncio.gather(working, return_exceptions=True)
             await asyncio.to_thread(tracer.shutdown)
+    if isinstance(ran, BaseException):
+        logger.error("runner task %d stopped early: %r", index, ran)
     return {
         "runner": index,
-        "ran": sum(count for count in ran if isinstance(count, int)),
+        "ran": ran if isinstance(ran, int) else 0,
         "finished": len(finished),
         "seconds": time.perf_counter() - started,
     }

@@ -13,7 +13,7 @@ import pytest
 
 from lightning.agent import Hook, LitAgent, rollout
 from lightning.runner import Runner
-from lightning.runner.fleet import start_runner_threads
+from lightning.runner.fleet import run_fleet, start_runner_threads
 from lightning.store import SqlLightningStore
 from lightning.tracing import emit_reward, find_final_reward
 from lightning.types import LLM, AttemptedRollout, PromptTemplate, ProxyLLM, RolloutConfig, Span
@@ -252,4 +252,52 @@ async def test_eight_runner_threads_drain_500_rollouts_each_exactly_once(tmp_pat
     assert set(runs) == set(ids) and set(runs.values()) == {1}
     workers = {w.worker_id for w in await store.query_workers()}
     assert len(workers) > 1  # the work really was shared
+    await store.close()
+
+
+async def test_a_fleet_on_one_loop_runs_each_rollout_once_on_its_runners_and_reads_resources_once(
+    tmp_path: Path,
+) -> None:
+    store = SqlLightningStore(f"sqlite:///{tmp_path}/fleet.db", watchdog_interval=None)
+    runs: Counter[str] = Counter()
+    running = 0
+    most_at_once = 0
+
+    @rollout
+    async def agent(task: dict[str, Any], rollout: AttemptedRollout, prompt_template: PromptTemplate) -> float:
+        nonlocal running, most_at_once
+        runs[rollout.rollout_id] += 1
+        running += 1
+        most_at_once = max(most_at_once, running)
+        await asyncio.sleep(0.01)
+        running -= 1
+        return 1.0
+
+    resources = await store.add_resources({"prompt": PromptTemplate(template="{x}", engine="f-string")})
+    reads = 0
+    read = store.get_resources_by_id
+
+    async def counted_read(resources_id: str) -> Any:
+        nonlocal reads
+        reads += 1
+        return await read(resources_id)
+
+    store.get_resources_by_id = counted_read  # type: ignore[method-assign]
+    queued = await store.enqueue_many_rollouts(
+        [{"input": {"i": i}, "resources_id": resources.resources_id, "queue": "q"} for i in range(40)]
+    )
+    ids = [r.rollout_id for r in queued]
+    cache: dict[str, Any] = {}
+    fleet = [Runner(agent, store, worker_id=f"r{i}", queue="q", resources_cache=cache) for i in range(8)]
+    stop = asyncio.Event()
+    working = asyncio.create_task(run_fleet(fleet, store, stop_event=stop, queue="q"))
+    finished = await store.wait_for_rollouts(rollout_ids=ids, timeout=60)
+    stop.set()
+    assert await working == 40
+    assert len(finished) == 40 and all(r.status == "succeeded" for r in finished)
+    assert set(runs) == set(ids) and set(runs.values()) == {1}
+    assert 1 < most_at_once <= 8  # the runners shared the work, one rollout each at a time
+    assert reads == 1  # the fleet's resources were read once, not per rollout
+    attempts = [r.attempt for r in finished if isinstance(r, AttemptedRollout)]
+    assert {a.worker_id for a in attempts} <= {f"r{i}" for i in range(8)}  # each attempt names its runner
     await store.close()

@@ -28,6 +28,7 @@ from lightning.types import (
     AttemptStatus,
     NamedResources,
     ProxyLLM,
+    ResourcesUpdate,
     Rollout,
     RolloutConfig,
     RolloutMode,
@@ -49,6 +50,9 @@ class Runner:
     - `idle_wait`: longest single wait for work when the queue is empty; an enqueue through the same
       store (or the same store server) wakes the runner at once.
     - `queue`: the store queue it takes rollouts from (None: the default queue).
+    - `resources_cache`: a dict shared by runners on one event loop whose rollouts' resources do not change while
+      they run (the runners of one rollout stage: `update_resources` comes before them): each resources id is then
+      read from the store once, not once per rollout. None (the default): read per rollout, seeing every update.
     """
 
     def __init__(
@@ -62,6 +66,7 @@ class Runner:
         heartbeat_interval: float = 5.0,
         idle_wait: float = 1.0,
         queue: str | None = None,
+        resources_cache: dict[str, asyncio.Future[ResourcesUpdate | None]] | None = None,
     ) -> None:
         from lightning.tracing import Tracer
 
@@ -74,6 +79,7 @@ class Runner:
         self.heartbeat_interval = heartbeat_interval
         self.idle_wait = idle_wait
         self.queue = queue
+        self.resources_cache = resources_cache
         if isinstance(agent, LitAgent):
             agent.set_runner(self)  # agent-lightning's `self.runner` / `self.tracer` inside the agent
 
@@ -156,7 +162,9 @@ class Runner:
 
         _current_runner.set(self)  # this task's (and a sync agent's thread's) `agent.runner`
         resources = await self._resources(claimed)
-        with self.tracer.trace_context(claimed.rollout_id, claimed.attempt.attempt_id):
+        # `async with`: the exit waits for the attempt's spans to reach the store without blocking the event loop
+        # the other runners of a fleet share (a plain `with` would hold the loop for a store write per rollout).
+        async with self.tracer.trace_context(claimed.rollout_id, claimed.attempt.attempt_id):
             for hook in self.hooks:
                 await hook.on_trace_start(agent=self.agent, runner=self, rollout=claimed)
             try:
@@ -173,7 +181,20 @@ class Runner:
     async def _resources(self, claimed: AttemptedRollout) -> NamedResources:
         if claimed.resources_id is None:
             return {}
-        found = await self.store.get_resources_by_id(claimed.resources_id)
+        # The cache holds the read itself, so that runners starting together share one read rather than each
+        # missing the cache; a read that failed or found nothing is not kept (a later rollout reads again).
+        cache = self.resources_cache
+        reading = cache.get(claimed.resources_id) if cache is not None else None
+        if reading is None:
+            reading = asyncio.ensure_future(self.store.get_resources_by_id(claimed.resources_id))
+            if cache is not None:
+                cache[claimed.resources_id] = reading
+        try:
+            found = await asyncio.shield(reading)  # one runner cancelled does not cancel the others' read
+        finally:
+            failed = reading.done() and (reading.cancelled() or reading.exception() or reading.result() is None)
+            if cache is not None and failed and cache.get(claimed.resources_id) is reading:
+                del cache[claimed.resources_id]
         if found is None:
             raise LookupError(f"rollout {claimed.rollout_id} names resources {claimed.resources_id!r}, which are gone")
         # An LLM behind the proxy reaches the agent already routed to this attempt, so its calls

@@ -173,6 +173,10 @@ class SqlLightningStore(LightningStore):
         if self.backend == "sqlite":
             self._engine = _sqlite_engine(self._url)
             self._sqlite_conn = self._engine.connect()
+            # One thread runs the transactions (they take turns on the one connection anyway), so that a
+            # transaction, or the wait for the connection's lock, never blocks the caller's event loop: the runners
+            # of a stage share one loop, and the proxy's requests another.
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-store")
         else:
             self._engine = create_engine(self._url, pool_size=pool_size, max_overflow=0, pool_pre_ping=True)
             self._executor = ThreadPoolExecutor(max_workers=pool_size, thread_name_prefix="lightning-store")
@@ -227,6 +231,8 @@ class SqlLightningStore(LightningStore):
     async def _run(self, fn: Callable[..., T], *args: Any, write: bool = True) -> T:
         if self._executor is None:
             return self._transaction(fn, args, write)
+        if self._closed:
+            raise StoreError("the store is closed")  # (its executor takes no more work)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self._transaction, fn, args, write)
 

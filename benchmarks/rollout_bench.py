@@ -1,0 +1,89 @@
+"""The rollout stage alone, timed: `lightning.stages.collect_rollouts` on an open `Run` (runners -> LLM proxy ->
+embedded inference server, spans in a SQLite store), the same batch as benchmarks/trainer_bench.py (16 prompts x 4
+samples on the tiny model), without the trainer step in between. Prints seconds per rollout stage; `--profile FILE`
+writes a cProfile of the stages (this process only: the proxy and the inference server run in their own).
+
+    .venv/bin/python benchmarks/rollout_bench.py [--iterations 20] [--prompts 16] [--generations 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from examples.copy_task.agent import make_tasks  # noqa: E402
+from lightning import stages  # noqa: E402
+from lightning.config import load_config  # noqa: E402
+from lightning.models import build_tiny_model  # noqa: E402
+from lightning.run import Run  # noqa: E402
+
+
+async def bench(args: argparse.Namespace, workdir: Path) -> list[float]:
+    model_dir = build_tiny_model(workdir / "tiny", seed=0)
+    tasks = make_tasks(96, seed=0)
+    for name, part in (("train", tasks[:64]), ("val", tasks[64:])):
+        (workdir / f"{name}.jsonl").write_text("".join(json.dumps(task) + "\n" for task in part))
+    sampling = {"temperature": 1.0, "max_tokens": 5}
+    config = load_config(
+        {
+            "run_name": "rollout-bench", "model": str(model_dir), "agent": "examples.copy_task.agent:copy_agent",
+            "train_data": str(workdir / "train.jsonl"), "val_data": str(workdir / "val.jsonl"),
+            "batch_size": args.prompts, "samples_per_task": args.generations, "n_runners": 1,
+            "runner_concurrency": args.prompts * args.generations, "sampling": sampling,
+            "eval_sampling": {**sampling, "temperature": 0.0}, "max_prompt_length": 64, "max_response_length": 6,
+            "iterations": 100_000, "checkpoint": {"keep_last": 1, "log_to_mlflow": False},
+            "store_url": f"sqlite:///{workdir}/store.db", "tracking_uri": f"sqlite:///{workdir}/mlflow.db",
+            "output_dir": str(workdir / "runs"),
+        }
+    )  # fmt: skip
+    run = await Run.open(config)
+    profile = cProfile.Profile() if args.profile else None
+    seconds = []
+    try:
+        for iteration in range(args.warmup + args.iterations):
+            measured = iteration >= args.warmup
+            if profile is not None and measured:
+                profile.enable()
+            started = time.perf_counter()
+            _, summary = await stages.collect_rollouts(run, iteration, "train")
+            elapsed = time.perf_counter() - started
+            if profile is not None and measured:
+                profile.disable()
+            if measured:
+                seconds.append(elapsed)
+            print(f"iteration {iteration}: {elapsed * 1000:.0f} ms, {summary['succeeded']} ok", flush=True)
+    finally:
+        await run.close()
+    if profile is not None:
+        profile.dump_stats(args.profile)
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--iterations", type=int, default=20, help="rollout stages measured")
+    parser.add_argument("--warmup", type=int, default=2, help="rollout stages run first, not measured")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--generations", type=int, default=4)
+    parser.add_argument("--profile", type=Path, default=None, help="write a cProfile of the measured stages here")
+    args = parser.parse_args()
+    workdir = Path(tempfile.mkdtemp(prefix="rollout-bench-"))
+    seconds = asyncio.run(bench(args, workdir))
+    print(
+        f"rollout stage, {args.prompts} x {args.generations} rollouts: median {statistics.median(seconds) * 1000:.0f} "
+        f"ms, mean {statistics.mean(seconds) * 1000:.0f} ms, min {min(seconds) * 1000:.0f} ms over {len(seconds)}"
+    )
+
+
+if __name__ == "__main__":
+    main()
