@@ -68,6 +68,13 @@ def temporary_prefect_server(log_path: Path) -> Iterator[None]:
         with temporary_settings({PREFECT_API_URL: server.url, PREFECT_UI_URL: "http://127.0.0.1:4200"}):
             yield
     finally:
+        # What this process still has queued for the server (the last log lines, events) goes before it stops: a
+        # stopped server kept Prefect's log worker retrying for a minute at exit ("Error logging to API").
+        from prefect.events.worker import EventsWorker
+        from prefect.logging.handlers import APILogWorker
+
+        APILogWorker.drain_all(timeout=15)
+        EventsWorker.drain_all(timeout=15)
         server.stop()
 
 
