@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -70,12 +71,36 @@ def temporary_prefect_server(log_path: Path) -> Iterator[None]:
     finally:
         # What this process still has queued for the server (the last log lines, events) goes before it stops: a
         # stopped server kept Prefect's log worker retrying for a minute at exit ("Error logging to API").
-        from prefect.events.worker import EventsWorker
-        from prefect.logging.handlers import APILogWorker
-
-        APILogWorker.drain_all(timeout=15)
-        EventsWorker.drain_all(timeout=15)
+        _send_queued_logs_and_events()
         server.stop()
+
+
+def _send_queued_logs_and_events(timeout: float = 15.0) -> None:
+    """Prefect's log and event workers send what they hold, and this waits for them. `drain_all` blocks only where
+    no event loop runs in the calling thread (in one it returns an awaitable), so it runs on a thread of its own:
+    the same from the CLI and from `lightning.Trainer` inside its event loop."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    def drain() -> None:
+        APILogWorker.drain_all(timeout=timeout)
+        EventsWorker.drain_all(timeout=timeout)
+
+    thread = threading.Thread(target=drain, name="prefect-drain")
+    thread.start()
+    thread.join()
+
+
+async def run_flow(flow_name: str, config: Any) -> Any:
+    """Run the `train` or `dev` flow on `config` in this event loop, on a temporary Prefect server unless
+    PREFECT_API_URL names one. `lightning.Trainer`'s fit and dev hand off here through the `lightning.flows` entry
+    point (pyproject.toml), so that the library itself never imports Prefect or the flows."""
+    from flows.dev import dev
+    from flows.train import train
+
+    flow = {"train": train, "dev": dev}[flow_name]
+    with temporary_prefect_server(config.run_dir / "logs" / "prefect-server.log"):
+        return await flow(config)
 
 
 def _names_secret_blocks(config: Any) -> bool:

@@ -3,9 +3,9 @@ builds a `TrainConfig` and runs the `train` flow on it; `.dev(...)` runs the `de
 adapted, nothing trained). It is a facade, not a second pipeline: what a run does is what `python -m flows.train`
 does with the same config.
 
-This is the one place where the library hands off to the flows: `fit` and `dev` import `flows.train` / `flows.dev`
-inside the method, so importing `lightning` (this module included) never imports Prefect. Without PREFECT_API_URL
-the flow runs on a temporary Prefect server of its own, as on the command line.
+This is the one place where the library hands off to the flows: `fit` and `dev` call the runner that the flow layer
+registers under the `lightning.flows` entry point (`flows.cli:run_flow`), so the library never imports Prefect or
+the flows. Without PREFECT_API_URL the flow runs on a temporary Prefect server of its own, as on the command line.
 
 The flows name the agent and the datasets as `module:attr` entry points. An agent that its module holds under a
 name (not `__main__`) is named so; any other agent object is put in this process's `registry` and named
@@ -22,7 +22,8 @@ import json
 import re
 import sys
 import types
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Protocol, SupportsIndex, TypeVar
 
@@ -174,23 +175,25 @@ class Trainer:
             )
         config = self.build_config(agent, train_dataset, val_dataset)
         preflight.check(config)
-        # The hand-off to the flows: imported here only, so that importing lightning never imports Prefect.
-        from flows.cli import temporary_prefect_server
-
-        if flow_name == "train":
-            from flows.train import train as flow
-        else:
-            from flows.dev import dev as flow
-
+        run_flow = _flow_runner()
         agent.set_trainer(self)
         self.config = config
-        from prefect.logging.handlers import APILogHandler
+        return await run_flow(flow_name, config)
 
-        with temporary_prefect_server(config.run_dir / "logs" / "prefect-server.log"):
-            try:
-                return await flow(config)
-            finally:
-                await APILogHandler.aflush()  # the flow's last log lines, while the server is still up
+
+FLOWS_ENTRY_POINT = "lightning.flows"
+"""The entry point group where the flow layer registers how to run a config (`run = "flows.cli:run_flow"` in
+pyproject.toml): the library names neither Prefect nor the flows."""
+
+
+def _flow_runner() -> Callable[[str, TrainConfig], Awaitable[Any]]:
+    found = entry_points(group=FLOWS_ENTRY_POINT, name="run")
+    if not found:
+        raise RuntimeError(
+            f"Trainer: no flow runner is installed (entry point {FLOWS_ENTRY_POINT}:run, from this project's "
+            "pyproject.toml); install the project with its flows: pip install -e ."
+        )
+    return next(iter(found)).load()
 
 
 def _run_sync(coroutine: Any, method: str) -> Any:
