@@ -484,17 +484,19 @@ class SqlLightningStore(LightningStore):
         return await self._run(_op_query_spans, request, stmt, paged, write=False)
 
     async def _cached_query_spans(self, request: contract.QuerySpans) -> PaginatedResult[Span]:
-        """All spans of a rollout or attempt, from `_span_cache` while the database has not changed."""
-        key = (request.rollout_id, request.attempt_id)
-        with self._lock:
-            if self._closed:
-                raise StoreError("the store is closed")
-            version = _sqlite_version(self._sqlite_conn)
-            found = self._span_cache.get(version, key)
-            if found is None:
-                found = self._transaction(_op_query_spans, (request, None, None), False).items
-                self._span_cache.put(version, key, found)
+        """All spans of a rollout or attempt, from `_span_cache` while the database has not changed. Like every
+        transaction, on the store's thread."""
+        found = await self._run(self._cached_spans, request, write=False)
         return PaginatedResult(items=list(found), limit=request.limit, offset=request.offset, total=len(found))
+
+    def _cached_spans(self, tx: _Tx, request: contract.QuerySpans) -> list[Span]:
+        key = (request.rollout_id, request.attempt_id)
+        version = _sqlite_version(tx.conn)
+        found = self._span_cache.get(version, key)
+        if found is None:
+            found = _op_query_spans(tx, request, None, None).items
+            self._span_cache.put(version, key, found)
+        return found
 
     # --- resources ---------------------------------------------------------------------------
 
