@@ -20,8 +20,9 @@ from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
 from prefect.exceptions import ObjectNotFound
 from prefect.workers.process import ProcessWorker
 
+from tasks.stages import GPU_TAG  # the tag ppo_step takes where this limit exists
+
 WORK_POOL = "lightning-process"
-GPU_TAG = "gpu"
 GPU_LIMIT = 1
 RESULTS_BLOCK = "lightning-results"
 
