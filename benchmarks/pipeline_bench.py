@@ -160,8 +160,8 @@ async def runner_processes(
 @contextlib.asynccontextmanager
 async def runner_fleet(count: int, store_url: str) -> AsyncIterator[list[subprocess.Popen[bytes]]]:
     """`count` runners on this process's event loop, as a training run's rollout stage runs them
-    (`lightning.stages.run_runners`): one claim loop (`run_fleet`), one tracer, resources read once; its own store
-    client. No processes to yield: its CPU is this process's."""
+    (`lightning.stages.run_runners`): one claim loop (`run_fleet`), one tracer, resources brought by the claims; its own
+    store client. No processes to yield: its CPU is this process's."""
     from lightning.config import load_agent
     from lightning.runner import Runner
     from lightning.runner.fleet import run_fleet
@@ -169,8 +169,8 @@ async def runner_fleet(count: int, store_url: str) -> AsyncIterator[list[subproc
 
     store = HttpLightningStore(store_url)
     tracer = Tracer(store)
-    agent, cache = load_agent(AGENT), {}
-    fleet = [Runner(agent, store, tracer=tracer, worker_id=f"fleet-{i}", resources_cache=cache) for i in range(count)]
+    agent = load_agent(AGENT)
+    fleet = [Runner(agent, store, tracer=tracer, worker_id=f"fleet-{i}") for i in range(count)]
     stop_event = asyncio.Event()
     working = asyncio.create_task(run_fleet(fleet, store, stop_event=stop_event, idle_wait=0.05))
     try:

@@ -131,19 +131,12 @@ async def run_runners(run: Run, rollout_ids: Sequence[str], index: int = 0, mode
     async with run.connect_store() as store:
         stop = asyncio.Event()
         tracer = Tracer(store)  # one exporter for the fleet, not a thread per runner
-        resources: dict[str, Any] = {}  # each id read once: update_resources came before this stage
         fleet = [
-            Runner(
-                agent,
-                store,
-                tracer=tracer,
-                worker_id=f"{run.queue}-runner{index}-{i}",
-                queue=run.queue,
-                resources_cache=resources,
-            )  # fmt: skip
+            Runner(agent, store, tracer=tracer, worker_id=f"{run.queue}-runner{index}-{i}", queue=run.queue)
             for i in range(config.runner_concurrency)
         ]
-        # One claim loop for the fleet (lightning.runner.fleet.run_fleet), not a poll per idle runner.
+        # One claim loop for the fleet (lightning.runner.fleet.run_fleet), not a poll per idle runner; its claims
+        # bring the resources once.
         working = asyncio.create_task(run_fleet(fleet, store, stop_event=stop, queue=run.queue, idle_wait=0.05))
         try:
             finished = await store.wait_for_rollouts(rollout_ids=list(rollout_ids), timeout=rollout_deadline(run, mode))
@@ -195,10 +188,12 @@ async def summarize_rollouts(store: LightningStore, rollout_ids: Sequence[str]) 
     rollouts = await store.query_rollouts(rollout_id_in=list(rollout_ids))
     statuses = [rollout.status for rollout in rollouts]
     rewards = []
-    for rollout_id in rollout_ids:
-        reward = find_final_reward(await store.query_spans(rollout_id, "latest"))
-        if reward is not None:
-            rewards.append(reward)
+    for start in range(0, len(rollout_ids), 256):  # the latest attempts' spans, one request per 256 rollouts
+        chunk = list(rollout_ids[start : start + 256])
+        for spans in (await store.query_latest_spans(chunk)).values():
+            reward = find_final_reward(spans)
+            if reward is not None:
+                rewards.append(reward)
     # From the first enqueue to the last finish, by the store's clock: the same when a retried flow run gets this
     # summary back from Prefect's cache (the rollout stages then take no time at all).
     starts = [rollout.start_time for rollout in rollouts]

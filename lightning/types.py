@@ -244,6 +244,14 @@ class ResourcesUpdate(BaseModel):
     resources: NamedResources
 
 
+class Claim(BaseModel):
+    """What `claim_rollouts` answers: the rollouts claimed, each with its new attempt already running, and the
+    resources they name that the caller did not have (or had at an older version)."""
+
+    rollouts: list[AttemptedRollout]
+    resources: list[ResourcesUpdate] = []
+
+
 # --- Query results ---------------------------------------------------------------------------
 
 T = TypeVar("T")

@@ -274,21 +274,21 @@ async def test_a_fleet_on_one_loop_runs_each_rollout_once_on_its_runners_and_rea
         return 1.0
 
     resources = await store.add_resources({"prompt": PromptTemplate(template="{x}", engine="f-string")})
-    reads = 0
-    read = store.get_resources_by_id
+    brought = 0  # resources that claims brought
+    claim_rollouts = store.claim_rollouts
 
-    async def counted_read(resources_id: str) -> Any:
-        nonlocal reads
-        reads += 1
-        return await read(resources_id)
+    async def counted_claim(*args: Any, **kwargs: Any) -> Any:
+        nonlocal brought
+        claim = await claim_rollouts(*args, **kwargs)
+        brought += len(claim.resources)
+        return claim
 
-    store.get_resources_by_id = counted_read  # type: ignore[method-assign]
+    store.claim_rollouts = counted_claim  # type: ignore[method-assign]
     queued = await store.enqueue_many_rollouts(
         [{"input": {"i": i}, "resources_id": resources.resources_id, "queue": "q"} for i in range(40)]
     )
     ids = [r.rollout_id for r in queued]
-    cache: dict[str, Any] = {}
-    fleet = [Runner(agent, store, worker_id=f"r{i}", queue="q", resources_cache=cache) for i in range(8)]
+    fleet = [Runner(agent, store, worker_id=f"r{i}", queue="q") for i in range(8)]
     stop = asyncio.Event()
     working = asyncio.create_task(run_fleet(fleet, store, stop_event=stop, queue="q"))
     finished = await store.wait_for_rollouts(rollout_ids=ids, timeout=60)
@@ -297,7 +297,7 @@ async def test_a_fleet_on_one_loop_runs_each_rollout_once_on_its_runners_and_rea
     assert len(finished) == 40 and all(r.status == "succeeded" for r in finished)
     assert set(runs) == set(ids) and set(runs.values()) == {1}
     assert 1 < most_at_once <= 8  # the runners shared the work, one rollout each at a time
-    assert reads == 1  # the fleet's resources were read once, not per rollout
+    assert brought == 1  # the fleet's resources came once, with the first claim, not per rollout
     attempts = [r.attempt for r in finished if isinstance(r, AttemptedRollout)]
     assert {a.worker_id for a in attempts} <= {f"r{i}" for i in range(8)}  # each attempt names its runner
     await store.close()

@@ -169,7 +169,7 @@ def test_a_runner_with_a_refused_token_exits_at_once_saying_why(
     done, took = run_runner(url, *extra, env_token="WRONG" if where == "env" else None)
     assert done.returncode == 1, done.stderr
     last_lines = done.stderr.strip().splitlines()[-2:]
-    assert last_lines[0].startswith(f"python -m lightning.runner: dequeue_rollout: the store server at {url} refused")
+    assert last_lines[0].startswith(f"python -m lightning.runner: claim_rollouts: the store server at {url} refused")
     assert "HTTP 401" in last_lines[0]
     assert last_lines[1].startswith(told) and "--token" in last_lines[1] and "$LIGHTNING_STORE_TOKEN" in last_lines[1]
     assert "Traceback" not in done.stderr and "retrying" not in done.stderr and "WRONG" not in done.stderr

@@ -1274,3 +1274,109 @@ async def test_query_spans_by_parts_of_ids(store: Any) -> None:
     assert [s.name for s in by_span] == ["one"] and by_span.total == 1
     by_trace = await store.query_spans(rollout_id, trace_id_contains=first.trace_id[:6], limit=1)
     assert len(by_trace) == 1 and by_trace.total == 2
+
+
+# --- the runner's lifecycle in fewer requests: claim_rollouts, add_many_spans(number=True), finish_attempt,
+# query_latest_spans ---------------------------------------------------------------------------------
+
+
+async def test_claim_rollouts_starts_each_attempt_running_under_its_worker_with_the_resources(store: Any) -> None:
+    template = PromptTemplate(template="{x}", engine="f-string")
+    resources = await store.add_resources({"prompt": template})
+    queued = await store.enqueue_many_rollouts([{"input": {"i": i}, "queue": "claims"} for i in range(3)])
+
+    claim = await store.claim_rollouts(["w1", "w2"], queue="claims")
+    assert [r.rollout_id for r in claim.rollouts] == [r.rollout_id for r in queued[:2]]  # oldest first
+    assert [r.attempt.worker_id for r in claim.rollouts] == ["w1", "w2"]
+    assert {r.attempt.status for r in claim.rollouts} == {"running"}
+    assert {r.status for r in claim.rollouts} == {"running"}
+    assert [(u.resources_id, u.version) for u in claim.resources] == [(resources.resources_id, 1)]
+    assert (await must_get(store, queued[0].rollout_id)).status == "running"
+    worker = await store.get_worker_by_id("w1")
+    assert worker is not None and worker.status == "busy"
+
+    # Resources the caller holds at the same version stay home; a newer version comes along.
+    known = {resources.resources_id: 1}
+    await store.update_resources(resources.resources_id, {"prompt": template})
+    claim = await store.claim_rollouts(["w3"], queue="claims", known_resources=known)
+    assert [(u.resources_id, u.version) for u in claim.resources] == [(resources.resources_id, 2)]
+    assert (await store.claim_rollouts(["w4"], queue="claims")).rollouts == []  # the queue is empty
+
+
+async def test_claim_rollouts_refuses_no_workers_by_name(store: Any) -> None:
+    with pytest.raises(InvalidArgumentError, match="worker_ids"):
+        await store.claim_rollouts([])
+
+
+async def test_claim_rollouts_with_wait_wakes_when_work_is_enqueued(store: Any) -> None:
+    async def enqueue_later() -> None:
+        await asyncio.sleep(0.2)
+        await store.enqueue_rollout({"late": True}, queue="later")
+
+    task = asyncio.create_task(enqueue_later())
+    claim = await store.claim_rollouts(["w"], wait=10, queue="later")
+    await task
+    assert len(claim.rollouts) == 1 and claim.rollouts[0].input == {"late": True}
+
+
+async def test_add_many_spans_numbered_by_the_store_continue_the_rollouts_sequence(store: Any) -> None:
+    got = await started(store)
+    first = await add_auto_span(store, got.rollout_id, got.attempt.attempt_id)
+    assert first is not None
+    unnumbered = [make_span(got.rollout_id, got.attempt.attempt_id, 0, name=f"s{i}") for i in range(3)]
+    added = await store.add_many_spans(unnumbered, number=True)
+    assert [s.sequence_id for s in added] == [first.sequence_id + 1, first.sequence_id + 2, first.sequence_id + 3]
+    stored = await store.query_spans(got.rollout_id)
+    assert [s.name for s in stored] == ["step", "s0", "s1", "s2"]
+    assert await store.get_next_span_sequence_id(got.rollout_id, got.attempt.attempt_id) == first.sequence_id + 4
+
+
+async def test_finish_attempt_stores_the_last_spans_and_the_status_in_one_request(store: Any) -> None:
+    got = await started(store)
+    rollout_id, attempt_id = got.rollout_id, got.attempt.attempt_id
+    reward = make_span(rollout_id, attempt_id, 0, name="reward")
+    attempt = await store.finish_attempt(rollout_id, attempt_id, "succeeded", [reward])
+    assert attempt.status == "succeeded" and attempt.end_time is not None
+    assert (await must_get(store, rollout_id)).status == "succeeded"
+    assert [s.name for s in await store.query_spans(rollout_id)] == ["reward"]
+    # Sending it again changes nothing (the client repeats it after a lost answer).
+    again = await store.finish_attempt(rollout_id, attempt_id, "succeeded", [reward])
+    assert again.status == "succeeded"
+    assert len(await store.query_spans(rollout_id)) == 1
+
+
+async def test_finish_attempt_keeps_the_stores_verdict_on_an_attempt_it_moved_on(store: Any) -> None:
+    got = await started(store, config=RolloutConfig(max_attempts=3, retry_condition=["timeout"]))
+    rollout_id, old = got.rollout_id, got.attempt.attempt_id
+    await store.update_attempt(rollout_id, old, status="timeout")  # as the watchdog would
+    newer = await store.start_attempt(rollout_id)
+    answer = await store.finish_attempt(rollout_id, old, "succeeded", [make_span(rollout_id, old, 0, name="late")])
+    assert answer.attempt_id == old and answer.status != "succeeded"  # the runner learns it was moved on
+    assert (await latest(store, rollout_id)).attempt_id == newer.attempt.attempt_id
+    assert (await must_get(store, rollout_id)).status != "succeeded"
+    assert [s.name for s in await store.query_spans(rollout_id, old)] == ["late"]  # the trace is kept
+
+
+async def test_finish_attempt_refuses_spans_of_another_attempt_and_unknown_attempts(store: Any) -> None:
+    got = await started(store)
+    other = make_span(got.rollout_id, "another-attempt", 0)
+    with pytest.raises(InvalidArgumentError, match="its own finish"):
+        await store.finish_attempt(got.rollout_id, got.attempt.attempt_id, "succeeded", [other])
+    with pytest.raises(NotFoundError):
+        await store.finish_attempt(got.rollout_id, "no-such-attempt", "succeeded")
+    with pytest.raises(InvalidArgumentError, match="status"):
+        await store.finish_attempt(got.rollout_id, got.attempt.attempt_id, "running")
+
+
+async def test_query_latest_spans_reads_many_rollouts_latest_attempts_at_once(store: Any) -> None:
+    one = await started(store)
+    await add_auto_span(store, one.rollout_id, one.attempt.attempt_id, name="one-first")
+    retried = await store.start_attempt(one.rollout_id)
+    await add_auto_span(store, one.rollout_id, retried.attempt.attempt_id, name="one-a")
+    await add_auto_span(store, one.rollout_id, retried.attempt.attempt_id, name="one-b")
+    waiting = await store.enqueue_rollout({"q": "never claimed"}, queue="elsewhere")
+
+    found = await store.query_latest_spans([waiting.rollout_id, "no-such-rollout", one.rollout_id])
+    assert list(found) == [waiting.rollout_id, one.rollout_id]  # the order asked; the unknown id left out
+    assert found[waiting.rollout_id] == []
+    assert [s.name for s in found[one.rollout_id]] == ["one-a", "one-b"]  # the latest attempt only, in order

@@ -316,9 +316,9 @@ async def test_a_hanging_store_makes_the_block_raise_after_the_flush_timeout(fil
         def __getattr__(self, name: str) -> Any:
             return getattr(file_store, name)
 
-        async def add_many_spans(self, spans: list[Span]) -> list[Span]:
+        async def add_many_spans(self, spans: list[Span], **options: Any) -> list[Span]:
             release.wait(timeout=10)
-            return await file_store.add_many_spans(spans)
+            return await file_store.add_many_spans(spans, **options)
 
     tracer = Tracer(HangingStore(), flush_interval=FAST, flush_timeout=0.3)  # type: ignore[arg-type]
     rollout_id, attempt_id = await new_attempt(file_store)

@@ -39,7 +39,7 @@ from lightning import semconv
 from lightning.adapter.tree import SpanNode, build_forest, iter_forest
 from lightning.store.base import LightningStore
 from lightning.tracing.rewards import find_final_reward, get_reward_value
-from lightning.types import Span, Triplet
+from lightning.types import Rollout, Span, Triplet
 
 Shape = Literal["transition", "trajectory"]
 RewardMatch = Literal["final", "first_after", "first_sibling"]
@@ -168,13 +168,11 @@ async def adapt_rollouts(
     "group_id", else the rollout id. The rollout's status is not checked: the caller decides which rollouts
     to adapt. A rollout id the store does not know is counted in `rollouts_missing`."""
     result = AdaptResult()
-    for rollout_id in rollout_ids:
-        rollout = await store.get_rollout_by_id(rollout_id)
+    for rollout_id, rollout, spans in await _rollouts_and_spans(store, rollout_ids):
         if rollout is None:
             result.report.rollouts_missing += 1
             result.report.problem(f"rollout {rollout_id}: not in the store")
             continue
-        spans = await store.query_spans(rollout_id, "latest")
         attempt_id = spans[0].attempt_id if spans else "latest"
         one = _adapt_attempt(
             rollout_id,
@@ -189,6 +187,24 @@ async def adapt_rollouts(
         result.triplets.extend(one.triplets)
         result.report.add(one.report)
     return result
+
+
+READ_CHUNK = 256
+"""Rollouts read per pair of store requests (their rows, their latest attempts' spans)."""
+
+
+async def _rollouts_and_spans(
+    store: LightningStore, rollout_ids: Sequence[str]
+) -> list[tuple[str, Rollout | None, list[Span]]]:
+    """Each rollout (None if the store does not know it) with its latest attempt's spans, two requests per
+    READ_CHUNK rollouts rather than two per rollout."""
+    found: list[tuple[str, Rollout | None, list[Span]]] = []
+    for start in range(0, len(rollout_ids), READ_CHUNK):
+        chunk = list(rollout_ids[start : start + READ_CHUNK])
+        rows = {rollout.rollout_id: rollout for rollout in await store.query_rollouts(rollout_id_in=chunk)}
+        spans = await store.query_latest_spans(chunk)
+        found.extend((rollout_id, rows.get(rollout_id), spans.get(rollout_id, [])) for rollout_id in chunk)
+    return found
 
 
 def _adapt_attempt(

@@ -445,7 +445,7 @@ class LLMProxy:
             Span(
                 rollout_id=rollout_id,
                 attempt_id=attempt_id,
-                sequence_id=0,  # allocated by the writer
+                sequence_id=0,  # given by the store as the writer stores it
                 trace_id=trace_id,
                 span_id=span_id,
                 parent_id=parent_id,

@@ -1,5 +1,5 @@
 """Writes the proxy's spans into the store in group commits: a call waits until its span is stored,
-and calls that finish together share one sequence-id allocation and one insert."""
+and calls that finish together share one request (the store numbers the spans)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ _CLOSE: Any = object()
 
 class SpanWriter:
     """`await writer.write(span)` returns once the span is in the store (its `sequence_id` is
-    allocated here). A store failure is retried `retries` times, then logged and counted in
+    allocated by the store). A store failure is retried `retries` times, then logged and counted in
     `failed`; the agent's call still gets its answer."""
 
     def __init__(self, store: LightningStore, *, retries: int = 3) -> None:
@@ -76,9 +76,7 @@ class SpanWriter:
         delay = 0.05
         for attempt in range(self.retries + 1):
             try:
-                ids = await self.store.get_many_span_sequence_ids([(s.rollout_id, s.attempt_id) for s in spans])
-                numbered = [s.model_copy(update={"sequence_id": i}) for s, i in zip(spans, ids, strict=True)]
-                await self.store.add_many_spans(numbered)
+                await self.store.add_many_spans(spans, number=True)  # the store numbers them: one request
                 self.written += len(spans)
                 return
             except NotFoundError:

@@ -1,5 +1,9 @@
 """The runner: claims rollouts from the store, runs the agent inside a trace context, records the outcome.
 
+A rollout costs the runner two store requests: `claim_rollouts` (the rollout, its attempt already running under
+this runner, and its resources unless the runner has them at that version) and `finish_attempt` (the attempt's last
+spans, the reward's among them, and its final status, which the store refuses if it moved the attempt on).
+
 While the agent works, a background task beats the attempt's heartbeat, so a long LLM or tool
 call is not taken for a dead runner, and checks that the attempt is still this runner's: if the
 store's watchdog timed it out or a newer attempt superseded it, the runner abandons the work and
@@ -50,9 +54,6 @@ class Runner:
     - `idle_wait`: longest single wait for work when the queue is empty; an enqueue through the same
       store (or the same store server) wakes the runner at once.
     - `queue`: the store queue it takes rollouts from (None: the default queue).
-    - `resources_cache`: a dict shared by runners on one event loop whose rollouts' resources do not change while
-      they run (the runners of one rollout stage: `update_resources` comes before them): each resources id is then
-      read from the store once, not once per rollout. None (the default): read per rollout, seeing every update.
     """
 
     def __init__(
@@ -66,7 +67,6 @@ class Runner:
         heartbeat_interval: float = 5.0,
         idle_wait: float = 1.0,
         queue: str | None = None,
-        resources_cache: dict[str, asyncio.Future[ResourcesUpdate | None]] | None = None,
     ) -> None:
         from lightning.tracing import Tracer
 
@@ -79,7 +79,8 @@ class Runner:
         self.heartbeat_interval = heartbeat_interval
         self.idle_wait = idle_wait
         self.queue = queue
-        self.resources_cache = resources_cache
+        self.resources: dict[str, ResourcesUpdate] = {}
+        """The resources its claims brought, by id: a claim sends their versions and brings only what changed."""
         if isinstance(agent, LitAgent):
             agent.set_runner(self)  # agent-lightning's `self.runner` / `self.tracer` inside the agent
 
@@ -91,13 +92,17 @@ class Runner:
         backoff = 0.1
         while (stop_event is None or not stop_event.is_set()) and (max_rollouts is None or ran < max_rollouts):
             try:
-                claimed = await self.store.dequeue_rollout(self.worker_id, wait=self.idle_wait, queue=self.queue)
-                if claimed is None:
+                claim = await self.store.claim_rollouts(
+                    [self.worker_id], wait=self.idle_wait, queue=self.queue, known_resources=_versions(self.resources)
+                )
+                if not claim.rollouts:
                     if time.monotonic() - last_beat > self.heartbeat_interval:
                         await self.store.update_worker(self.worker_id)
                         last_beat = time.monotonic()
                     continue
-                await self.run_attempt(claimed)
+                self.resources.update((update.resources_id, update) for update in claim.resources)
+                (claimed,) = claim.rollouts
+                await self.run_attempt(claimed, resources=self.resources.get(claimed.resources_id or ""))
                 ran += 1
                 backoff = 0.1
             except AuthError:
@@ -126,16 +131,20 @@ class Runner:
         assert finished is not None
         return finished
 
-    async def run_attempt(self, claimed: AttemptedRollout) -> str:
+    async def run_attempt(self, claimed: AttemptedRollout, *, resources: ResourcesUpdate | None = None) -> str:
         """Run the agent on a claimed attempt and record its outcome. Returns the attempt's final
         status as reported ("succeeded" / "failed"), or "abandoned" when the store moved the
-        attempt on before the agent finished."""
+        attempt on before the agent finished. `resources`: the rollout's resources when the caller has them (a
+        claim brought them); otherwise they are read from the store."""
         rollout_id, attempt_id = claimed.rollout_id, claimed.attempt.attempt_id
         for hook in self.hooks:
             await hook.on_rollout_start(agent=self.agent, runner=self, rollout=claimed)
-        await self.store.update_attempt(rollout_id, attempt_id, status="running", worker_id=self.worker_id)
+        if claimed.attempt.status != "running" or claimed.attempt.worker_id != self.worker_id:
+            # A dequeued (preparing) attempt; a claim_rollouts one is running under this runner already.
+            await self.store.update_attempt(rollout_id, attempt_id, status="running", worker_id=self.worker_id)
 
-        work = asyncio.create_task(self._traced_rollout(claimed))
+        trace = self._trace_context(rollout_id, attempt_id)
+        work = asyncio.create_task(self._traced_rollout(claimed, trace, resources))
         watch = asyncio.create_task(self._heartbeat_until_moved_on(rollout_id, attempt_id))
         done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
         if work not in done:
@@ -145,26 +154,40 @@ class Runner:
                 await work
             logger.warning("rollout %s attempt %s was moved on by the store; abandoned", rollout_id, attempt_id)
             status = "abandoned"
+            if getattr(trace, "handed_over", None):  # the trace so far still belongs in the store
+                with contextlib.suppress(StoreError):
+                    await self.store.add_many_spans(trace.handed_over, number=True)
         else:
             watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watch
             failure = work.exception()
-            status = await self._record_outcome(rollout_id, attempt_id, "failed" if failure else "succeeded")
+            status = await self._record_outcome(
+                rollout_id, attempt_id, "failed" if failure else "succeeded", getattr(trace, "handed_over", [])
+            )
         for hook in self.hooks:
             await hook.on_rollout_end(agent=self.agent, runner=self, rollout=claimed, status=status)
         return status
 
-    async def _traced_rollout(self, claimed: AttemptedRollout) -> None:
+    def _trace_context(self, rollout_id: str, attempt_id: str) -> Any:
+        """Our tracer's context hands the spans still queued at its exit (the reward's, typically) over to
+        `finish_attempt`, one request for both; another tracer's writes them itself."""
+        from lightning.tracing import Tracer
+
+        if isinstance(self.tracer, Tracer):
+            return self.tracer.trace_context(rollout_id, attempt_id, hand_over=True)
+        return self.tracer.trace_context(rollout_id, attempt_id)
+
+    async def _traced_rollout(self, claimed: AttemptedRollout, trace: Any, given: ResourcesUpdate | None) -> None:
         """The agent inside the trace context; its return value becomes a reward span or spans.
         Raises what the agent raised, after recording it as an exception span."""
         from lightning.tracing import emit_exception, emit_reward
 
         _current_runner.set(self)  # this task's (and a sync agent's thread's) `agent.runner`
-        resources = await self._resources(claimed)
-        # `async with`: the exit waits for the attempt's spans to reach the store without blocking the event loop
-        # the other runners of a fleet share (a plain `with` would hold the loop for a store write per rollout).
-        async with self.tracer.trace_context(claimed.rollout_id, claimed.attempt.attempt_id):
+        resources = await self._resources(claimed, given)
+        # `async with`: the exit waits for the attempt's spans being written without blocking the event loop the
+        # other runners of a fleet share (a plain `with` would hold the loop for a store write per rollout).
+        async with trace:
             for hook in self.hooks:
                 await hook.on_trace_start(agent=self.agent, runner=self, rollout=claimed)
             try:
@@ -178,23 +201,13 @@ class Runner:
                 for hook in self.hooks:
                     await hook.on_trace_end(agent=self.agent, runner=self, rollout=claimed)
 
-    async def _resources(self, claimed: AttemptedRollout) -> NamedResources:
+    async def _resources(self, claimed: AttemptedRollout, given: ResourcesUpdate | None) -> NamedResources:
         if claimed.resources_id is None:
             return {}
-        # The cache holds the read itself, so that runners starting together share one read rather than each
-        # missing the cache; a read that failed or found nothing is not kept (a later rollout reads again).
-        cache = self.resources_cache
-        reading = cache.get(claimed.resources_id) if cache is not None else None
-        if reading is None:
-            reading = asyncio.ensure_future(self.store.get_resources_by_id(claimed.resources_id))
-            if cache is not None:
-                cache[claimed.resources_id] = reading
-        try:
-            found = await asyncio.shield(reading)  # one runner cancelled does not cancel the others' read
-        finally:
-            failed = reading.done() and (reading.cancelled() or reading.exception() or reading.result() is None)
-            if cache is not None and failed and cache.get(claimed.resources_id) is reading:
-                del cache[claimed.resources_id]
+        if given is not None and given.resources_id == claimed.resources_id:
+            found: ResourcesUpdate | None = given
+        else:
+            found = await self.store.get_resources_by_id(claimed.resources_id)
         if found is None:
             raise LookupError(f"rollout {claimed.rollout_id} names resources {claimed.resources_id!r}, which are gone")
         # An LLM behind the proxy reaches the agent already routed to this attempt, so its calls
@@ -219,18 +232,17 @@ class Runner:
         from lightning.tracing import SpanCoreFields
 
         rollout_id, attempt_id = claimed.rollout_id, claimed.attempt.attempt_id
-        ids = await self.store.get_many_span_sequence_ids([(rollout_id, attempt_id)] * len(spans))
         converted = []
-        for span, sequence_id in zip(spans, ids, strict=True):
-            fields = {"rollout_id": rollout_id, "attempt_id": attempt_id, "sequence_id": sequence_id}
+        for span in spans:
+            fields = {"rollout_id": rollout_id, "attempt_id": attempt_id, "sequence_id": 0}  # the store numbers them
             if isinstance(span, Span):
                 converted.append(span.model_copy(update=fields))
             elif isinstance(span, SpanCoreFields):  # what an emitter returned (propagate=False)
                 ids_ = {"trace_id": secrets.token_hex(16), "span_id": secrets.token_hex(8)}
                 converted.append(Span(**fields, **ids_, **span.model_dump()))
             else:  # an OpenTelemetry ReadableSpan
-                converted.append(Span.from_opentelemetry(span, rollout_id, attempt_id, sequence_id))
-        await self.store.add_many_spans(converted)
+                converted.append(Span.from_opentelemetry(span, rollout_id, attempt_id, 0))
+        await self.store.add_many_spans(converted, number=True)
 
     async def _heartbeat_until_moved_on(self, rollout_id: str, attempt_id: str) -> None:
         """Beat the attempt's heartbeat; return when the attempt is no longer this runner's to finish."""
@@ -251,20 +263,25 @@ class Runner:
             and rollout.attempt.status in lifecycle.ACTIVE_ATTEMPT
         )
 
-    async def _record_outcome(self, rollout_id: str, attempt_id: str, status: AttemptStatus) -> str:
-        latest = await self.store.get_latest_attempt(rollout_id)
-        if latest is None or latest.attempt_id != attempt_id or latest.status not in lifecycle.ACTIVE_ATTEMPT:
-            # Timed out, marked unresponsive or superseded meanwhile: the store's verdict stands.
+    async def _record_outcome(self, rollout_id: str, attempt_id: str, status: AttemptStatus, spans: list[Span]) -> str:
+        """The last spans and the final status in one request; the store keeps its own verdict on an attempt it
+        timed out, marked unresponsive or superseded meanwhile."""
+        attempt = await self.store.finish_attempt(rollout_id, attempt_id, status, spans)
+        if attempt.status != status:
             logger.warning(
-                "rollout %s attempt %s ended as %s elsewhere; not overwritten", rollout_id, attempt_id, status
-            )
+                "rollout %s attempt %s ended as %s elsewhere; not overwritten with %s",
+                rollout_id, attempt_id, attempt.status, status,
+            )  # fmt: skip
             return "abandoned"
-        await self.store.update_attempt(rollout_id, attempt_id, status=status)
         return status
 
     async def close(self) -> None:
         if self._owns_tracer:
             self.tracer.shutdown()
+
+
+def _versions(known: dict[str, ResourcesUpdate]) -> dict[str, int]:
+    return {resources_id: update.version for resources_id, update in known.items()}
 
 
 __all__ = ["Runner"]

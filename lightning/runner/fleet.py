@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from lightning.runner import Runner
 from lightning.store.base import LightningStore
 from lightning.store.errors import AuthError, StoreError
-from lightning.types import AttemptedRollout
+from lightning.types import AttemptedRollout, ResourcesUpdate
 
 logger = logging.getLogger(__name__)
 
@@ -26,14 +26,17 @@ async def run_fleet(
 ) -> int:
     """Run rollouts of `queue` on `runners`, all on this event loop, until `stop_event` is set; how many ran.
 
-    One loop claims work for the whole fleet: as many rollouts as there are idle runners, in one
-    `dequeue_many_rollouts`, each handed to an idle runner's `run_attempt`. (Each runner polling on its own, as
-    `Runner.iter` does, costs a store transaction per idle runner each time anything in the store changes.)
-    An empty queue is waited on for up to `idle_wait` seconds at a time (an enqueue through the same store wakes
-    the wait at once), so the fleet stops within about `idle_wait` of `stop_event`; running rollouts finish first.
-
-    The claim names no worker; each runner puts its own `worker_id` on the attempt as it starts running it."""
+    One loop claims work for the whole fleet: a rollout for each idle runner, in one `claim_rollouts` naming
+    their worker ids (each attempt starts running under its runner's id), each handed to that runner's
+    `run_attempt` with its resources, which the claim brings only when the fleet lacks them. (Each runner polling on
+    its own, as `Runner.iter` does, costs a store transaction per idle runner each time anything in the store
+    changes.) An empty queue is waited on for up to `idle_wait` seconds at a time (an enqueue through the same
+    store wakes the wait at once), so the fleet stops within about `idle_wait` of `stop_event`; running rollouts
+    finish first."""
+    if len({runner.worker_id for runner in runners}) != len(runners):
+        raise ValueError("run_fleet: the runners' worker_ids repeat; give each runner its own worker_id")
     idle = list(runners)
+    known: dict[str, ResourcesUpdate] = {}  # what the fleet's claims brought, by resources id
     freed = asyncio.Event()  # a runner became idle
     working: set[asyncio.Task[None]] = set()
     errors: list[BaseException] = []  # what a runner raised besides a store error (a refused token, a bug)
@@ -43,7 +46,7 @@ async def run_fleet(
     async def work(runner: Runner, claimed: AttemptedRollout) -> None:
         nonlocal ran
         try:
-            await runner.run_attempt(claimed)
+            await runner.run_attempt(claimed, resources=known.get(claimed.resources_id or ""))
             ran += 1
         except AuthError as exc:
             errors.append(exc)
@@ -63,7 +66,12 @@ async def run_fleet(
                 await freed.wait()
                 continue
             try:
-                claimed = await store.dequeue_many_rollouts(limit=len(idle), wait=idle_wait, queue=queue)
+                claim = await store.claim_rollouts(
+                    [runner.worker_id for runner in idle],
+                    wait=idle_wait,
+                    queue=queue,
+                    known_resources={resources_id: update.version for resources_id, update in known.items()},
+                )
             except AuthError:
                 raise  # a refused token stays refused
             except StoreError as exc:
@@ -72,8 +80,12 @@ async def run_fleet(
                 backoff = min(backoff * 2, 10.0)
                 continue
             backoff = 0.1
-            for rollout in claimed:
-                task = asyncio.create_task(work(idle.pop(), rollout))
+            known.update((update.resources_id, update) for update in claim.resources)
+            by_worker = {runner.worker_id: runner for runner in idle}
+            for rollout in claim.rollouts:
+                runner = by_worker[rollout.attempt.worker_id or ""]
+                idle.remove(runner)
+                task = asyncio.create_task(work(runner, rollout))
                 working.add(task)
                 task.add_done_callback(working.discard)
     finally:

@@ -22,6 +22,7 @@ from lightning.types import (
     NO_NUL,
     Attempt,
     AttemptedRollout,
+    Claim,
     EnqueueRolloutRequest,
     NamedResources,
     PaginatedResult,
@@ -154,6 +155,22 @@ class LightningStore(ABC):
         """Up to `limit=` rollouts of the queue at once (`worker_id=`, `wait=`, `queue=` as for one)."""
         return await self._request(contract.DequeueRollouts, **options)
 
+    async def claim_rollouts(
+        self,
+        worker_ids: Sequence[str],
+        *,
+        wait: float = 0.0,
+        queue: str | None = None,
+        known_resources: dict[str, int] | None = None,
+    ) -> Claim:
+        """A runner's claim in one request (see contract.ClaimRollouts): up to one rollout per worker id, each
+        attempt already running under its worker, with the resources the caller lacks (`known_resources`: id ->
+        the version it has)."""
+        return await self._request(
+            contract.ClaimRollouts, worker_ids=list(worker_ids), wait=wait, queue=queue,
+            known_resources=known_resources or {},
+        )  # fmt: skip
+
     async def start_attempt(self, rollout_id: str, worker_id: str | None = None) -> AttemptedRollout:
         return await self._request(contract.StartAttempt, rollout_id=rollout_id, worker_id=worker_id)
 
@@ -192,16 +209,28 @@ class LightningStore(ABC):
         """Set the fields given (`status`, `worker_id`, `last_heartbeat_time`, `metadata`); None clears."""
         return await self._request(contract.UpdateAttempt, rollout_id=rollout_id, attempt_id=attempt_id, **changes)
 
+    async def finish_attempt(
+        self, rollout_id: str, attempt_id: str, status: str, spans: Sequence[Span] = ()
+    ) -> Attempt:
+        """Store the attempt's last `spans` (numbered by the store) and set its final `status` ("succeeded" or
+        "failed") unless the store moved it on meanwhile; the attempt as it stands after (see
+        contract.FinishAttempt)."""
+        return await self._request(
+            contract.FinishAttempt, rollout_id=rollout_id, attempt_id=attempt_id, status=status, spans=list(spans)
+        )
+
     # --- spans -------------------------------------------------------------------------------
 
     async def add_span(self, span: Span) -> Span | None:
         """The span as stored, or None if one with its span_id was there already."""
         return await self._request(contract.AddSpan, span=span)
 
-    async def add_many_spans(self, spans: Sequence[Span]) -> list[Span]:
+    async def add_many_spans(self, spans: Sequence[Span], *, number: bool = False) -> list[Span]:
+        """The spans stored (a span_id the store has is skipped). `number=True`: the store numbers them itself, in
+        this order (their own `sequence_id` is ignored), saving a get_many_span_sequence_ids request."""
         if not spans:
             return []
-        return await self._request(contract.AddManySpans, spans=list(spans))
+        return await self._request(contract.AddManySpans, spans=list(spans), number=number)
 
     async def add_otel_span(
         self, rollout_id: str, attempt_id: str, readable_span: Any, sequence_id: int | None = None
@@ -225,6 +254,13 @@ class LightningStore(ABC):
         """Spans of a rollout (of one attempt; "latest" for its latest), by `trace_id`, `span_id`, `parent_id`,
         `name` and their `*_contains` forms (see QuerySpans), sorted and paged."""
         return await self._request(contract.QuerySpans, rollout_id=rollout_id, attempt_id=attempt_id, **filters)
+
+    async def query_latest_spans(self, rollout_ids: Sequence[str]) -> dict[str, list[Span]]:
+        """Each rollout's latest attempt's spans, in sequence order, in one request: rollout id -> spans (an
+        unknown id is left out)."""
+        if not rollout_ids:
+            return {}
+        return await self._request(contract.QueryLatestSpans, rollout_ids=list(rollout_ids))
 
     # --- resources ---------------------------------------------------------------------------
 

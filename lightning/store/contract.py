@@ -22,6 +22,7 @@ from lightning.types import (
     Attempt,
     AttemptedRollout,
     AttemptStatus,
+    Claim,
     EnqueueRolloutRequest,
     NamedResources,
     PaginatedResult,
@@ -141,6 +142,28 @@ class DequeueRollout(Request):
     queue: QueueName | None = Field(default=None, min_length=1, max_length=255)
 
 
+class ClaimRollouts(Request):
+    """A runner's claim in one request: up to one rollout of `queue` for each of `worker_ids`, oldest first (the
+    i-th claimed goes to `worker_ids[i]`), each with a new attempt already `running` under its worker, and the
+    resources they name that the caller lacks: those whose id is not in `known_resources` (id -> the version the
+    caller has) or whose version there differs. With an empty queue, answer at once, or wait up to `wait` seconds.
+
+    It stands for `dequeue_many_rollouts`, an `update_attempt(status="running", worker_id=...)` per rollout and a
+    `get_resources_by_id` per resources id, the requests a runner would otherwise send."""
+
+    method: ClassVar[str] = "claim_rollouts"
+    response: ClassVar[Any] = Claim
+    worker_ids: list[StoreText] = Field(min_length=1, max_length=1024)
+    wait: float = Field(default=0.0, ge=0, description=f"seconds; one HTTP request waits at most {MAX_WAIT_SECONDS:g}")
+    queue: QueueName | None = Field(default=None, min_length=1, max_length=255)
+    known_resources: dict[StoreText, int] = {}
+
+
+def claimed_any(answer: AttemptedRollout | list[AttemptedRollout] | Claim | None) -> bool:
+    """Whether a dequeue or claim answer holds a rollout (a waiting claim asks again until one does)."""
+    return bool(answer.rollouts if isinstance(answer, Claim) else answer)
+
+
 class StartAttempt(Request):
     """A new attempt of `rollout_id` (its latest from now on)."""
 
@@ -238,6 +261,21 @@ class UpdateAttempt(Request):
         return self.model_fields_set == {"rollout_id", "attempt_id", "last_heartbeat_time"}
 
 
+class FinishAttempt(Read):
+    """A runner's last word on an attempt, in one transaction: store `spans` (numbered by the store, as
+    `add_many_spans(number=True)`), then set the attempt's `status` if it is still its rollout's latest and active.
+    The answer is the attempt as it stands after: a status other than the one sent means the store had moved the
+    attempt on (timed out, marked unresponsive, superseded) and its verdict stands. It stands for the runner's
+    span write, `get_latest_attempt` and `update_attempt(status=...)`. Repeating it changes nothing."""
+
+    method: ClassVar[str] = "finish_attempt"
+    response: ClassVar[Any] = Attempt
+    rollout_id: StoreText
+    attempt_id: StoreText
+    status: Literal["succeeded", "failed"]
+    spans: list[Span] = []
+
+
 # --- spans ------------------------------------------------------------------------------------
 
 
@@ -251,9 +289,15 @@ class AddSpan(Read):
 
 
 class AddManySpans(Read):
+    """Store spans (each span_id once, as add_span); the spans stored. With `number`, the store gives them their
+    sequence ids itself, in the list's order after each rollout's latest (what the spans carry is ignored): one
+    request where get_many_span_sequence_ids + add_many_spans are two. Repeating it leaves only a gap in the
+    sequence."""
+
     method: ClassVar[str] = "add_many_spans"
     response: ClassVar[Any] = list[Span]
     spans: list[Span]
+    number: bool = False
 
 
 class GetNextSpanSequenceId(Read):
@@ -289,6 +333,16 @@ class QuerySpans(Page):
     sort_by: Literal["sequence_id", "start_time", "end_time", "name", "trace_id", "span_id", "parent_id"] | None = (
         "sequence_id"
     )
+
+
+class QueryLatestSpans(Read):
+    """The spans of each rollout's latest attempt, in `sequence_id` order, for many rollouts in one request (an
+    adapter's read): rollout id -> spans, in the order of `rollout_ids`. A rollout without an attempt has none; an
+    unknown rollout id is left out of the answer (query_spans would raise NotFoundError)."""
+
+    method: ClassVar[str] = "query_latest_spans"
+    response: ClassVar[Any] = dict[str, list[Span]]
+    rollout_ids: list[StoreText] = Field(max_length=10_000)
 
 
 # --- resources --------------------------------------------------------------------------------
@@ -384,6 +438,7 @@ REQUESTS: tuple[type[Request], ...] = (
     StartRollout,
     DequeueRollout,
     DequeueRollouts,
+    ClaimRollouts,
     StartAttempt,
     GetRolloutById,
     QueryRollouts,
@@ -392,11 +447,13 @@ REQUESTS: tuple[type[Request], ...] = (
     QueryAttempts,
     GetLatestAttempt,
     UpdateAttempt,
+    FinishAttempt,
     AddSpan,
     AddManySpans,
     GetNextSpanSequenceId,
     GetManySpanSequenceIds,
     QuerySpans,
+    QueryLatestSpans,
     AddResources,
     UpdateResources,
     GetResourcesById,

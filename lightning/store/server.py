@@ -125,7 +125,7 @@ def _endpoint(store: LightningStore, request_type: type[contract.Request]) -> Ca
     """The route of one store method: the body is its request, handed to the store; waits are capped per request."""
 
     async def endpoint(body: contract.Request, request: Request) -> Any:
-        if isinstance(body, contract.DequeueRollout | contract.DequeueRollouts):
+        if isinstance(body, contract.DequeueRollout | contract.DequeueRollouts | contract.ClaimRollouts):
             return await _dequeue(store, body, request)
         if isinstance(body, contract.WaitForRollouts):
             timeout = MAX_WAIT_SECONDS if body.timeout is None else min(body.timeout, MAX_WAIT_SECONDS)
@@ -146,7 +146,9 @@ def _tag(method: str) -> str:
 
 
 async def _dequeue(
-    store: LightningStore, body: contract.DequeueRollout | contract.DequeueRollouts, request: Request
+    store: LightningStore,
+    body: contract.DequeueRollout | contract.DequeueRollouts | contract.ClaimRollouts,
+    request: Request,
 ) -> Any:
     """Claim rollouts, waiting up to `wait` seconds (capped) in slices: a rollout claimed for a client that has
     gone away would sit in `preparing` until the watchdog notices."""
@@ -155,5 +157,5 @@ async def _dequeue(
         slice_ = min(remaining, DISCONNECT_CHECK_SECONDS)
         claimed = await store.handle(body.model_copy(update={"wait": slice_}))
         remaining -= slice_
-        if claimed or remaining <= 0 or await request.is_disconnected():
+        if contract.claimed_any(claimed) or remaining <= 0 or await request.is_disconnected():
             return claimed

@@ -64,6 +64,7 @@ from lightning.types import (
     Attempt,
     AttemptedRollout,
     AttemptStatus,
+    Claim,
     EnqueueRolloutRequest,
     NamedResources,
     PaginatedResult,
@@ -323,6 +324,20 @@ class SqlLightningStore(LightningStore):
                     return claimed
                 await _wait(enqueued, min(remaining, 0.5))
 
+    async def _claim_rollouts(self, request: contract.ClaimRollouts) -> Claim:
+        """As `_dequeue`, claiming with `_op_claim`: the attempts start running under their workers, and the
+        resources the caller lacks come along."""
+        queue = request.queue or DEFAULT_QUEUE
+        deadline = time.monotonic() + request.wait
+        with self._enqueued.listening() as enqueued:
+            while True:
+                enqueued.clear()
+                claim = await self._run(_op_claim, queue, request.worker_ids, request.known_resources, time.time())
+                remaining = deadline - time.monotonic()
+                if claim.rollouts or remaining <= 0:
+                    return claim
+                await _wait(enqueued, min(remaining, 0.5))
+
     async def _start_attempt(self, request: contract.StartAttempt) -> AttemptedRollout:
         return await self._run(_op_start_attempt, request.rollout_id, request.worker_id, time.time())
 
@@ -433,6 +448,13 @@ class SqlLightningStore(LightningStore):
         self._notify()
         return attempt
 
+    async def _finish_attempt(self, request: contract.FinishAttempt) -> Attempt:
+        attempt = await self._run(
+            _op_finish_attempt, request.rollout_id, request.attempt_id, request.status, request.spans, time.time()
+        )
+        self._notify()
+        return attempt
+
     # --- spans -------------------------------------------------------------------------------
 
     async def _add_span(self, request: contract.AddSpan) -> Span | None:
@@ -442,6 +464,8 @@ class SqlLightningStore(LightningStore):
     async def _add_many_spans(self, request: contract.AddManySpans) -> list[Span]:
         if not request.spans:
             return []
+        if request.number:
+            return await self._run(_op_add_numbered_spans, request.spans, time.time())
         payloads = [_span_json(span) for span in request.spans]
         return await self._run(_op_add_spans, request.spans, payloads, time.time())
 
@@ -482,6 +506,9 @@ class SqlLightningStore(LightningStore):
         elif self._sqlite_conn is not None:
             return await self._cached_query_spans(request)
         return await self._run(_op_query_spans, request, stmt, paged, write=False)
+
+    async def _query_latest_spans(self, request: contract.QueryLatestSpans) -> dict[str, list[Span]]:
+        return await self._run(_op_latest_spans, list(dict.fromkeys(request.rollout_ids)), write=False)
 
     async def _cached_query_spans(self, request: contract.QuerySpans) -> PaginatedResult[Span]:
         """All spans of a rollout or attempt, from `_span_cache` while the database has not changed. Like every
@@ -946,6 +973,39 @@ def _op_dequeue(tx: _Tx, queue: str, limit: int, worker_id: str | None, now: flo
     return claimed
 
 
+def _op_claim(tx: _Tx, queue: str, worker_ids: list[str], known: dict[str, int], now: float) -> Claim:
+    """Up to one rollout per worker, oldest first, its new attempt moved on to running under that worker (the
+    lifecycle as update_attempt would apply it); then the resources they name that are not in `known` at the same
+    version."""
+    claimed = []
+    heads = tx.rows(_SELECT_QUEUE_HEAD, {"queue": queue, "limit": len(worker_ids)})
+    for row, worker_id in zip(heads, worker_ids[: len(heads)], strict=True):
+        rollout = _rollout(row)
+        attempt = _create_attempt(tx, rollout, row["attempt_count"] + 1, worker_id, now)
+        lifecycle_row = {
+            "latest_attempt_id": attempt.attempt_id,
+            "rollout_status": "preparing",
+            "config": row["config"],
+        }
+        _move_attempt(tx, attempt, lifecycle_row, "running", now)
+        rollout.status = lifecycle_row["rollout_status"]
+        claimed.append(AttemptedRollout(**rollout.__dict__, attempt=attempt))
+    named = sorted({r.resources_id for r in claimed if r.resources_id is not None})
+    rows = tx.conn.execute(select(resources).where(resources.c.resources_id.in_(named))).all() if named else []
+    lacking = [
+        ResourcesUpdate(
+            resources_id=row.resources_id,
+            create_time=row.create_time,
+            update_time=row.update_time,
+            version=row.version,
+            resources=_NAMED_RESOURCES.validate_json(row.resources),
+        )
+        for row in rows
+        if known.get(row.resources_id) != row.version
+    ]
+    return Claim(rollouts=claimed, resources=lacking)
+
+
 def _op_start_attempt(tx: _Tx, rollout_id: str, worker_id: str | None, now: float) -> AttemptedRollout:
     row = tx.first(_SELECT_ROLLOUT_FOR_UPDATE, {"r_id": rollout_id})
     if row is None:
@@ -1132,6 +1192,35 @@ def _op_add_spans(tx: _Tx, new_spans: list[Span], payloads: list[str], now: floa
     return added
 
 
+def _op_add_numbered_spans(tx: _Tx, new_spans: list[Span], now: float) -> list[Span]:
+    """`_op_add_spans` with sequence ids the store allocates, in the list's order."""
+    ids = _op_allocate_sequence_ids(tx, [(span.rollout_id, span.attempt_id) for span in new_spans])
+    numbered = [span.model_copy(update={"sequence_id": i}) for span, i in zip(new_spans, ids, strict=True)]
+    return _op_add_spans(tx, numbered, [_span_json(span) for span in numbered], now)
+
+
+def _op_finish_attempt(
+    tx: _Tx, rollout_id: str, attempt_id: str, status: AttemptStatus, new_spans: list[Span], now: float
+) -> Attempt:
+    """The last spans first (a late span revives an unresponsive attempt, as add_many_spans does), then the final
+    status, only if the attempt is still its rollout's latest and active; the attempt as it stands."""
+    for span in new_spans:
+        if (span.rollout_id, span.attempt_id) != (rollout_id, attempt_id):
+            raise InvalidArgumentError(
+                f"finish_attempt: a span of rollout {span.rollout_id!r} attempt {span.attempt_id!r} was sent with "
+                f"attempt {attempt_id!r} of rollout {rollout_id!r}; send each attempt's spans with its own finish"
+            )
+    if new_spans:
+        _op_add_numbered_spans(tx, new_spans, now)
+    row = tx.first(_SELECT_ATTEMPT_AND_ROLLOUT, {"a_id": attempt_id})
+    if row is None or row["rollout_id"] != rollout_id:
+        raise NotFoundError(f"finish_attempt: no attempt {attempt_id!r} in rollout {rollout_id!r}")
+    attempt = _attempt(row)
+    if row["latest_attempt_id"] == attempt_id and attempt.status in lifecycle.ACTIVE_ATTEMPT:
+        _move_attempt(tx, attempt, row, status, now)
+    return attempt
+
+
 def _op_allocate_sequence_ids(tx: _Tx, pairs: list[tuple[str, str]]) -> list[int]:
     """Reserve span sequence ids, per rollout, in the order asked."""
     counts: dict[str, int] = {}
@@ -1179,6 +1268,31 @@ def _op_query_spans(
     found = _SPAN_LIST.validate_json("[" + ",".join(payloads) + "]") if payloads else []
     total = len(found) if stmt is None else _total(tx, found, stmt, request, params)
     return PaginatedResult(items=found, limit=request.limit, offset=request.offset, total=total)
+
+
+def _op_latest_spans(tx: _Tx, rollout_ids: list[str]) -> dict[str, list[Span]]:
+    """Spans of each rollout's latest attempt, in sequence order; unknown rollouts left out."""
+    latest = {
+        row.rollout_id: row.latest_attempt_id
+        for row in tx.conn.execute(
+            select(rollouts.c.rollout_id, rollouts.c.latest_attempt_id).where(rollouts.c.rollout_id.in_(rollout_ids))
+        )
+    }
+    payloads: dict[str, list[str]] = {rollout_id: [] for rollout_id in latest}
+    attempt_ids = [attempt_id for attempt_id in latest.values() if attempt_id is not None]
+    if attempt_ids:
+        stmt = (
+            select(spans.c.rollout_id, spans.c.payload)
+            .where(spans.c.rollout_id.in_(list(latest)), spans.c.attempt_id.in_(attempt_ids))  # the identity index
+            .order_by(spans.c.rollout_id, spans.c.sequence_id, spans.c.pk)
+        )
+        for row in tx.conn.execute(stmt):
+            payloads[row.rollout_id].append(row.payload)
+    return {
+        rollout_id: _SPAN_LIST.validate_json("[" + ",".join(payloads[rollout_id]) + "]") if payloads[rollout_id] else []
+        for rollout_id in rollout_ids
+        if rollout_id in latest
+    }
 
 
 def _op_watchdog(tx: _Tx, now: float) -> int:

@@ -150,6 +150,17 @@ class _StoreSpanProcessor(SpanProcessor):
             await self._await_until(lambda: scope.pending == 0, timeout, _describe(scope))
         _raise_scope_error(scope)
 
+    def take_scope(self, scope: _Scope) -> list[Span]:
+        """Take the scope's spans that wait in the queue out of it, as store spans (their sequence id left for the
+        store to give): the caller writes them itself. Spans already being written stay with the exporter."""
+        with self._cond:
+            taken = [item for item in self._queue if item.scope is scope]
+            if taken:
+                self._queue = [item for item in self._queue if item.scope is not scope]
+                scope.pending -= len(taken)
+                self._cond.notify_all()  # waiters on "everything up to here is written" may be done now
+        return [Span.from_opentelemetry(item.span, scope.rollout_id, scope.attempt_id, 0) for item in taken]
+
     @contextlib.contextmanager
     def _waiting_on(self, scope: _Scope) -> Iterator[None]:
         """While a trace context waits at its exit, its spans jump the queue: under load, the exit
@@ -274,13 +285,9 @@ class _StoreSpanProcessor(SpanProcessor):
         return failures
 
     async def _write_spans(self, batch: list[_Ended]) -> None:
-        keys = [(item.scope.rollout_id, item.scope.attempt_id) for item in batch]
-        sequence_ids = await self._store.get_many_span_sequence_ids(keys)
-        spans = [
-            Span.from_opentelemetry(item.span, rollout_id, attempt_id, sequence_id)
-            for item, (rollout_id, attempt_id), sequence_id in zip(batch, keys, sequence_ids, strict=True)
-        ]
-        await self._store.add_many_spans(spans)
+        # One request: the store numbers the spans in this order (per rollout).
+        spans = [Span.from_opentelemetry(item.span, item.scope.rollout_id, item.scope.attempt_id, 0) for item in batch]
+        await self._store.add_many_spans(spans, number=True)
 
     def _mark_processed(self, batch: list[_Ended], failures: list[tuple[list[_Ended], BaseException]]) -> None:
         for group, error in failures:
@@ -331,13 +338,17 @@ class TraceContext:
     blocks until they are all in the store. Use `with` in sync code, `async with` to wait without blocking
     the event loop; a plain `with` works in async code too, blocking the loop for one store write."""
 
-    def __init__(self, tracer: Tracer, rollout_id: str, attempt_id: str, name: str | None) -> None:
+    def __init__(self, tracer: Tracer, rollout_id: str, attempt_id: str, name: str | None, hand_over: bool) -> None:
         if not rollout_id or not attempt_id:
             raise ValueError(f"trace_context needs a rollout_id and an attempt_id, got {rollout_id!r}, {attempt_id!r}")
         self.rollout_id = rollout_id
         self.attempt_id = attempt_id
         self.name = name
         self.root_span: trace_api.Span | None = None
+        self.hand_over = hand_over
+        self.handed_over: list[Span] = []
+        """With `hand_over`: after the exit, the spans the exporter had not started writing, for the caller to
+        write (the runner sends them with the attempt's final status, one request for both)."""
         self._tracer = tracer
         self._scope: _Scope | None = None
         self._token: object | None = None
@@ -350,6 +361,8 @@ class TraceContext:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
     ) -> None:
         scope = self._close(exc)
+        if self.hand_over:
+            self.handed_over = scope.processor.take_scope(scope)
         try:
             scope.processor.flush_scope(scope, self._tracer.flush_timeout)
         except (SpanExportError, TimeoutError) as flush_error:
@@ -363,6 +376,8 @@ class TraceContext:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
     ) -> None:
         scope = self._close(exc)
+        if self.hand_over:
+            self.handed_over = scope.processor.take_scope(scope)
         try:
             await scope.processor.aflush_scope(scope, self._tracer.flush_timeout)
         except (SpanExportError, TimeoutError) as flush_error:
@@ -449,10 +464,14 @@ class Tracer:
         """The private provider, for instrumentation libraries that take `tracer_provider=`."""
         return self._provider
 
-    def trace_context(self, rollout_id: str, attempt_id: str, *, name: str | None = None) -> TraceContext:
+    def trace_context(
+        self, rollout_id: str, attempt_id: str, *, name: str | None = None, hand_over: bool = False
+    ) -> TraceContext:
         """Attribute spans to this attempt inside the block, optionally under a root span called `name`;
-        on exit, wait (up to flush_timeout) until they are in the store, raising if writing failed."""
-        return TraceContext(self, rollout_id, attempt_id, name)
+        on exit, wait (up to flush_timeout) until they are in the store, raising if writing failed. With
+        `hand_over`, the spans still queued at the exit are not written but left in the context's `handed_over`
+        for the caller to write (the exit then waits only for those already being written)."""
+        return TraceContext(self, rollout_id, attempt_id, name, hand_over)
 
     def get_langchain_handler(self) -> None:
         """agent-lightning's LangChain callback handler: None here, as the LLM proxy records every call the agent
