@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -41,6 +42,7 @@ sys.path.insert(0, str(REPO))
 
 from examples.copy_task.agent import make_tasks  # noqa: E402
 from lightning.adapter import adapt_rollouts  # noqa: E402
+from lightning.cli import PROXY_TOKEN_ENV  # noqa: E402
 from lightning.serving import free_port  # noqa: E402
 from lightning.store.client import HttpLightningStore  # noqa: E402
 from lightning.types import EnqueueRolloutRequest, ProxyLLM  # noqa: E402
@@ -50,10 +52,20 @@ ROUTE = re.compile(r'"(?:GET|POST|PUT) (/\S*) HTTP')
 """A request line in uvicorn's access log: `127.0.0.1:50310 - "POST /v1/store/dequeue_rollout HTTP/1.1" 200 OK`."""
 
 
-def start(command: list[str], log: Path, health_url: str | None = None) -> subprocess.Popen[bytes]:
-    """Start `command` in a process group of its own (output to `log`); wait until `health_url` answers 200."""
+def start(
+    command: list[str], log: Path, health_url: str | None = None, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """Start `command` in a process group of its own (output to `log`, `env` added to the environment); wait until
+    `health_url` answers 200."""
     with log.open("ab") as out:
-        process = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            command,
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
     deadline = time.monotonic() + 60
     while health_url is not None:
         if process.poll() is not None:
@@ -196,9 +208,15 @@ async def bench(args: argparse.Namespace, workdir: Path) -> list[dict]:
         serve = ["store", "serve", "--port", str(store_port), "--db", f"sqlite:///{workdir}/store.db", "--access-log"]
         servers.append(start([python, "-m", "lightning.cli", *serve], access_log, f"{store_url}/health"))
         proxy = ["proxy", "serve", "--store", store_url, "--backend", f"{backend_url}/v1", "--port", str(proxy_port)]
-        servers.append(start([python, "-m", "lightning.cli", *proxy], workdir / "proxy.log", f"{proxy_url}/health"))
+        # With a token, as a training run's proxy has: the runners' routes are signed with it, so the proxy takes
+        # their attempts as known instead of asking the store (lightning.types.route_signature).
+        token = secrets.token_urlsafe(24)
+        proxy_log, proxy_health = workdir / "proxy.log", f"{proxy_url}/health"
+        servers.append(
+            start([python, "-m", "lightning.cli", *proxy], proxy_log, proxy_health, {PROXY_TOKEN_ENV: token})
+        )
         resources = await store.update_resources(
-            "bench", {"main_llm": ProxyLLM(endpoint=f"{proxy_url}/v1", model="policy")}
+            "bench", {"main_llm": ProxyLLM(endpoint=f"{proxy_url}/v1", model="policy", api_key=token)}
         )
         tasks = make_tasks(64, seed=0)
         n = args.rollouts

@@ -5,6 +5,8 @@ Field names follow agent-lightning 0.3 so that agent code and stored data carry 
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 from collections.abc import Iterator, Sequence
@@ -176,13 +178,22 @@ class LLM(BaseModel):
         return self.endpoint
 
 
+def route_signature(token: str, rollout_id: str, attempt_id: str) -> str:
+    """The mark of a proxy route made from a claimed attempt: an HMAC of the ids under the proxy's token (which the
+    run's LLM resource carries as its api_key). It proves nothing the store would not; it saves the proxy asking."""
+    message = f"{rollout_id}/{attempt_id}".encode()
+    return hmac.new(token.encode(), message, hashlib.sha256).hexdigest()[:32]
+
+
 class ProxyLLM(LLM):
     """An LLM reached through the LLM proxy, which routes calls per rollout and attempt."""
 
     resource_type: Literal["proxy_llm"] = "proxy_llm"  # type: ignore[assignment]
 
     def get_base_url(self, rollout_id: str | None = None, attempt_id: str | None = None) -> str:
-        """The endpoint with `/rollout/{rollout_id}/attempt/{attempt_id}` spliced in before `/v1`."""
+        """The endpoint with `/rollout/{rollout_id}/attempt/{attempt_id}` spliced in before `/v1`; with an
+        `api_key` (the proxy's token), followed by `/signed/{route_signature(...)}`: the proxy then knows the route
+        came from a runner and does not ask the store whether the attempt exists."""
         if rollout_id is None and attempt_id is None:
             return self.endpoint
         if not rollout_id or not attempt_id:
@@ -192,6 +203,8 @@ class ProxyLLM(LLM):
         if has_v1:
             prefix = prefix[: -len("/v1")]
         routed = f"{prefix}/rollout/{rollout_id}/attempt/{attempt_id}"
+        if self.api_key:
+            routed += f"/signed/{route_signature(self.api_key, rollout_id, attempt_id)}"
         return f"{routed}/v1" if has_v1 else routed
 
     def with_attempted_rollout(self, rollout: AttemptedRollout) -> LLM:

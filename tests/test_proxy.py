@@ -289,6 +289,31 @@ def test_the_proxy_refuses_to_listen_beyond_loopback_without_a_token(tmp_path: P
         proxy.start(host="0.0.0.0")
 
 
+async def test_a_route_signed_with_the_proxys_token_is_not_looked_up_and_a_forged_one_is(
+    store: SqlLightningStore,
+) -> None:
+    looked_up: list[str] = []
+    query_attempts = store.query_attempts
+
+    async def counted(rollout_id: str, **options: Any) -> Any:
+        looked_up.append(rollout_id)
+        return await query_attempts(rollout_id, **options)
+
+    store.query_attempts = counted  # type: ignore[method-assign]
+    with backends() as [(backend, url)], running(LLMProxy(store, [url], token="s3cret")) as proxy:
+        rollout, llm = await attempt_llm(store, proxy)
+        assert "/signed/" in llm.endpoint  # the runner's route carries the proxy's mark
+        await client(llm).chat.completions.create(model="policy", messages=MESSAGES)
+        assert looked_up == []  # a signed route's attempt is taken as known: no store request before the call
+        forged = llm.endpoint.replace(f"attempt/{rollout.attempt.attempt_id}/", "attempt/at-unknown/")
+        async with httpx.AsyncClient(headers={"authorization": "Bearer s3cret"}) as http:
+            unknown = await http.post(f"{forged}/chat/completions", json={"model": "policy", "messages": MESSAGES})
+        [span] = await store.query_spans(rollout.rollout_id)
+    assert looked_up == [rollout.rollout_id]  # a signature that does not match is only a reason to ask
+    assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "attempt_id"
+    assert len(backend.requests) == 1 and span.status.status_code != "ERROR"
+
+
 async def test_bad_requests_get_4xx_in_openai_shape(store: SqlLightningStore) -> None:
     with backends() as [(backend, url)], running(LLMProxy(store, [url])) as proxy:
         rollout, llm = await attempt_llm(store, proxy)

@@ -25,6 +25,7 @@ from lightning.types import (
     new_attempt_id,
     new_resources_id,
     new_rollout_id,
+    route_signature,
 )
 
 
@@ -248,8 +249,12 @@ def test_proxy_llm_with_attempted_rollout_gives_plain_llm() -> None:
     rollout = AttemptedRollout(rollout_id="ro-1", input=None, start_time=0.0, attempt=_attempt())
     llm = proxy.with_attempted_rollout(rollout)
     assert type(llm) is LLM
-    assert llm.endpoint == "http://proxy/rollout/ro-1/attempt/at-1/v1"
+    # With the proxy's token as api_key, the route is signed: the proxy need not ask the store about the attempt.
+    assert llm.endpoint == f"http://proxy/rollout/ro-1/attempt/at-1/signed/{route_signature('k', 'ro-1', 'at-1')}/v1"
     assert (llm.model, llm.api_key, llm.sampling_parameters) == ("m", "k", {"top_p": 0.9})
+    unsigned = ProxyLLM(endpoint="http://proxy/v1", model="m").with_attempted_rollout(rollout)
+    assert unsigned.endpoint == "http://proxy/rollout/ro-1/attempt/at-1/v1"
+    assert route_signature("k", "ro-1", "at-1") != route_signature("other", "ro-1", "at-1")
 
 
 # --- Span ------------------------------------------------------------------------------------

@@ -2,14 +2,16 @@
 unchanged, asks them for the exact token ids, and stores one span per call under the call's
 rollout and attempt.
 
-Routes: `/rollout/{rollout_id}/attempt/{attempt_id}/v1/...` (what a runner hands its agent) and
-plain `/v1/...` (spans only when the `x-rollout-id` / `x-attempt-id` headers name an attempt).
+Routes: `/rollout/{rollout_id}/attempt/{attempt_id}[/signed/{signature}]/v1/...` (what a runner hands its
+agent; signed with the proxy's token, the route's attempt is not looked up in the store) and plain `/v1/...`
+(spans only when the `x-rollout-id` / `x-attempt-id` headers name an attempt).
 Admin: `POST /admin/pause`, `POST /admin/resume`, `GET /admin/status`, `PUT /admin/backends`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import os
@@ -28,7 +30,7 @@ from lightning.proxy.capture import Call, SseReader
 from lightning.proxy.writer import SpanWriter
 from lightning.serving import BearerAuth
 from lightning.store.base import LightningStore
-from lightning.types import LLM, OtelResource, ProxyLLM, Span, SpanContext, TraceStatus
+from lightning.types import LLM, OtelResource, ProxyLLM, Span, SpanContext, TraceStatus, route_signature
 
 logger = logging.getLogger(__name__)
 
@@ -202,6 +204,10 @@ class LLMProxy:
         async def routed(rollout_id: str, attempt_id: str, path: str, request: Request) -> Response:
             return await proxy._handle(request, path, rollout_id, attempt_id)
 
+        @app.post("/rollout/{rollout_id}/attempt/{attempt_id}/signed/{signature}/v1/{path:path}")
+        async def signed(rollout_id: str, attempt_id: str, signature: str, path: str, request: Request) -> Response:
+            return await proxy._handle(request, path, rollout_id, attempt_id, signature)
+
         @app.post("/v1/{path:path}")
         async def plain(path: str, request: Request) -> Response:
             rollout_id = request.headers.get("x-rollout-id")
@@ -210,7 +216,10 @@ class LLMProxy:
 
         @app.get("/v1/models")
         @app.get("/rollout/{rollout_id}/attempt/{attempt_id}/v1/models")
-        async def models(rollout_id: str | None = None, attempt_id: str | None = None) -> dict[str, Any]:
+        @app.get("/rollout/{rollout_id}/attempt/{attempt_id}/signed/{signature}/v1/models")
+        async def models(
+            rollout_id: str | None = None, attempt_id: str | None = None, signature: str | None = None
+        ) -> dict[str, Any]:
             created = int(time.time())
             names = [proxy.model_name, *proxy.external_models]
             data = [{"id": name, "object": "model", "created": created, "owned_by": "lightning"} for name in names]
@@ -249,7 +258,14 @@ class LLMProxy:
 
     # --- One call --------------------------------------------------------------------------------
 
-    async def _handle(self, request: Request, path: str, rollout_id: str | None, attempt_id: str | None) -> Response:
+    async def _handle(
+        self,
+        request: Request,
+        path: str,
+        rollout_id: str | None,
+        attempt_id: str | None,
+        signature: str | None = None,
+    ) -> Response:
         raw = await request.body()
         try:
             body = json.loads(raw)
@@ -258,8 +274,9 @@ class LLMProxy:
         if not isinstance(body, dict):
             raise ProxyError(400, "the request body must be a JSON object")
         operation = CAPTURED.get(path)
-        if rollout_id is not None and attempt_id is not None and operation is not None:
-            await self._check_attempt(rollout_id, attempt_id)
+        routed = rollout_id is not None and attempt_id is not None and operation is not None
+        if routed and not self._signed_by_us(rollout_id, attempt_id, signature):  # type: ignore[arg-type]
+            await self._check_attempt(rollout_id, attempt_id)  # type: ignore[arg-type]
         model = body.get("model")
         if operation is not None and isinstance(model, str) and model in self.external_models:
             return await self._guarded(self._external(body, operation, rollout_id, attempt_id, request))
@@ -483,6 +500,13 @@ class LLMProxy:
         task.add_done_callback(self._background.discard)
 
     # --- Helpers ---------------------------------------------------------------------------------
+
+    def _signed_by_us(self, rollout_id: str, attempt_id: str, signature: str | None) -> bool:
+        """A route a runner made from a claimed attempt with this proxy's token (`ProxyLLM.get_base_url`): its
+        attempt exists, so the store need not be asked. Any other signature only means asking."""
+        if signature is None or self.token is None:
+            return False
+        return hmac.compare_digest(signature, route_signature(self.token, rollout_id, attempt_id))
 
     async def _check_attempt(self, rollout_id: str, attempt_id: str) -> None:
         """A call for an attempt the store does not know would answer but leave no trace: refuse it."""
