@@ -7,7 +7,11 @@ embedded inference server, spans in a SQLite store, adapter -> TrainingBatch -> 
 checkpoint -> weight reload. TRL's side generates in process (benchmarks/trl_grpo.py). Held-out evaluation (greedy, all
 held-out prompts) is excluded from both training clocks.
 
-    .venv/bin/python benchmarks/trainer_bench.py [--seconds 120] [--only ours|trl]
+    .venv/bin/python benchmarks/trainer_bench.py [--seconds 120] [--only ours|trl] [--repeat 3]
+
+With `--repeat N` the two sides take turns N times (seeds 0..N-1 for both) and the table gives each run and the
+medians. Our side also prints where its steps went (mean ms per step: rollouts, adapting spans, the update, the
+checkpoint with publishing the weights).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -67,6 +72,7 @@ async def run_ours(
 ) -> dict[str, Any]:
     """The product's loop through `lightning.stages` on an open `Run`: the trainer in its own process, every LLM
     call through the proxy; MLflow logging and checkpoints as in `flows.train`."""
+    workdir.mkdir(parents=True, exist_ok=True)
     for name, tasks in (("train", train_tasks), ("val", heldout_tasks)):
         (workdir / f"{name}.jsonl").write_text("".join(json.dumps(task) + "\n" for task in tasks))
     sampling = {"temperature": 1.0, "max_tokens": MAX_NEW_TOKENS}
@@ -89,6 +95,7 @@ async def run_ours(
     time_to_one = None
     step = 0
     last_eval = -eval_every_s
+    parts = {"rollouts": 0.0, "adapt": 0.0, "update": 0.0, "checkpoint + publish": 0.0}
     run = await Run.open(run_config)
     try:
         while True:
@@ -105,10 +112,17 @@ async def run_ours(
             ids, rollouts = await stages.collect_rollouts(run, step, "train")
             rollout_seconds = time.perf_counter() - started
             batch = await stages.adapt_spans(run, step, ids)
+            adapted = time.perf_counter()
             metrics = await stages.ppo_step(run, step, batch["batch_path"])
+            updated = time.perf_counter()
             await stages.checkpoint(run, step, stages.iteration_row(step, rollouts, batch, metrics, rollout_seconds))
+            ended = time.perf_counter()
+            parts["rollouts"] += rollout_seconds
+            parts["adapt"] += adapted - started - rollout_seconds
+            parts["update"] += updated - adapted
+            parts["checkpoint + publish"] += ended - updated
             step += 1
-            train_clock += time.perf_counter() - started
+            train_clock += ended - started
     finally:
         await run.close()
     best = max(r for _, _, r in curve)
@@ -118,6 +132,7 @@ async def run_ours(
         "seconds_per_step": train_clock / max(step, 1),
         "time_to_1.0": time_to_one,
         "best_heldout": best,
+        "ms_per_step": {name: 1000 * total / max(step, 1) for name, total in parts.items()},
     }
 
 
@@ -140,6 +155,7 @@ def main() -> None:
     parser.add_argument("--warm-lr", type=float, default=1e-3)
     parser.add_argument("--entropy", type=float, default=0.0, help="our trainer: entropy bonus coefficient")
     parser.add_argument("--max-tokens", type=int, default=MAX_NEW_TOKENS, help="tokens each answer may have")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each side, taking turns (seeds 0..N-1)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     globals()["MAX_NEW_TOKENS"] = args.max_tokens
@@ -151,39 +167,59 @@ def main() -> None:
     if args.warm_steps:
         shown = train_tasks[: max(1, int(len(train_tasks) * args.warm_fraction))]
         model_dir = warm_start(model_dir, shown, steps=args.warm_steps, lr=args.warm_lr, root=workdir / "warm")
-    results: dict[str, Any] = {}
-    if args.only in (None, "ours"):
-        results["ours"] = asyncio.run(
-            run_ours(
-                model_dir, train_tasks, heldout_tasks, seconds=args.seconds, prompts_per_step=args.prompts,
-                generations=args.generations, eval_every_s=args.eval_every, workdir=workdir,
-                config=TrainerConfig(
-                    lr=args.lr, advantage="grpo", ppo_epochs=args.epochs, mini_batch_size=args.mini_batch,
-                    micro_batch_size=256,
-                    kl_coef=args.kl, use_kl_loss=args.kl > 0, kl_kind="low_var_kl", seed=0, entropy_coef=args.entropy,
-                ),
-                server=args.server,
-            )
-        )  # fmt: skip
-    if args.only in (None, "trl"):
-        from benchmarks.trl_grpo import run_trl
+    results: dict[str, list[dict[str, Any]]] = {"ours": [], "trl": []}
+    for seed in range(args.repeat):
+        if args.only in (None, "ours"):
+            results["ours"].append(
+                asyncio.run(
+                    run_ours(
+                        model_dir, train_tasks, heldout_tasks, seconds=args.seconds, prompts_per_step=args.prompts,
+                        generations=args.generations, eval_every_s=args.eval_every, workdir=workdir / f"ours-{seed}",
+                        config=TrainerConfig(
+                            lr=args.lr, advantage="grpo", ppo_epochs=args.epochs, mini_batch_size=args.mini_batch,
+                            micro_batch_size=256, kl_coef=args.kl, use_kl_loss=args.kl > 0, kl_kind="low_var_kl",
+                            seed=seed, entropy_coef=args.entropy,
+                        ),
+                        server=args.server, seed=seed,
+                    )
+                )
+            )  # fmt: skip
+        if args.only in (None, "trl"):
+            from benchmarks.trl_grpo import run_trl
 
-        results["trl"] = run_trl(
-            model_dir, train_tasks, heldout_tasks, seconds=args.seconds, prompts_per_step=args.prompts,
-            generations=args.generations, lr=args.trl_lr, max_new_tokens=MAX_NEW_TOKENS, eval_every_s=args.eval_every,
-            output_dir=workdir / "trl",
-        )  # fmt: skip
-
+            results["trl"].append(
+                run_trl(
+                    model_dir, train_tasks, heldout_tasks, seconds=args.seconds, prompts_per_step=args.prompts,
+                    generations=args.generations, lr=args.trl_lr, max_new_tokens=MAX_NEW_TOKENS,
+                    eval_every_s=args.eval_every, seed=seed, output_dir=workdir / f"trl-{seed}",
+                )
+            )  # fmt: skip
     print(
         f"\nGRPO on the tiny model, {args.task!r} task ({len(train_tasks)} train / {len(heldout_tasks)} held-out), "
         f"{args.prompts} prompts x {args.generations} samples per step, {args.seconds:.0f} s each; ours: lr {args.lr}, "
         f"low-var KL {args.kl}, {args.epochs} epoch(s); TRL: lr {args.trl_lr}, beta 0"
     )
-    print("| trainer | time to held-out 1.0 | best held-out | steps | s/step |")
-    print("|---|---|---|---|---|")
-    for name, r in results.items():
-        reached = f"{r['time_to_1.0']:.1f} s" if r["time_to_1.0"] is not None else "not reached"
-        print(f"| {name} | {reached} | {r['best_heldout']:.3f} | {r['steps']} | {r['seconds_per_step']:.3f} |")
+    print("| trainer | run | time to held-out 1.0 | best held-out | steps | s/step |")
+    print("|---|---|---|---|---|---|")
+    for name, runs in results.items():
+        for seed, r in enumerate(runs):
+            reached = f"{r['time_to_1.0']:.1f} s" if r["time_to_1.0"] is not None else "not reached"
+            row = f"{r['best_heldout']:.3f} | {r['steps']} | {r['seconds_per_step']:.3f}"
+            print(f"| {name} | seed {seed} | {reached} | {row} |")
+        if len(runs) > 1:
+            # A run that never reached 1.0 counts as the whole budget (an upper bound on its time).
+            times = [r["time_to_1.0"] if r["time_to_1.0"] is not None else args.seconds for r in runs]
+            reached_all = all(r["time_to_1.0"] is not None for r in runs)
+            median_time = f"{statistics.median(times):.1f} s" + (
+                "" if reached_all else " (misses counted as the budget)"
+            )
+            best = statistics.median(r["best_heldout"] for r in runs)
+            per_step = statistics.median(r["seconds_per_step"] for r in runs)
+            print(f"| {name} | median of {len(runs)} | {median_time} | {best:.3f} | | {per_step:.3f} |")
+    if results["ours"]:
+        parts = results["ours"][0]["ms_per_step"].keys()
+        means = {part: statistics.mean(r["ms_per_step"][part] for r in results["ours"]) for part in parts}
+        print("\nOur step, mean ms: " + ", ".join(f"{part} {ms:.0f}" for part, ms in means.items()))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 
