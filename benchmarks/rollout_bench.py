@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import cProfile
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -28,7 +29,33 @@ from lightning.models import build_tiny_model  # noqa: E402
 from lightning.run import Run  # noqa: E402
 
 
-async def bench(args: argparse.Namespace, workdir: Path) -> list[float]:
+def process_cpu() -> dict[str, float]:
+    """CPU seconds so far: this process (the runners, the agent, the store; all threads) and its child processes by
+    what they run (the LLM proxy, the inference server)."""
+    cpu = {"runners + agent + store": time.process_time()}
+    pending = [os.getpid()]
+    while pending:
+        pid = pending.pop()
+        try:
+            children = [
+                int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()
+            ]
+        except OSError:
+            continue
+        pending += children
+        if pid == os.getpid():
+            continue
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        name = "LLM proxy" if "proxy" in command else "inference server" if "inference" in command else "other"
+        cpu[name] = cpu.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return cpu
+
+
+async def bench(args: argparse.Namespace, workdir: Path) -> tuple[list[float], dict[str, float]]:
     model_dir = build_tiny_model(workdir / "tiny", seed=0)
     tasks = make_tasks(96, seed=0)
     for name, part in (("train", tasks[:64]), ("val", tasks[64:])):
@@ -49,9 +76,11 @@ async def bench(args: argparse.Namespace, workdir: Path) -> list[float]:
     run = await Run.open(config)
     profile = cProfile.Profile() if args.profile else None
     seconds = []
+    cpu: dict[str, float] = {}
     try:
         for iteration in range(args.warmup + args.iterations):
             measured = iteration >= args.warmup
+            cpu_before = process_cpu()
             if profile is not None and measured:
                 profile.enable()
             started = time.perf_counter()
@@ -61,12 +90,14 @@ async def bench(args: argparse.Namespace, workdir: Path) -> list[float]:
                 profile.disable()
             if measured:
                 seconds.append(elapsed)
+                for name, used in process_cpu().items():
+                    cpu[name] = cpu.get(name, 0.0) + used - cpu_before.get(name, 0.0)
             print(f"iteration {iteration}: {elapsed * 1000:.0f} ms, {summary['succeeded']} ok", flush=True)
     finally:
         await run.close()
     if profile is not None:
         profile.dump_stats(args.profile)
-    return seconds
+    return seconds, cpu
 
 
 def main() -> None:
@@ -78,11 +109,15 @@ def main() -> None:
     parser.add_argument("--profile", type=Path, default=None, help="write a cProfile of the measured stages here")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="rollout-bench-"))
-    seconds = asyncio.run(bench(args, workdir))
+    load = os.getloadavg()[0]
+    seconds, cpu = asyncio.run(bench(args, workdir))
     print(
         f"rollout stage, {args.prompts} x {args.generations} rollouts: median {statistics.median(seconds) * 1000:.0f} "
-        f"ms, mean {statistics.mean(seconds) * 1000:.0f} ms, min {min(seconds) * 1000:.0f} ms over {len(seconds)}"
+        f"ms, mean {statistics.mean(seconds) * 1000:.0f} ms, min {min(seconds) * 1000:.0f} ms over {len(seconds)}; "
+        f"load average {load:.1f} before, {os.getloadavg()[0]:.1f} after"
     )
+    stages = len(seconds)
+    print("CPU ms per stage: " + ", ".join(f"{name} {1000 * used / stages:.0f}" for name, used in sorted(cpu.items())))
 
 
 if __name__ == "__main__":
