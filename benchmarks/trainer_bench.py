@@ -95,7 +95,13 @@ async def run_ours(
     time_to_one = None
     step = 0
     last_eval = -eval_every_s
-    parts = {"rollouts": 0.0, "adapt": 0.0, "update": 0.0, "checkpoint + publish": 0.0}
+    parts = {
+        "rollouts": 0.0,
+        "adapt": 0.0,
+        "update": 0.0,
+        "of which the trainer's step": 0.0,
+        "checkpoint + publish": 0.0,
+    }
     run = await Run.open(run_config)
     try:
         while True:
@@ -120,6 +126,7 @@ async def run_ours(
             parts["rollouts"] += rollout_seconds
             parts["adapt"] += adapted - started - rollout_seconds
             parts["update"] += updated - adapted
+            parts["of which the trainer's step"] += metrics.get("step_time_s", 0.0)
             parts["checkpoint + publish"] += ended - updated
             step += 1
             train_clock += ended - started

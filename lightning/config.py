@@ -307,7 +307,8 @@ class TrainConfig(BaseModel):
     verl: VerlOptions = Field(default_factory=VerlOptions)
     """trainer_backend verl: the cluster shape (GPUs per node, nodes), FSDP offload options, raw verl overrides."""
     trainer_threads: int | None = Field(default=None, ge=1)
-    """torch threads of the trainer process (None: torch's default)."""
+    """torch threads of the trainer process (None: half the cores on a CPU, where the trainer shares them with the
+    inference server and the runners; torch's default on a GPU)."""
     task_runner: Literal["default", "ray"] = "default"
     """default: runner tasks on threads of the flow's process; ray: prefect-ray's RayTaskRunner."""
     ray_address: str | None = None

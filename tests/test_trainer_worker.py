@@ -121,3 +121,9 @@ def test_a_killed_child_is_reported_once_then_restarted(tiny_dir: Path, batches:
         assert trainer.resumed_from is None  # nothing was saved: it starts over from the model
     assert not trainer.alive
     trainer.close()  # twice is fine
+
+
+def test_the_trainer_takes_half_the_cores_on_a_cpu_so_its_threads_do_not_stall_behind_the_other_processes() -> None:
+    from lightning.algorithm.worker import default_threads
+
+    assert [default_threads(cores, cuda=False) for cores in (1, 2, 3, 16)] == [1, 1, 1, 8]
