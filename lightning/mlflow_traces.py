@@ -67,16 +67,26 @@ async def export_rollouts(
 ) -> list[str]:
     """Write `count` of the rollouts (their latest attempts) as traces of `tracker`'s MLflow run; the ids of the
     traces written (none for attempts already there)."""
+    records = await read_rollouts(store, rollout_ids, count)
+    return await asyncio.to_thread(write_traces, tracker, records)
+
+
+async def read_rollouts(
+    store: LightningStore, rollout_ids: Sequence[str], count: int | Literal["all"] = "all"
+) -> list[tuple[AttemptedRollout, list[Span]]]:
+    """The store half of `export_rollouts`: `count` of the rollouts with their latest attempts' spans (two
+    requests), for `write_traces`."""
     chosen = choose(rollout_ids, count)
     if not chosen:
         return []
     found = {rollout.rollout_id: rollout for rollout in await store.query_rollouts(rollout_id_in=chosen)}
-    records = []
-    for rollout_id in chosen:
-        rollout = found.get(rollout_id)
-        if isinstance(rollout, AttemptedRollout):  # a rollout never attempted has nothing to show
-            records.append((rollout, list(await store.query_spans(rollout_id, rollout.attempt.attempt_id))))
-    return await asyncio.to_thread(write_traces, tracker, records)
+    spans = await store.query_latest_spans(chosen)
+    # A rollout never attempted has nothing to show.
+    return [
+        (found[rollout_id], spans.get(rollout_id, []))
+        for rollout_id in chosen
+        if isinstance(found.get(rollout_id), AttemptedRollout)
+    ]
 
 
 def write_traces(tracker: Any, records: Sequence[tuple[AttemptedRollout, list[Span]]]) -> list[str]:
