@@ -1,5 +1,6 @@
 """Throughput and latency of SqlLightningStore next to agent-lightning 0.3's InMemoryLightningStore;
-with --http, of each store's HTTP client against its server running in a separate process."""
+with --http, of each store's HTTP client against its server running in a separate process. Ours runs on a
+SQLite file, or with --postgres on a PostgreSQL server (a scratch database per workload, dropped after it)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,20 +71,33 @@ class Adapter:
     request: Callable[[dict[str, Any]], Any]
 
 
-def ours_adapter(http: bool = False) -> Adapter:
+def ours_adapter(http: bool = False, postgres: str | None = None) -> Adapter:
+    """`postgres`: a PostgreSQL server's URL (postgresql://user@host:port/db); each store gets a scratch database
+    there. Without it, a SQLite file in a temporary folder."""
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
     from lightning.store import SqlLightningStore
     from lightning.types import EnqueueRolloutRequest, Span
 
+    @contextlib.contextmanager
+    def database(folder: str) -> Iterator[str]:
+        if postgres is None:
+            yield f"sqlite:///{folder}/store.db"
+        else:
+            with scratch_database(postgres) as url:
+                yield url
+
     @contextlib.asynccontextmanager
     async def open_store() -> AsyncIterator[Any]:
         folder = tempfile.mkdtemp(prefix="store_bench_")
-        store = SqlLightningStore(f"sqlite:///{folder}/store.db", watchdog_interval=None)
         try:
-            yield store
+            with database(folder) as url:
+                store = SqlLightningStore(url, watchdog_interval=None)
+                try:
+                    yield store
+                finally:
+                    await store.close()
         finally:
-            await store.close()
             shutil.rmtree(folder, ignore_errors=True)
 
     @contextlib.asynccontextmanager
@@ -91,27 +106,29 @@ def ours_adapter(http: bool = False) -> Adapter:
 
         folder = tempfile.mkdtemp(prefix="store_bench_")
         port = free_port()
-        command = [sys.executable, "-m", "lightning.cli", "store", "serve", "--port", str(port)]
-        command += ["--db", f"sqlite:///{folder}/store.db", "--log-level", "warning"]
         try:
-            with server_process(command, f"http://127.0.0.1:{port}/health", Path(folder)):
-                store = HttpLightningStore(f"http://127.0.0.1:{port}")
-                try:
-                    yield store
-                finally:
-                    await store.close()
+            with database(folder) as url:
+                command = [sys.executable, "-m", "lightning.cli", "store", "serve", "--port", str(port)]
+                command += ["--db", url, "--log-level", "warning"]
+                with server_process(command, f"http://127.0.0.1:{port}/health", Path(folder)):
+                    store = HttpLightningStore(f"http://127.0.0.1:{port}")
+                    try:
+                        yield store
+                    finally:
+                        await store.close()
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
+    backend = "SQLite file, WAL" if postgres is None else f"PostgreSQL {postgres_version(postgres)}"
     if http:
         return Adapter(
-            description="lightning HttpLightningStore -> `lightning store serve` (SQLite file, WAL) in its own process",
+            description=f"lightning HttpLightningStore -> `lightning store serve` ({backend}) in its own process",
             open_store=open_http_store,
             span=Span.model_validate,
             request=EnqueueRolloutRequest.model_validate,
         )
     return Adapter(
-        description="lightning SqlLightningStore (SQLite file, WAL)",
+        description=f"lightning SqlLightningStore ({backend})",
         open_store=open_store,
         span=Span.model_validate,
         request=EnqueueRolloutRequest.model_validate,
@@ -164,6 +181,42 @@ def peer_adapter(http: bool = False) -> Adapter:
         span=Span.model_validate,
         request=EnqueueRolloutRequest.model_validate,
     )
+
+
+def psycopg_url(url: str) -> str:
+    """A store URL (postgresql[+driver]://...) as psycopg takes it."""
+    scheme, rest = url.split("://", 1)
+    return f"{scheme.split('+', 1)[0]}://{rest}"
+
+
+def postgres_version(server_url: str) -> str:
+    import psycopg
+
+    with psycopg.connect(psycopg_url(server_url), autocommit=True) as conn:
+        return str(conn.execute("SHOW server_version").fetchone()[0])
+
+
+_scratch_count = 0
+
+
+@contextlib.contextmanager
+def scratch_database(server_url: str) -> Iterator[str]:
+    """A new, empty database `store_bench_<pid>_<n>` on the server of `server_url`, dropped at the end; its URL.
+    Only ever drops the database it made."""
+    import psycopg
+
+    global _scratch_count
+    _scratch_count += 1
+    name = f"store_bench_{os.getpid()}_{_scratch_count}"
+    admin = psycopg_url(server_url)
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        parts = urlsplit(server_url)
+        yield urlunsplit((parts.scheme, parts.netloc, f"/{name}", parts.query, ""))
+    finally:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def free_port() -> int:
@@ -379,12 +432,14 @@ async def run_workloads(adapter: Adapter, side: str, repeat: int, only: set[str]
 # --- driver ----------------------------------------------------------------------------------
 
 
-def run_worker(side: str, repeat: int, only: set[str], json_path: Path | None, http: bool) -> None:
+def run_worker(
+    side: str, repeat: int, only: set[str], json_path: Path | None, http: bool, postgres: str | None = None
+) -> None:
     """Run the workloads on one store here; print {"description", "python", "results"} as JSON."""
     real_stdout = sys.stdout
     sys.stdout = sys.stderr  # anything the libraries print must not corrupt the JSON on stdout
     try:
-        adapter = ours_adapter(http) if side == "ours" else peer_adapter(http)
+        adapter = ours_adapter(http, postgres) if side == "ours" else peer_adapter(http)
         # Keep the imported modules out of the collector's full passes; agentlightning imports so much
         # (litellm, openai, ...) that one such pass otherwise costs several times a 2,000-call workload.
         gc.collect()
@@ -400,14 +455,20 @@ def run_worker(side: str, repeat: int, only: set[str], json_path: Path | None, h
         json_path.write_text(json.dumps(payload, indent=2) + "\n")
 
 
-def spawn_worker(python: str, side: str, repeat: int, only: str, http: bool) -> dict[str, Any]:
+def spawn_worker(
+    python: str, side: str, repeat: int, only: str, http: bool, postgres: str | None = None
+) -> dict[str, Any]:
     """Run this file as `--worker side` under `python`: progress on our stderr, the JSON comes back."""
     command = [python, str(Path(__file__).resolve()), "--worker", side, "--repeat", str(repeat)]
-    command += ["--only", only, *(["--http"] if http else [])]
+    command += ["--only", only, *(["--http"] if http else []), *(["--postgres", postgres] if postgres else [])]
     completed = subprocess.run(command, stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
     if completed.returncode != 0:
         raise SystemExit(f"{side} worker failed (exit {completed.returncode}): {' '.join(command)}")
     return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def fmt_load(load: tuple[float, float, float]) -> str:
+    return ", ".join(f"{value:.2f}" for value in load)
 
 
 def format_table(ours: dict[str, Any], peer: dict[str, Any] | None, only: set[str]) -> str:
@@ -443,6 +504,12 @@ def main() -> None:
         action="store_true",
         help="through each store's HTTP client, against its server started in a separate process on 127.0.0.1",
     )
+    parser.add_argument(
+        "--postgres",
+        metavar="URL",
+        help="run ours on this PostgreSQL server (postgresql://user@host:port/db) instead of a SQLite file: each "
+        "workload creates a scratch database store_bench_<pid>_<n> there and drops it after (only that one)",
+    )
     parser.add_argument("--worker", choices=("ours", "peer"), help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -450,20 +517,25 @@ def main() -> None:
     if not only or only - {"a", "b", "c", "d"}:
         parser.error(f"--only takes workloads among a,b,c,d, got {args.only!r}")
     if args.worker:
-        run_worker(args.worker, args.repeat, only, args.json, args.http)
+        run_worker(args.worker, args.repeat, only, args.json, args.http, args.postgres)
         return
 
     selected = ",".join(sorted(only))
-    ours = spawn_worker(sys.executable, "ours", args.repeat, selected, args.http)
+    load_at_start = os.getloadavg()
+    if args.postgres and not args.postgres.startswith(("postgresql://", "postgresql+", "postgres://")):
+        parser.error(f"--postgres takes a postgresql://user@host:port/db URL, got {args.postgres!r}")
+    ours = spawn_worker(sys.executable, "ours", args.repeat, selected, args.http, args.postgres)
     peer = spawn_worker(args.peer_python, "peer", args.repeat, selected, args.http) if args.peer_python else None
 
     print(f"ours: {ours['description']}, Python {ours['python']}")
     if peer:
         print(f"peer: {peer['description']}, Python {peer['python']}")
-    print(f"median of {args.repeat} run(s) per row; each run on a fresh store\n")
+    print(f"median of {args.repeat} run(s) per row; each run on a fresh store")
+    load_at_end = os.getloadavg()
+    print(f"load average (1, 5, 15 min): {fmt_load(load_at_start)} at the start, {fmt_load(load_at_end)} at the end\n")
     print(format_table(ours, peer, only))
     if args.json:
-        raw = {"repeat": args.repeat, "http": args.http, "ours": ours, "peer": peer}
+        raw = {"repeat": args.repeat, "http": args.http, "postgres": bool(args.postgres), "ours": ours, "peer": peer}
         args.json.write_text(json.dumps(raw, indent=2) + "\n")
 
 
