@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pydantic
 import pytest
 from conftest import serving
 from google.rpc import status_pb2
@@ -34,6 +35,7 @@ from lightning.store import client as client_module
 from lightning.store import server as server_module
 from lightning.store.client import HttpLightningStore
 from lightning.store.server import create_app
+from lightning.types import PaginatedResult, Span
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "s3cret-token"
@@ -139,6 +141,45 @@ async def test_openapi_schema_has_a_route_per_store_method(sql_store: SqlLightni
     body = query_spans["requestBody"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
     assert set(contract.QuerySpans.model_fields) == set(schema["components"]["schemas"][body]["properties"])
     assert "/v1/traces" in schema["paths"] and "/health" in schema["paths"]
+
+
+async def test_query_spans_answers_the_stored_span_json(sql_store: SqlLightningStore) -> None:
+    """The server sends query_spans' spans as stored, without building Span models; the answer is the same."""
+    rollout = await sql_store.start_rollout("spans")
+    rid, aid = rollout.rollout_id, rollout.attempt.attempt_id
+    await sql_store.add_many_spans(
+        [
+            Span(
+                rollout_id=rid,
+                attempt_id=aid,
+                sequence_id=seq,
+                trace_id="ab" * 16,
+                span_id=f"{seq:016x}",
+                parent_id=None,
+                name="chat" if seq % 2 else "reward",
+                attributes={"n": seq, "text": f"é {seq}"},
+                start_time=1_700_000_000.0 + seq,
+                end_time=1_700_000_000.5 + seq,
+            )
+            for seq in range(1, 6)
+        ]
+    )
+    answer = pydantic.TypeAdapter(PaginatedResult[Span])
+    queries = [{}, {"attempt_id": "latest"}, {"name": "chat", "limit": 2, "offset": 1}, {"sort_order": "desc"}]
+    async with asgi_client(create_app(sql_store)) as http:
+        for query in queries:
+            sent = await http.post("/v1/store/query_spans", json={"rollout_id": rid, **query})
+            assert sent.status_code == 200, sent.text
+            expected = await sql_store.query_spans(rid, **query)
+            got = answer.validate_json(sent.content)
+            assert (got.items, got.limit, got.offset, got.total) == (
+                expected.items,
+                expected.limit,
+                expected.offset,
+                expected.total,
+            ), query
+        missing = await http.post("/v1/store/query_spans", json={"rollout_id": "ro-nope"})
+        assert missing.status_code == 404 and "ro-nope" in missing.json()["detail"]
 
 
 # --- the token --------------------------------------------------------------------------------

@@ -479,36 +479,21 @@ class SqlLightningStore(LightningStore):
         return await self._run(_op_allocate_sequence_ids, request.rollout_attempt_ids)
 
     async def _query_spans(self, request: contract.QuerySpans) -> list[Span]:
-        conditions: list[ColumnElement[bool]] = []
-        for column, value, part in (
-            (spans.c.trace_id, request.trace_id, request.trace_id_contains),
-            (spans.c.span_id, request.span_id, request.span_id_contains),
-            (spans.c.parent_id, request.parent_id, request.parent_id_contains),
-            (spans.c.name, request.name, request.name_contains),
-        ):
-            if value is not None:
-                conditions.append(column == value)
-            if part is not None:
-                conditions.append(column.contains(part, autoescape=True))
-        stmt = paged = None
-        default_shape = (
-            request.sort_by == "sequence_id"
-            and request.sort_order == "asc"
-            and request.limit == -1
-            and not request.offset
-        )
-        if conditions or not default_shape:
-            stmt = select(spans.c.payload).where(spans.c.rollout_id == bindparam("r_id"))
-            if request.attempt_id is not None:
-                stmt = stmt.where(spans.c.attempt_id == bindparam("a_id"))
-            stmt = stmt.where(*_combine(conditions, request.filter_logic))
-            paged = _order_and_page(stmt, spans, request, spans.c.pk)
-        elif self._sqlite_conn is not None:
+        stmt, paged = _span_statements(request)
+        if stmt is None and self._sqlite_conn is not None:
             return await self._cached_query_spans(request)
         return await self._run(_op_query_spans, request, stmt, paged, write=False)
 
     async def _query_latest_spans(self, request: contract.QueryLatestSpans) -> dict[str, list[Span]]:
         return await self._run(_op_latest_spans, list(dict.fromkeys(request.rollout_ids)), write=False)
+
+    async def query_spans_json(self, request: contract.QuerySpans) -> bytes:
+        """query_spans' answer (PaginatedResult[Span]) as JSON made of the spans' stored JSON as is, for the HTTP
+        server: no Span is built from it nor dumped back (for 100 spans, ~0.1 ms of SQL against ~1 ms of pydantic)."""
+        stmt, paged = _span_statements(request)
+        payloads, total = await self._run(_op_span_payloads, request, stmt, paged, write=False)
+        page = f'"limit":{request.limit},"offset":{request.offset},"total":{total}'
+        return f'{{"items":[{",".join(payloads)}],{page}}}'.encode()
 
     async def _cached_query_spans(self, request: contract.QuerySpans) -> PaginatedResult[Span]:
         """All spans of a rollout or attempt, from `_span_cache` while the database has not changed. Like every
@@ -1243,18 +1228,52 @@ def _op_allocate_sequence_ids(tx: _Tx, pairs: list[tuple[str, str]]) -> list[int
     return allocated
 
 
+def _span_statements(request: contract.QuerySpans) -> tuple[Any | None, Any | None]:
+    """(None, None) for all spans of the rollout (or attempt) in sequence order, the common case; else the filtered
+    statement and the same sorted and paged."""
+    conditions: list[ColumnElement[bool]] = []
+    for column, value, part in (
+        (spans.c.trace_id, request.trace_id, request.trace_id_contains),
+        (spans.c.span_id, request.span_id, request.span_id_contains),
+        (spans.c.parent_id, request.parent_id, request.parent_id_contains),
+        (spans.c.name, request.name, request.name_contains),
+    ):
+        if value is not None:
+            conditions.append(column == value)
+        if part is not None:
+            conditions.append(column.contains(part, autoescape=True))
+    default_shape = (
+        request.sort_by == "sequence_id" and request.sort_order == "asc" and request.limit == -1 and not request.offset
+    )
+    if not conditions and default_shape:
+        return None, None
+    stmt = select(spans.c.payload).where(spans.c.rollout_id == bindparam("r_id"))
+    if request.attempt_id is not None:
+        stmt = stmt.where(spans.c.attempt_id == bindparam("a_id"))
+    stmt = stmt.where(*_combine(conditions, request.filter_logic))
+    return stmt, _order_and_page(stmt, spans, request, spans.c.pk)
+
+
 def _op_query_spans(
     tx: _Tx, request: contract.QuerySpans, stmt: Any | None, paged: Any | None
 ) -> PaginatedResult[Span]:
-    """`stmt` None: all spans of the rollout (or attempt) in sequence order, the common case; else `paged` is
-    `stmt` sorted and paged."""
+    payloads, total = _op_span_payloads(tx, request, stmt, paged)
+    found = _SPAN_LIST.validate_json("[" + ",".join(payloads) + "]") if payloads else []
+    return PaginatedResult(items=found, limit=request.limit, offset=request.offset, total=total)
+
+
+def _op_span_payloads(
+    tx: _Tx, request: contract.QuerySpans, stmt: Any | None, paged: Any | None
+) -> tuple[list[str], int]:
+    """The stored JSON of the spans query_spans answers, and how many match in all. `stmt` None: all spans of the
+    rollout (or attempt) in sequence order; else `paged` is `stmt` sorted and paged."""
     rollout_id, attempt_id = request.rollout_id, request.attempt_id
     if attempt_id == "latest":
         latest = tx.first(_SELECT_LATEST_ATTEMPT_ID, {"r_id": rollout_id})
         if latest is None:
             raise NotFoundError(f"query_spans: no rollout {rollout_id!r}")
         if latest["latest_attempt_id"] is None:
-            return PaginatedResult(items=[], limit=request.limit, offset=request.offset, total=0)
+            return [], 0
         attempt_id = latest["latest_attempt_id"]
     params = {"r_id": rollout_id, "a_id": attempt_id}
     if paged is not None:
@@ -1265,9 +1284,8 @@ def _op_query_spans(
         payloads = [row["payload"] for row in tx.rows(_SELECT_SPANS_OF_ATTEMPT, params)]
     if not payloads:
         _check_rollout_exists(tx, rollout_id, "query_spans")
-    found = _SPAN_LIST.validate_json("[" + ",".join(payloads) + "]") if payloads else []
-    total = len(found) if stmt is None else _total(tx, found, stmt, request, params)
-    return PaginatedResult(items=found, limit=request.limit, offset=request.offset, total=total)
+    total = len(payloads) if stmt is None else _total(tx, payloads, stmt, request, params)
+    return payloads, total
 
 
 def _op_latest_spans(tx: _Tx, rollout_ids: list[str]) -> dict[str, list[Span]]:
