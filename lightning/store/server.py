@@ -76,6 +76,24 @@ class _StoreRoute(APIRoute):
         return handle
 
 
+class _StoreRoutes:
+    """ASGI middleware: `POST /v1/store/<method>` straight to its route's handler, past FastAPI's exception
+    middlewares and route matching (about 35 us of a request's 300 us of server CPU, py-spy); the rest to the app.
+    Inside the token check: added before it."""
+
+    def __init__(self, app: Any, handlers: dict[str, Callable[[Request], Awaitable[Response]]]) -> None:
+        self.app = app
+        self.handlers = handlers
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        handler = self.handlers.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if handler is None:
+            await self.app(scope, receive, send)
+            return
+        response = await handler(Request(scope, receive, send))
+        await response(scope, receive, send)
+
+
 # --- the app ----------------------------------------------------------------------------------
 
 
@@ -110,6 +128,8 @@ def create_app(
             tags=[_tag(request_type.method)],
             description=request_type.__doc__,
         )
+    store_routes = [r for r in app.router.routes if isinstance(r, _StoreRoute) and r.path.startswith("/v1/store/")]
+    app.add_middleware(_StoreRoutes, handlers={route.path: route.get_route_handler() for route in store_routes})
     # agent-lightning 0.3's wire (/v1/agl/...), for its own client and runners.
     app.router.routes.extend(agl_routes(store))
     add_otlp_route(app, store)
