@@ -429,7 +429,8 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     token = _token_or_refuse(args, parser, TOKEN_ENV, "read and change the store")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    store = SqlLightningStore(args.db)
+    # The server's loop does nothing but serve the store: SQLite transactions run on it, not handed to a thread.
+    store = SqlLightningStore(args.db, threaded=False)
     try:
         auth = "bearer token required" if token else "no token"
         print(f"lightning store: {store!r} on http://{args.host}:{args.port} ({auth})", file=sys.stderr, flush=True)

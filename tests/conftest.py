@@ -214,7 +214,9 @@ async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
     from lightning.store.client import HttpLightningStore
 
     base_url, switch = request.getfixturevalue("store_server")
-    switch.current = SqlLightningStore(_backend_url(request, "sqlite_file", tmp_path), watchdog_interval=None)
+    # As `lightning store serve` opens it: transactions on the server's loop.
+    url = _backend_url(request, "sqlite_file", tmp_path)
+    switch.current = SqlLightningStore(url, watchdog_interval=None, threaded=False)
     client = HttpLightningStore(base_url, retries=0)
     try:
         yield client
