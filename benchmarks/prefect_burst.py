@@ -268,6 +268,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per burst (default: %(default)s)")
     parser.add_argument("--child-flow", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    load_before = os.getloadavg()[0]
     if args.child_flow is not None:
         flow_burst_child(args.child_flow, args.concurrency)
         return
@@ -307,6 +308,9 @@ def main() -> None:
     for database, (retryable, n) in locked.items():
         print(f"{database} server log: {retryable} requests answered 503 ('{RETRYABLE}'), {n} tracebacks ending in "
               "'database is locked' (a request's is logged twice: by Prefect and by uvicorn)")  # fmt: skip
+    print(
+        f"\nload average (1 min): {load_before:.2f} at the start, {os.getloadavg()[0]:.2f} at the end (compare ratios)"
+    )
 
 
 if __name__ == "__main__":

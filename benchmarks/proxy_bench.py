@@ -185,6 +185,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--json", type=Path, default=None, help="write the results here too")
     args = parser.parse_args()
+    load_before = os.getloadavg()[0]
 
     rows = asyncio.run(bench_proxy(args))
     print("\nLLM proxy: latency added over calling the backend directly (medians; ms)")
@@ -213,6 +214,9 @@ def main() -> None:
             print(f"| {r['concurrency']} | {r['tokens']} | {r['tokens_per_s']:.0f} |")
     if args.json:
         args.json.write_text(json.dumps({"proxy": rows, "server": server_rows}, indent=2))
+    print(
+        f"\nload average (1 min): {load_before:.2f} at the start, {os.getloadavg()[0]:.2f} at the end (compare ratios)"
+    )
 
 
 if __name__ == "__main__":

@@ -204,6 +204,7 @@ def main() -> None:
     parser.add_argument("--modes", default="threads,tasks", help="comma-separated among threads,tasks")
     parser.add_argument("--json", type=Path, help="also write the raw results here")
     args = parser.parse_args()
+    load_before = os.getloadavg()[0]
     modes = [mode for mode in args.modes.split(",") if mode]
     unknown = set(modes) - set(MODES)
     if unknown:
@@ -222,6 +223,9 @@ def main() -> None:
     print_table(base, rows, args.repeat)
     if args.json:
         args.json.write_text(json.dumps(raw, indent=1))
+    print(
+        f"\nload average (1 min): {load_before:.2f} at the start, {os.getloadavg()[0]:.2f} at the end (compare ratios)"
+    )
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -165,6 +166,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="runs of each side, taking turns (seeds 0..N-1)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    load_before = os.getloadavg()[0]
     globals()["MAX_NEW_TOKENS"] = args.max_tokens
 
     workdir = Path(tempfile.mkdtemp(prefix="trainer-bench-"))
@@ -229,6 +231,9 @@ def main() -> None:
         print("\nOur step, mean ms: " + ", ".join(f"{part} {ms:.0f}" for part, ms in means.items()))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
+    print(
+        f"\nload average (1 min): {load_before:.2f} at the start, {os.getloadavg()[0]:.2f} at the end (compare ratios)"
+    )
 
 
 if __name__ == "__main__":

