@@ -71,9 +71,10 @@ class Adapter:
     request: Callable[[dict[str, Any]], Any]
 
 
-def ours_adapter(http: bool = False, postgres: str | None = None) -> Adapter:
+def ours_adapter(http: bool = False, postgres: str | None = None, threaded: bool = True) -> Adapter:
     """`postgres`: a PostgreSQL server's URL (postgresql://user@host:port/db); each store gets a scratch database
-    there. Without it, a SQLite file in a temporary folder."""
+    there. Without it, a SQLite file in a temporary folder. `threaded=False`: in process, SQLite transactions run on
+    the caller's loop instead of the store's own thread (as `lightning store serve` runs them)."""
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
     from lightning.store import SqlLightningStore
@@ -92,7 +93,7 @@ def ours_adapter(http: bool = False, postgres: str | None = None) -> Adapter:
         folder = tempfile.mkdtemp(prefix="store_bench_")
         try:
             with database(folder) as url:
-                store = SqlLightningStore(url, watchdog_interval=None)
+                store = SqlLightningStore(url, watchdog_interval=None, threaded=threaded)
                 try:
                     yield store
                 finally:
@@ -128,7 +129,7 @@ def ours_adapter(http: bool = False, postgres: str | None = None) -> Adapter:
             request=EnqueueRolloutRequest.model_validate,
         )
     return Adapter(
-        description=f"lightning SqlLightningStore ({backend})",
+        description=f"lightning SqlLightningStore ({backend}{'' if threaded else ', threaded=False'})",
         open_store=open_store,
         span=Span.model_validate,
         request=EnqueueRolloutRequest.model_validate,
@@ -433,13 +434,19 @@ async def run_workloads(adapter: Adapter, side: str, repeat: int, only: set[str]
 
 
 def run_worker(
-    side: str, repeat: int, only: set[str], json_path: Path | None, http: bool, postgres: str | None = None
+    side: str,
+    repeat: int,
+    only: set[str],
+    json_path: Path | None,
+    http: bool,
+    postgres: str | None = None,
+    threaded: bool = True,
 ) -> None:
     """Run the workloads on one store here; print {"description", "python", "results"} as JSON."""
     real_stdout = sys.stdout
     sys.stdout = sys.stderr  # anything the libraries print must not corrupt the JSON on stdout
     try:
-        adapter = ours_adapter(http, postgres) if side == "ours" else peer_adapter(http)
+        adapter = ours_adapter(http, postgres, threaded) if side == "ours" else peer_adapter(http)
         # Keep the imported modules out of the collector's full passes; agentlightning imports so much
         # (litellm, openai, ...) that one such pass otherwise costs several times a 2,000-call workload.
         gc.collect()
@@ -456,11 +463,12 @@ def run_worker(
 
 
 def spawn_worker(
-    python: str, side: str, repeat: int, only: str, http: bool, postgres: str | None = None
+    python: str, side: str, repeat: int, only: str, http: bool, postgres: str | None = None, threaded: bool = True
 ) -> dict[str, Any]:
     """Run this file as `--worker side` under `python`: progress on our stderr, the JSON comes back."""
     command = [python, str(Path(__file__).resolve()), "--worker", side, "--repeat", str(repeat)]
     command += ["--only", only, *(["--http"] if http else []), *(["--postgres", postgres] if postgres else [])]
+    command += [] if threaded else ["--unthreaded"]
     completed = subprocess.run(command, stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
     if completed.returncode != 0:
         raise SystemExit(f"{side} worker failed (exit {completed.returncode}): {' '.join(command)}")
@@ -510,6 +518,11 @@ def main() -> None:
         help="run ours on this PostgreSQL server (postgresql://user@host:port/db) instead of a SQLite file: each "
         "workload creates a scratch database store_bench_<pid>_<n> there and drops it after (only that one)",
     )
+    parser.add_argument(
+        "--unthreaded",
+        action="store_true",
+        help="in process: ours with threaded=False (transactions on the caller's loop, not the store's thread)",
+    )
     parser.add_argument("--worker", choices=("ours", "peer"), help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -517,14 +530,14 @@ def main() -> None:
     if not only or only - {"a", "b", "c", "d"}:
         parser.error(f"--only takes workloads among a,b,c,d, got {args.only!r}")
     if args.worker:
-        run_worker(args.worker, args.repeat, only, args.json, args.http, args.postgres)
+        run_worker(args.worker, args.repeat, only, args.json, args.http, args.postgres, not args.unthreaded)
         return
 
     selected = ",".join(sorted(only))
     load_at_start = os.getloadavg()
     if args.postgres and not args.postgres.startswith(("postgresql://", "postgresql+", "postgres://")):
         parser.error(f"--postgres takes a postgresql://user@host:port/db URL, got {args.postgres!r}")
-    ours = spawn_worker(sys.executable, "ours", args.repeat, selected, args.http, args.postgres)
+    ours = spawn_worker(sys.executable, "ours", args.repeat, selected, args.http, args.postgres, not args.unthreaded)
     peer = spawn_worker(args.peer_python, "peer", args.repeat, selected, args.http) if args.peer_python else None
 
     print(f"ours: {ours['description']}, Python {ours['python']}")
