@@ -93,7 +93,10 @@ class Runner:
         while (stop_event is None or not stop_event.is_set()) and (max_rollouts is None or ran < max_rollouts):
             try:
                 claim = await self.store.claim_rollouts(
-                    [self.worker_id], wait=self.idle_wait, queue=self.queue, known_resources=_versions(self.resources)
+                    [self.worker_id],
+                    wait=self.idle_wait,
+                    queue=self.queue,
+                    known_resources=known_versions(self.resources),
                 )
                 if not claim.rollouts:
                     if time.monotonic() - last_beat > self.heartbeat_interval:
@@ -280,7 +283,8 @@ class Runner:
             self.tracer.shutdown()
 
 
-def _versions(known: dict[str, ResourcesUpdate]) -> dict[str, int]:
+def known_versions(known: dict[str, ResourcesUpdate]) -> dict[str, int]:
+    """The `known_resources` of a claim: id -> the version held, so the store sends only what changed."""
     return {resources_id: update.version for resources_id, update in known.items()}
 
 

@@ -8,7 +8,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 
-from lightning.runner import Runner
+from lightning.runner import Runner, known_versions
 from lightning.store.base import LightningStore
 from lightning.store.errors import AuthError, StoreError
 from lightning.types import AttemptedRollout, ResourcesUpdate
@@ -70,7 +70,7 @@ async def run_fleet(
                     [runner.worker_id for runner in idle],
                     wait=idle_wait,
                     queue=queue,
-                    known_resources={resources_id: update.version for resources_id, update in known.items()},
+                    known_resources=known_versions(known),
                 )
             except AuthError:
                 raise  # a refused token stays refused

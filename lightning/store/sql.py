@@ -311,36 +311,31 @@ class SqlLightningStore(LightningStore):
     async def _dequeue(
         self, queue: str | None, limit: int, worker_id: str | None, wait: float
     ) -> list[AttemptedRollout]:
-        """Claim up to `limit` rollouts of the queue, oldest first. With an empty queue, return [] at once, or
-        with `wait` > 0 keep trying for up to `wait` seconds: an enqueue through this store object wakes the wait
-        at once, others are seen within 0.5 s."""
+        """Claim up to `limit` rollouts of the queue, oldest first (see `_claim_waiting`)."""
         if limit == 0:
             return []
-        queue = queue or DEFAULT_QUEUE
-        if wait <= 0:  # the common poll: no waiter to register
-            return await self._run(_op_dequeue, queue, limit, worker_id, time.time())
-        deadline = time.monotonic() + wait
-        with self._enqueued.listening() as enqueued:
-            while True:
-                enqueued.clear()
-                claimed = await self._run(_op_dequeue, queue, limit, worker_id, time.time())
-                remaining = deadline - time.monotonic()
-                if claimed or remaining <= 0:
-                    return claimed
-                await _wait(enqueued, min(remaining, 0.5))
+        return await self._claim_waiting(wait, _op_dequeue, queue or DEFAULT_QUEUE, limit, worker_id)
 
     async def _claim_rollouts(self, request: contract.ClaimRollouts) -> Claim:
         """As `_dequeue`, claiming with `_op_claim`: the attempts start running under their workers, and the
         resources the caller lacks come along."""
         queue = request.queue or DEFAULT_QUEUE
-        deadline = time.monotonic() + request.wait
+        return await self._claim_waiting(request.wait, _op_claim, queue, request.worker_ids, request.known_resources)
+
+    async def _claim_waiting(self, wait: float, op: Callable[..., T], *args: Any) -> T:
+        """`op(tx, *args, now)`, a claim from a queue. With an empty queue, its empty answer at once, or with `wait`
+        > 0 keep trying for up to `wait` seconds: an enqueue through this store object wakes the wait at once,
+        others are seen within 0.5 s."""
+        if wait <= 0:  # the common poll: no waiter to register
+            return await self._run(op, *args, time.time())
+        deadline = time.monotonic() + wait
         with self._enqueued.listening() as enqueued:
             while True:
                 enqueued.clear()
-                claim = await self._run(_op_claim, queue, request.worker_ids, request.known_resources, time.time())
+                claimed = await self._run(op, *args, time.time())
                 remaining = deadline - time.monotonic()
-                if claim.rollouts or remaining <= 0:
-                    return claim
+                if contract.claimed_any(claimed) or remaining <= 0:  # type: ignore[arg-type]
+                    return claimed
                 await _wait(enqueued, min(remaining, 0.5))
 
     async def _start_attempt(self, request: contract.StartAttempt) -> AttemptedRollout:
@@ -982,17 +977,7 @@ def _op_claim(tx: _Tx, queue: str, worker_ids: list[str], known: dict[str, int],
         claimed.append(AttemptedRollout(**rollout.__dict__, attempt=attempt))
     named = sorted({r.resources_id for r in claimed if r.resources_id is not None})
     rows = tx.conn.execute(select(resources).where(resources.c.resources_id.in_(named))).all() if named else []
-    lacking = [
-        ResourcesUpdate(
-            resources_id=row.resources_id,
-            create_time=row.create_time,
-            update_time=row.update_time,
-            version=row.version,
-            resources=_NAMED_RESOURCES.validate_json(row.resources),
-        )
-        for row in rows
-        if known.get(row.resources_id) != row.version
-    ]
+    lacking = [_resources_update(row) for row in rows if known.get(row.resources_id) != row.version]
     return Claim(rollouts=claimed, resources=lacking)
 
 
@@ -1430,16 +1415,17 @@ def _op_put_resources(tx: _Tx, resources_id: str, encoded: str, now: float) -> R
 
 
 def _op_select_resources(tx: _Tx, stmt: Any) -> list[ResourcesUpdate]:
-    return [
-        ResourcesUpdate(
-            resources_id=row.resources_id,
-            create_time=row.create_time,
-            update_time=row.update_time,
-            version=row.version,
-            resources=_NAMED_RESOURCES.validate_json(row.resources),
-        )
-        for row in tx.conn.execute(stmt).all()
-    ]
+    return [_resources_update(row) for row in tx.conn.execute(stmt).all()]
+
+
+def _resources_update(row: Any) -> ResourcesUpdate:
+    return ResourcesUpdate(
+        resources_id=row.resources_id,
+        create_time=row.create_time,
+        update_time=row.update_time,
+        version=row.version,
+        resources=_NAMED_RESOURCES.validate_json(row.resources),
+    )
 
 
 def _op_heartbeat_worker(tx: _Tx, worker_id: str, values: dict[str, Any]) -> Worker:
