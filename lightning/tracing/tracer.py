@@ -365,8 +365,6 @@ class TraceContext:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
     ) -> None:
         scope = self._close(exc)
-        if self.hand_over:
-            self.handed_over = scope.processor.take_scope(scope)
         try:
             scope.processor.flush_scope(scope, self._tracer.flush_timeout)
         except (SpanExportError, TimeoutError) as flush_error:
@@ -380,8 +378,6 @@ class TraceContext:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
     ) -> None:
         scope = self._close(exc)
-        if self.hand_over:
-            self.handed_over = scope.processor.take_scope(scope)
         try:
             await scope.processor.aflush_scope(scope, self._tracer.flush_timeout)
         except (SpanExportError, TimeoutError) as flush_error:
@@ -414,6 +410,8 @@ class TraceContext:
             self.root_span.end()
         otel_context.detach(self._token)  # type: ignore[arg-type]
         self._scope = None
+        if self.hand_over:
+            self.handed_over = scope.processor.take_scope(scope)
         if scope.open:
             logger.warning(
                 "%d span(s) of %s are still open; each is written when it ends", scope.open, _describe(scope)
