@@ -141,7 +141,9 @@ class WarmStart(BaseModel):
     fraction: float = Field(default=0.3, gt=0, le=1)
     """Share of the training tasks demonstrated (the first ones of the dataset)."""
     steps: int = Field(default=15, ge=1)
-    """Supervised steps, each over all the demonstrations, at `algorithm.lr`."""
+    """Supervised steps, each over all the demonstrations. RL then starts with a fresh optimizer and schedule."""
+    lr: float | None = Field(default=None, gt=0)
+    """Learning rate of the supervised steps (None: `algorithm.lr`)."""
 
     @field_validator("demonstrations")
     @classmethod
@@ -275,6 +277,12 @@ class TrainConfig(BaseModel):
     """Tasks per iteration (each sampled `samples_per_task` times)."""
     samples_per_task: int = Field(default=4, ge=1)
     """Rollouts per task: the group of GRPO/RLOO advantages."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: groups whose rewards are all equal (every sample right, or every one wrong) carry no
+    advantage; they are dropped, and more tasks are run until `batch_size` groups differ (at most
+    `max_sampling_rounds` more rounds). Costs rollouts; keeps every update full of signal."""
+    max_sampling_rounds: int = Field(default=3, ge=1)
+    """dynamic_sampling: rounds of extra tasks at most per iteration; after them the update takes what differs."""
     n_runners: int = Field(default=2, ge=1)
     """Runner tasks fanned out per iteration."""
     runner_concurrency: int = Field(default=32, ge=1)
@@ -314,7 +322,15 @@ class TrainConfig(BaseModel):
     ray_address: str | None = None
     """The Ray cluster (ray://host:10001 or auto) for task_runner ray and the verl backend; None: a local one."""
     seed: int = 0
-    """Seeds the tiny model and the order tasks are drawn in (the update has `algorithm.seed`)."""
+    """Seeds the tiny model, the order tasks are drawn in, and every sampled completion (each rollout's seed derives
+    from it, its iteration, task and sample; each LLM call's from that and its turn). The update has
+    `algorithm.seed`."""
+    deterministic: bool = False
+    """The same config and seed give the same run: the embedded inference server decodes each sequence on its own
+    (batch-invariant: its tokens do not depend on which requests share a batch), vLLM runs its batch-invariant mode
+    (VLLM_BATCH_INVARIANT, GPU), and the trainer uses torch's deterministic algorithms. It costs the server's
+    batching: on the demo, rollouts take about N times as long (docs/benchmarks.md). Off, every completion is still
+    seeded, and runs drift apart only through batch numerics."""
     apo: ApoConfig | None = None
     """Prompt optimisation by the `optimize_prompt` flow (None: none). When set, every flow's rollouts also get
     the seed prompt as the PromptTemplate resource `apo.resource_name`."""

@@ -540,7 +540,7 @@ def _start_serving(config: TrainConfig, parts: _Parts, serving_dir: Path) -> End
         in_memory = config.store_url in ("sqlite://", "sqlite:///:memory:")  # only this process sees that store
         parts.stack = LocalStack(
             parts.store, serving_dir, model_name=name, max_batch_size=inference.max_batch_size,
-            server="thread" if inference.in_process else "process",
+            batch_invariant=config.deterministic, server="thread" if inference.in_process else "process",
             proxy="thread" if config.proxy_in_process or in_memory else "process", store_url=config.store_url,
             log_dir=config.run_dir / "logs", stacks_dir=config.run_dir / "stacks",
         )  # fmt: skip
@@ -587,6 +587,8 @@ def _start_vllm(config: TrainConfig, serving_dir: Path) -> list[Any]:
             options["env"] = {**options.get("env", {}), "CUDA_VISIBLE_DEVICES": devices}
         if inference.weight_sync == "sleep":
             options["enable_sleep_mode"] = True
+        if config.deterministic:  # vLLM's batch-invariant kernels (GPU): a sequence's numerics ignore its batch
+            options["env"] = {**options.get("env", {}), "VLLM_BATCH_INVARIANT": "1"}
         options.setdefault("api_key", secrets.token_urlsafe(24))  # a random key of the run's unless one is given
         vllm_config = VllmConfig(
             model=str(serving_dir), served_model_name=inference.served_model_name, port=free_port(), **options
@@ -612,7 +614,7 @@ def _trainer(config: TrainConfig, model_dir: Path) -> Any:
 
     return TrainerWorker(
         model_dir, config.algorithm, checkpoints_dir(config), threads=config.trainer_threads,
-        stacks_dir=config.run_dir / "stacks",
+        stacks_dir=config.run_dir / "stacks", deterministic=config.deterministic,
     )  # fmt: skip
 
 

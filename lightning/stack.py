@@ -126,6 +126,7 @@ class LocalStack:
         *,
         model_name: str = "policy",
         max_batch_size: int = 64,
+        batch_invariant: bool = False,
         server: str = "thread",
         proxy: str = "thread",
         store_url: str | None = None,
@@ -153,12 +154,12 @@ class LocalStack:
         diagnosis = {"LIGHTNING_STACKS_DIR": str(stacks_dir)} if stacks_dir is not None else {}
         try:
             if server == "thread":
-                self.inference_url = self._start_thread(model_dir, model_name, max_batch_size)
+                self.inference_url = self._start_thread(model_dir, model_name, max_batch_size, batch_invariant)
             else:
                 port = free_port()
                 command = [sys.executable, "-m", "lightning.inference", "--model", str(model_dir), "--port", str(port)]
                 command += ["--served-model-name", model_name, "--max-batch-size", str(max_batch_size)]
-                command += ["--threads", "1"]
+                command += ["--threads", "1"] + (["--batch-invariant"] if batch_invariant else [])
                 env = {"LIGHTNING_INFERENCE_API_KEY": self.inference_key, **diagnosis}
                 log = log_dir / "inference.log"
                 self.inference_url = self._start_process("inference server", command, env, port, log)
@@ -210,13 +211,14 @@ class LocalStack:
                 restarted.append(child)
         return restarted
 
-    def _start_thread(self, model_dir: Path, model_name: str, max_batch_size: int) -> str:
+    def _start_thread(self, model_dir: Path, model_name: str, max_batch_size: int, batch_invariant: bool) -> str:
         from lightning.inference import create_inference_app
         from lightning.serving import ThreadedServer
 
         self.inference_app = create_inference_app(
-            model_dir, served_model_name=model_name, max_batch_size=max_batch_size, api_key=self.inference_key
-        )
+            model_dir, served_model_name=model_name, max_batch_size=max_batch_size, api_key=self.inference_key,
+            batch_invariant=batch_invariant,
+        )  # fmt: skip
         self._inference = ThreadedServer(self.inference_app)
         return self._inference.start()
 

@@ -208,8 +208,13 @@ class ProxyLLM(LLM):
         return f"{routed}/v1" if has_v1 else routed
 
     def with_attempted_rollout(self, rollout: AttemptedRollout) -> LLM:
-        """A plain `LLM` whose endpoint already carries this rollout's route."""
-        return self.with_attempted_rollout_ids(rollout.rollout_id, rollout.attempt.attempt_id)
+        """A plain `LLM` whose endpoint already carries this rollout's route; a rollout enqueued with a sampling
+        seed (`metadata["seed"]`, see `lightning.seeding`) gets it in `sampling_parameters` unless they set one."""
+        llm = self.with_attempted_rollout_ids(rollout.rollout_id, rollout.attempt.attempt_id)
+        seed = (rollout.metadata or {}).get("seed")
+        if isinstance(seed, int) and "seed" not in llm.sampling_parameters:
+            llm.sampling_parameters["seed"] = seed
+        return llm
 
     def with_attempted_rollout_ids(self, rollout_id: str, attempt_id: str) -> LLM:
         """A plain `LLM` whose endpoint carries the route of this rollout and attempt."""

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterName
@@ -186,6 +187,43 @@ async def test_a_warm_start_runs_once_before_iteration_zero_and_is_reported(tmp_
     assert load_checkpoint(config.run_dir / "checkpoints" / "step-000000").meta["warm_start"] == warmed
     assert len(mlflow.get_metric_history(run_id, "warm_start.sft_loss")) == 1
     assert again["reward_initial"] == summary["reward_initial"]
+
+
+def demo_config(tmp_path: Path, **changes: Any) -> TrainConfig:
+    """The demo's config (examples/copy_task/demo.yaml), short: 2 iterations of 8 tasks x 4 samples, 3 warm-start
+    steps; results under tmp_path."""
+    shorter = {
+        "iterations": 2, "batch_size": 8, "samples_per_task": 4, "warm_start.steps": 3, "eval_every": 0,
+        "checkpoint.register_model": None, "store_url": f"sqlite:///{tmp_path}/store.db",
+        "tracking_uri": f"sqlite:///{tmp_path}/mlflow.db", "output_dir": str(tmp_path / "runs"),
+    }  # fmt: skip
+    return load_config(REPO / "examples/copy_task/demo.yaml", **{**shorter, **changes})
+
+
+def final_weights(config: TrainConfig) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    final = latest_checkpoint(config.run_dir / "checkpoints")
+    assert final is not None
+    return load_file(str(final / "model.safetensors"))
+
+
+async def test_deterministic_runs_of_one_seed_learn_exactly_the_same(tmp_path: Path) -> None:
+    """`deterministic: true`: two runs of the demo's config with one seed give the same per-iteration rewards and
+    bit-identical weights, though their rollouts batch differently in the inference server (two runners, 128
+    concurrent rollouts each, arriving in whatever order the machine's load makes)."""
+    histories, weights = [], []
+    for name in ("first", "second"):
+        config = demo_config(tmp_path / name, deterministic=True)
+        summary = await train(config)
+        histories.append(
+            [(row["reward"], row.get("pg_loss"), row.get("entropy")) for row in recorded_history(config)]
+            + [(summary["reward_initial"], summary["reward_before"], summary["reward_after"])]
+        )
+        weights.append(final_weights(config))
+    assert histories[0] == histories[1]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
 
 
 async def test_evaluate_and_dev_flows(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning.inference import create_inference_app
 from lightning.inference.__main__ import main as inference_main
+from lightning.inference.engine import InferenceEngine, SamplingParams
 from lightning.models import build_tiny_model
 
 MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
@@ -498,3 +499,34 @@ def test_cli_refuses_a_public_host_without_api_key(model_dir: Path, capsys: pyte
         inference_main(["--model", str(model_dir), "--host", "0.0.0.0"])
     assert exit_info.value.code == 2
     assert "--api-key" in capsys.readouterr().err
+
+
+async def _sampled(engine: Any, prompts: list[list[int]], seed: int) -> list[tuple[list[int], list[float]]]:
+    """Each prompt's sampled tokens and their log-probs, all requests sent at once (so they share batches)."""
+
+    async def one(index: int, prompt: list[int]) -> tuple[list[int], list[float]]:
+        params = SamplingParams(max_tokens=12, temperature=1.0, seed=seed + index, logprobs=0)
+        tokens, logprobs = [], []
+        async for output in engine.generate(f"r{index}", prompt, params):
+            tokens += output.token_ids
+            logprobs += [item.logprob for item in output.logprobs]
+        return tokens, logprobs
+
+    return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+
+
+async def test_batch_invariant_engine_gives_a_sequence_the_same_numbers_whatever_shares_its_batch(
+    model_dir: Path, tokenizer: Any
+) -> None:
+    """`deterministic: true`'s engine: a seeded request samples the same tokens with bit-identical log-probs alone
+    and beside requests of other lengths (which, batched together, pad and reshape every matrix product)."""
+    target = tokenizer.encode("Copy these letters: bdfg", add_special_tokens=False)
+    others = [tokenizer.encode("x" * n, add_special_tokens=False) for n in (1, 7, 19, 33)]
+    engine = InferenceEngine(model_dir, device="cpu", max_batch_size=8, batch_invariant=True)
+    try:
+        alone = (await _sampled(engine, [target], seed=5))[0]
+        crowded = (await _sampled(engine, [target, *others], seed=5))[0]
+        assert engine.max_rows_seen == 1  # every forward pass a batch of one
+    finally:
+        engine.stop()
+    assert crowded == alone

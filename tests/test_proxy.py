@@ -24,6 +24,7 @@ from lightning import semconv
 from lightning.agent import LitAgent
 from lightning.proxy import Backend, ExternalModel, LLMProxy
 from lightning.runner import Runner
+from lightning.seeding import turn_seed
 from lightning.store import SqlLightningStore
 from lightning.types import LLM, AttemptedRollout, Span
 
@@ -577,3 +578,22 @@ def test_the_proxy_command_answers_the_name_it_advertises(tmp_path: Path) -> Non
     assert advertised == "policy"
     assert response.choices[0].message.content == "".join(ANSWER)
     assert [request["model"] for request in backend.requests] == ["tiny"]
+
+
+async def test_each_turn_of_an_attempt_gets_its_own_seed_derived_from_the_agents(store: SqlLightningStore) -> None:
+    """An agent passes its rollout's seed with every call (it is in the LLM resource's sampling_parameters): the
+    first call keeps it, each later call of the attempt gets `turn_seed(seed, turn)`; another attempt counts anew.
+    Calls without a seed pass as sent. The span records the seed the backend got."""
+    with backends() as [(backend, url)], running(LLMProxy(store, [url], model_name="policy")) as proxy:
+        rollout, llm = await attempt_llm(store, proxy)
+        other, other_llm = await attempt_llm(store, proxy)
+        for each in (llm, llm, other_llm, llm):
+            await client(each).chat.completions.create(model="policy", messages=MESSAGES, seed=1234)
+        await client(llm).chat.completions.create(model="policy", messages=MESSAGES)
+        spans = await store.query_spans(rollout.rollout_id)
+
+    assert [body.get("seed") for body in backend.requests] == [
+        1234, turn_seed(1234, 1), 1234, turn_seed(1234, 2), None
+    ]  # fmt: skip
+    recorded = [span.attributes.get(semconv.GEN_AI_REQUEST_PREFIX + "seed") for span in spans]
+    assert sorted(recorded, key=str) == sorted([1234, turn_seed(1234, 1), turn_seed(1234, 2), None], key=str)

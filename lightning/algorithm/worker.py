@@ -54,8 +54,12 @@ class TrainerWorker:
         threads: int | None = None,
         start_timeout: float = 300.0,
         stacks_dir: str | Path | None = None,
+        deterministic: bool = False,
     ) -> None:
+        """`deterministic`: torch's deterministic algorithms in the child (the same batch gives the same update on a
+        GPU too; on a CPU it already does)."""
         self.model_dir = str(model_dir)
+        self.deterministic = deterministic
         self.config = config
         self.checkpoint_root = str(checkpoint_root)
         self.threads = threads
@@ -82,7 +86,10 @@ class TrainerWorker:
         context = multiprocessing.get_context("spawn")
         parent_conn, child_conn = context.Pipe()
         config = self.config.model_dump(mode="json")
-        args = (child_conn, self.model_dir, config, self.checkpoint_root, self.threads, os.getpid(), self.stacks_dir)
+        args = (
+            child_conn, self.model_dir, config, self.checkpoint_root, self.threads, os.getpid(), self.stacks_dir,
+            self.deterministic,
+        )  # fmt: skip
         self._process = context.Process(target=_serve, args=args, name="trainer-worker", daemon=True)
         self._process.start()
         child_conn.close()  # the child holds its own copy; closing ours makes the child's death an EOF here
@@ -94,9 +101,13 @@ class TrainerWorker:
         """One PPO/GRPO update on the batch file; its metrics."""
         return self._call({"op": "step", "batch_path": str(batch_path)}, timeout)
 
-    def sft_step(self, batch_path: str | Path, *, timeout: float) -> dict[str, float]:
-        """One supervised update on the batch file; its metrics."""
-        return self._call({"op": "sft_step", "batch_path": str(batch_path)}, timeout)
+    def sft_step(self, batch_path: str | Path, *, timeout: float, lr: float | None = None) -> dict[str, float]:
+        """One supervised update on the batch file at `lr` (None: the schedule's); its metrics."""
+        return self._call({"op": "sft_step", "batch_path": str(batch_path), "lr": lr}, timeout)
+
+    def reset_optimizer(self, *, timeout: float = 60) -> None:
+        """A fresh optimizer and LR schedule (after a warm start: RL starts from step 0)."""
+        self._call({"op": "reset_optimizer"}, timeout)
 
     def save_checkpoint(
         self, step: int, *, meta: dict[str, Any] | None = None, keep_last: int | None = 3, timeout: float = 600
@@ -182,6 +193,7 @@ def _serve(
     threads: int | None,
     parent: int,
     stacks_dir: str | None,
+    deterministic: bool = False,
 ) -> None:
     """The child's loop: load the trainer, say ready, then answer one request at a time until told to close. It
     dies with its parent: a trainer never goes on (and writes a checkpoint) for a run that is gone."""
@@ -190,6 +202,11 @@ def _serve(
 
     exit_with_parent(parent)
     dump_stacks_on_signal(stacks_dir, "trainer")
+    if deterministic:
+        import torch
+
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's deterministic mode needs it
+        torch.use_deterministic_algorithms(True, warn_only=True)
     try:
         trainer, resumed_from = _load_trainer(model_dir, config, checkpoint_root, threads)
     except Exception as exc:
@@ -269,9 +286,12 @@ class _Session:
             self.pending = True
             return metrics
         if op == "sft_step":
-            metrics = self.trainer.sft_step(TrainingBatch.load(request["batch_path"]))
+            metrics = self.trainer.sft_step(TrainingBatch.load(request["batch_path"]), request.get("lr"))
             self.pending = True
             return metrics
+        if op == "reset_optimizer":
+            self.trainer.reset_optimizer()
+            return None
         if op == "save_checkpoint":
             return self.save(request["step"], request["meta"], request["keep_last"])
         if op == "sleep":  # for tests only: a call guaranteed to pass a short deadline

@@ -24,6 +24,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores but one)")
+    parser.add_argument(
+        "--batch-invariant", action="store_true", help="each sequence decodes alone: the same tokens whatever the load"
+    )
     args = parser.parse_args(argv)
     exit_with_parent()  # started by a run: it dies with the run
     dump_stacks_on_signal(None, "inference-server")  # into the run's stacks directory, when a run started it
@@ -40,6 +43,7 @@ def main(argv: list[str] | None = None) -> None:
         device=args.device,
         max_batch_size=args.max_batch_size,
         api_key=args.api_key,
+        batch_invariant=args.batch_invariant,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
 

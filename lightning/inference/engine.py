@@ -128,11 +128,23 @@ class InferenceEngine:
 
     `generate` may be called from any asyncio loop; the decoding runs in one background thread. New requests join
     the running batch between decode steps; finished rows leave it. `reload` swaps in new weights between batches.
+
+    `batch_invariant`: every sequence runs its own forward passes (a batch of one, its own KV cache), so its logits,
+    and with a seeded request its tokens, are the same whatever else is decoding: what `deterministic: true` runs
+    need. It costs the batching: each step runs the model once per sequence instead of once.
     """
 
-    def __init__(self, model_path: str | Path, *, device: str | None = None, max_batch_size: int = 32):
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        device: str | None = None,
+        max_batch_size: int = 32,
+        batch_invariant: bool = False,
+    ):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.max_batch_size = max_batch_size
+        self.batch_invariant = batch_invariant
         self.model_path = str(model_path)
         # Two tokenizers: the server encodes on the event loop thread while the engine thread decodes, and a Rust
         # tokenizer used from two threads at once can fail with "Already borrowed".
@@ -231,26 +243,27 @@ class InferenceEngine:
     # ---- the engine thread ---------------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        batch: _Batch | None = None
+        # One batch of all running rows; with batch_invariant, one batch per row.
+        batches: list[_Batch] = []
         while True:
             with self._cond:
-                while batch is None and not self._waiting and not self._swaps and not self._stopping:
+                while not batches and not self._waiting and not self._swaps and not self._stopping:
                     self._cond.wait()
+                running = [row for batch in batches for row in batch.rows]
                 if self._stopping:
-                    rows = (batch.rows if batch else []) + list(self._waiting)
-                    self._waiting.clear()
-                    _fail(rows, RuntimeError("the inference engine stopped"))
+                    waiting, self._waiting = list(self._waiting), collections.deque()
+                    _fail(running + waiting, RuntimeError("the inference engine stopped"))
                     return
                 swaps = []
                 new_rows: list[_Row] = []
                 if self._swaps:
                     # Weights change only when no batch runs, so no sequence mixes two models; new requests wait
                     # for the swap so that a reload cannot starve under steady traffic.
-                    if batch is None:
+                    if not batches:
                         swaps, self._swaps = self._swaps, []
                 else:
-                    room = self.max_batch_size - (len(batch.rows) if batch else 0)
-                    if batch is not None and not self._can_join(batch):
+                    room = self.max_batch_size - len(running)
+                    if batches and not self.batch_invariant and not self._can_join(batches[0]):
                         room = 0
                     while self._waiting and room > 0:
                         row = self._waiting.popleft()
@@ -262,13 +275,12 @@ class InferenceEngine:
             try:
                 with torch.inference_mode():
                     if new_rows:
-                        batch = self._admit(batch, new_rows)
-                    if batch is not None:
-                        batch = self._step(batch)
+                        batches = self._admit(batches, new_rows)
+                    batches = [stepped for batch in batches if (stepped := self._step(batch)) is not None]
             except Exception as exc:
                 logger.exception("generation failed")
-                _fail((batch.rows if batch else []) + new_rows, exc)
-                batch = None
+                _fail([row for batch in batches for row in batch.rows] + new_rows, exc)
+                batches = []
 
     def _apply_swap(self, model: Any, path: str, version: int | str | None, future: concurrent.futures.Future) -> None:
         self.reloads += 1
@@ -284,11 +296,18 @@ class InferenceEngine:
         # Joining pads the KV cache on the left; only plain full-attention caches (Llama, Qwen, ...) allow that.
         return all(type(layer) is DynamicLayer for layer in getattr(batch.cache, "layers", [None]))
 
-    def _admit(self, batch: _Batch | None, rows: list[_Row]) -> _Batch:
-        """Prefill the new rows' prompts (left-padded to one length) and add them to the running batch."""
+    def _admit(self, batches: list[_Batch], rows: list[_Row]) -> list[_Batch]:
+        """Prefill the new rows' prompts and add them to the running batch (batch_invariant: a batch each)."""
         for row in rows:
             row.generator = torch.Generator(device=self.device).manual_seed(row.seed)
             row.request.model_version = self.version
+        if self.batch_invariant:
+            return batches + [self._prefill([row]) for row in rows]
+        new = self._prefill(rows)
+        return [new] if not batches else [self._merge(batches[0], new)]
+
+    def _prefill(self, rows: list[_Row]) -> _Batch:
+        """Run the rows' prompts, left-padded to one length: a batch of them with each row's next-token logits."""
         prompts = [row.request.prompt_token_ids for row in rows]
         length = max(len(prompt) for prompt in prompts)
         input_ids = torch.full((len(rows), length), self.pad_token_id, dtype=torch.long)
@@ -303,8 +322,7 @@ class InferenceEngine:
             input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True, logits_to_keep=1
         )
         self.batches_run += 1
-        new = _Batch(rows, out.past_key_values, attention_mask, positions[:, -1:], out.logits[:, -1].float())
-        return new if batch is None else self._merge(batch, new)
+        return _Batch(rows, out.past_key_values, attention_mask, positions[:, -1:], out.logits[:, -1].float())
 
     @staticmethod
     def _merge(a: _Batch, b: _Batch) -> _Batch:

@@ -105,13 +105,14 @@ def create_inference_app(
     device: str | None = None,
     max_batch_size: int = 32,
     api_key: str | None = None,
+    batch_invariant: bool = False,
 ) -> FastAPI:
     """The server for the model in the Hugging Face directory `model_path`; `app.state.engine` is its engine.
 
     The engine thread starts with the app's lifespan, or on the first request when served with lifespan off.
     With `api_key`, every route but /health (the API docs too) needs `Authorization: Bearer <api_key>`.
     """
-    engine = InferenceEngine(model_path, device=device, max_batch_size=max_batch_size)
+    engine = InferenceEngine(model_path, device=device, max_batch_size=max_batch_size, batch_invariant=batch_invariant)
     model_name = served_model_name or Path(model_path).resolve().name
 
     @contextlib.asynccontextmanager

@@ -28,6 +28,7 @@ from pydantic import BaseModel, Field
 from lightning import semconv
 from lightning.proxy.capture import Call, SseReader
 from lightning.proxy.writer import SpanWriter
+from lightning.seeding import turn_seed
 from lightning.serving import BearerAuth
 from lightning.store.base import LightningStore
 from lightning.types import LLM, OtelResource, ProxyLLM, Span, SpanContext, TraceStatus, route_signature
@@ -124,6 +125,8 @@ class LLMProxy:
         self._in_flight = 0
         self._sticky: OrderedDict[str, int] = OrderedDict()
         self._known_attempts: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._turns: OrderedDict[str, int] = OrderedDict()
+        """Calls so far per attempt (most recent last), for the per-turn sampling seed."""
         self._next_backend = 0
         self._down_until: dict[int, float] = {}
         self._served: dict[str, str | None] = {}
@@ -277,6 +280,9 @@ class LLMProxy:
         routed = rollout_id is not None and attempt_id is not None and operation is not None
         if routed and not self._signed_by_us(rollout_id, attempt_id, signature):  # type: ignore[arg-type]
             await self._check_attempt(rollout_id, attempt_id)  # type: ignore[arg-type]
+        if routed and isinstance(body.get("seed"), int):
+            body["seed"] = turn_seed(body["seed"], self._next_turn(attempt_id))  # type: ignore[arg-type]
+            raw = json.dumps(body).encode()
         model = body.get("model")
         if operation is not None and isinstance(model, str) and model in self.external_models:
             return await self._guarded(self._external(body, operation, rollout_id, attempt_id, request))
@@ -559,6 +565,14 @@ class LLMProxy:
         order = [(first + k) % count for k in range(count)]
         now = time.monotonic()
         return sorted(order, key=lambda index: self._down_until.get(index, 0.0) > now)  # stable: up ones first
+
+    def _next_turn(self, attempt_id: str) -> int:
+        """How many calls of this attempt came before this one (the turn whose seed `lightning.seeding` derives)."""
+        turn = self._turns.pop(attempt_id, 0)
+        self._turns[attempt_id] = turn + 1
+        if len(self._turns) > _KNOWN_ATTEMPTS:
+            self._turns.popitem(last=False)
+        return turn
 
     def _stick(self, rollout_id: str, index: int) -> None:
         self._sticky[rollout_id] = index
