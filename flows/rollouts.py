@@ -1,5 +1,7 @@
 """The rollout phase as Prefect tasks, the same in `train`, `evaluate` and `dev`: update_resources ->
-enqueue_rollouts -> run_runner x n_runners (fanned out with `map`) -> wait_for_rollouts."""
+enqueue_rollouts -> run_runner x n_runners (fanned out with `map`) -> wait_for_rollouts. The loop over them (retry
+rounds, dynamic sampling's refills) is the library's (`lightning.stages.collect_rollouts`); this module hands it the
+tasks."""
 
 from __future__ import annotations
 
@@ -16,30 +18,39 @@ from lightning.stages import Mode
 from tasks import enqueue_rollouts, requeue_unsuccessful, run_runner, timed, update_resources, wait_for_rollouts
 
 
+async def _run_runners(run: Run, iteration: int, rollout_ids: list[str], mode: Mode, round_: int) -> None:
+    """`n_runners` runner tasks fanned out (threads of this process, or Ray workers), waited for."""
+    runners = timed(run_runner, run).map(
+        unmapped(run), unmapped(iteration), unmapped(rollout_ids), range(run.config.n_runners), unmapped(mode),
+        unmapped(round_),
+    )  # fmt: skip
+    await asyncio.to_thread(runners.result)
+
+
+TASKS = stages.RolloutSteps(
+    update_resources=lambda run, iteration, mode: timed(update_resources, run)(run, iteration, mode),
+    enqueue_rollouts=lambda run, iteration, resources_id, mode, refill, count: timed(enqueue_rollouts, run)(
+        run, iteration, resources_id, mode, refill, count
+    ),
+    run_runners=_run_runners,
+    wait_for_rollouts=lambda run, iteration, rollout_ids, mode, round_: timed(wait_for_rollouts, run)(
+        run, iteration, rollout_ids, mode, round_
+    ),
+    requeue_unsuccessful=lambda run, iteration, rollout_ids, mode, round_: timed(requeue_unsuccessful, run)(
+        run, iteration, rollout_ids, mode, round_
+    ),
+)
+"""The rollout phase's steps as this package's Prefect tasks, each with its timeout from the run's config."""
+
+
 async def collect_rollouts(run: Run, iteration: int, mode: Mode) -> tuple[list[str], dict[str, Any]]:
-    """The iteration's rollouts (for evaluation, `iteration` is the checkpoint step evaluated), run by the run's
-    runners; their ids and summary (counts, mean reward). When fewer than `min_success_fraction` succeeded, the
-    others run again (`rollout_retries` rounds) before the phase fails."""
-    resources_id = await timed(update_resources, run)(run, iteration, mode)
-    rollout_ids = await timed(enqueue_rollouts, run)(run, iteration, resources_id, mode)
-    return rollout_ids, await run_rollouts(run, iteration, rollout_ids, mode)
+    """The iteration's rollouts run as tasks (`lightning.stages.collect_rollouts`): their ids and summary."""
+    return await stages.collect_rollouts(run, iteration, mode, TASKS)
 
 
 async def run_rollouts(run: Run, iteration: int, rollout_ids: list[str], mode: Mode) -> dict[str, Any]:
-    """Enqueued rollouts run by `run_runner` tasks fanned out, then waited for; their summary. When fewer than
-    `min_success_fraction` succeeded, the others run again (`rollout_retries` rounds) before the phase fails."""
-    for round_ in range(run.config.rollout_retries + 1):
-        runners = timed(run_runner, run).map(
-            unmapped(run), unmapped(iteration), unmapped(rollout_ids), range(run.config.n_runners), unmapped(mode),
-            unmapped(round_),
-        )  # fmt: skip
-        await asyncio.to_thread(runners.result)
-        summary = await timed(wait_for_rollouts, run)(run, iteration, rollout_ids, mode, round_)
-        if stages.enough_succeeded(run, summary):
-            return summary
-        if round_ < run.config.rollout_retries:
-            await timed(requeue_unsuccessful, run)(run, iteration, rollout_ids, mode, round_)
-    raise await stages.rollouts_failed(run, iteration, rollout_ids, summary)
+    """Enqueued rollouts run as tasks, with `rollout_retries` rounds for failed ones (`lightning.stages`)."""
+    return await stages.run_rollouts(run, iteration, rollout_ids, mode, TASKS)
 
 
 def task_runner(config: TrainConfig) -> Any:

@@ -128,9 +128,9 @@ async def train(
 async def _publish(run: Run) -> None:
     """The run's table of iterations as a Prefect artifact (a new version each iteration), linking to MLflow."""
     key = _key(run, "training")
-    columns = ["iteration", "reward", "val_reward", "pg_loss", "kl", "rollouts_ok", "rollouts_failed",
-               "mismatch_mean", "mismatch_max", "rollout_tokens_per_s", "train_tokens_per_s",
-               "rollout_seconds"]  # fmt: skip
+    columns = ["iteration", "reward", "val_reward", "zero_adv_groups", "entropy", "clip_frac", "grad_norm",
+               "response_length", "pg_loss", "kl", "rollouts_ok", "rollouts_failed", "refills", "mismatch_mean",
+               "mismatch_max", "rollout_tokens_per_s", "train_tokens_per_s", "rollout_seconds"]  # fmt: skip
     columns = [name for name in columns if any(name in row for row in run.history)]  # kl: only with a KL term
     table = [{name: _cell(row.get(name)) for name in columns} for row in run.history]
     mlflow = stages.mlflow_link(run)

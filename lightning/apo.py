@@ -36,7 +36,7 @@ from pydantic import BaseModel
 
 from lightning.config import ApoConfig, ConfigError, TrainConfig
 from lightning.run import Run
-from lightning.stages import Mode, enough_succeeded, run_llm, run_runners, summarize_rollouts, wait_for_rollouts
+from lightning.stages import Mode, run_llm, run_rollouts, summarize_rollouts
 from lightning.types import EnqueueRolloutRequest, PromptTemplate
 
 logger = logging.getLogger(__name__)
@@ -179,11 +179,7 @@ async def evaluate_candidates(
     scored, and their rollouts (candidate id -> rollout ids)."""
     resources = await publish_candidates(run, candidates, mode)
     rollouts = await enqueue_candidates(run, round_, resources, mode)
-    every = [rollout_id for ids in rollouts.values() for rollout_id in ids]
-    await asyncio.gather(*(run_runners(run, every, index, mode) for index in range(run.config.n_runners)))
-    summary = await wait_for_rollouts(run, every, mode)
-    if not enough_succeeded(run, summary):
-        logger.warning("round %d (%s): %d of %d rollouts succeeded", round_, mode, summary["succeeded"], len(every))
+    await run_rollouts(run, round_, [rollout_id for ids in rollouts.values() for rollout_id in ids], mode)
     return await score_candidates(run, candidates, rollouts, mode), rollouts
 
 

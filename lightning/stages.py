@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,8 +29,9 @@ import httpx
 from lightning.agent import Hook
 from lightning.config import load_agent, load_entry_point
 from lightning.run import Run, ServingError, proxy_token
+from lightning.seeding import rollout_seed
 from lightning.store.base import LightningStore
-from lightning.types import AttemptedRollout, EnqueueRolloutRequest, ProxyLLM
+from lightning.types import AttemptedRollout, EnqueueRolloutRequest, ProxyLLM, Triplet
 
 logger = logging.getLogger(__name__)
 
@@ -66,11 +69,15 @@ def run_llm(run: Run, mode: Mode) -> ProxyLLM:
     )  # fmt: skip
 
 
-def select_tasks(run: Run, iteration: int) -> list[Any]:
+def select_tasks(run: Run, iteration: int, refill: int = 0, count: int | None = None) -> list[Any]:
     """The iteration's `batch_size` training tasks: epochs over the shuffled dataset, reproducible by seed, so a
-    resumed or retried iteration asks for the same tasks (and the store returns the same rollouts)."""
+    resumed or retried iteration asks for the same tasks (and the store returns the same rollouts). A refill of
+    dynamic sampling (`refill` >= 1) draws `count` more, at random but reproducibly, from the whole dataset."""
     config = run.config
     tasks = run.dataset("train_data")
+    if refill:
+        rng = random.Random(f"{config.seed}/{iteration}/refill/{refill}")
+        return [tasks[rng.randrange(len(tasks))] for _ in range(count or config.batch_size)]
     chosen = []
     for position in range(iteration * config.batch_size, (iteration + 1) * config.batch_size):
         epoch, index = divmod(position, len(tasks))
@@ -85,24 +92,30 @@ def group_id(queue: str, mode: str, iteration: int, task_index: int) -> str:
     return f"{queue}/{mode}/{iteration}/{task_index}"
 
 
-async def enqueue_rollouts(run: Run, iteration: int, resources_id: str, mode: Mode = "train") -> list[str]:
+async def enqueue_rollouts(
+    run: Run, iteration: int, resources_id: str, mode: Mode = "train", refill: int = 0, count: int | None = None
+) -> list[str]:
     """Enqueue the iteration's rollouts in the run's queue (train: `samples_per_task` of each selected task; val:
-    one of each held-out task); their ids. Enqueued before (a retry, a resume): the same rollouts."""
+    one of each held-out task); their ids. Each carries its sampling seed (`lightning.seeding`) in its metadata.
+    `refill` >= 1: `count` more tasks for dynamic sampling, their task indices after the batch's and earlier
+    refills'. Enqueued before (a retry, a resume): the same rollouts."""
     config = run.config
-    tasks = select_tasks(run, iteration) if mode == "train" else run.dataset("val_data")
+    tasks = select_tasks(run, iteration, refill, count) if mode == "train" else run.dataset("val_data")
     samples = config.samples_per_task if mode == "train" else 1
+    first = refill * config.batch_size
     requests = []
-    for task_index, task in enumerate(tasks):
+    for task_index, task in enumerate(tasks, start=first):
         group = group_id(run.queue, mode, iteration, task_index)
         metadata = {"run_name": run.name, "iteration": iteration, "task_index": task_index, "group_id": group}
         for sample in range(samples):
+            seed = rollout_seed(config.seed, mode, iteration, task_index, sample)
             requests.append(
                 EnqueueRolloutRequest(
                     input=task,
                     mode=mode,
                     resources_id=resources_id,
                     config=config.rollout,
-                    metadata=metadata,
+                    metadata={**metadata, "sample": sample, "seed": seed},
                     idempotency_key=f"{group}/{sample}",
                     queue=run.queue,
                 )  # fmt: skip
@@ -182,18 +195,27 @@ async def wait_for_rollouts(run: Run, rollout_ids: Sequence[str], mode: Mode = "
 
 
 async def summarize_rollouts(store: LightningStore, rollout_ids: Sequence[str]) -> dict[str, Any]:
-    """Counts by status and the mean final reward of the rollouts that have one."""
+    """Counts by status, the mean final reward of the rollouts that have one, and the groups (rollouts of one task,
+    `metadata.group_id`) whose rewards differ: only those carry a group-relative advantage."""
     from lightning.tracing import find_final_reward
 
     rollouts = await store.query_rollouts(rollout_id_in=list(rollout_ids))
     statuses = [rollout.status for rollout in rollouts]
-    rewards = []
+    by_rollout: dict[str, float] = {}
     for start in range(0, len(rollout_ids), 256):  # the latest attempts' spans, one request per 256 rollouts
         chunk = list(rollout_ids[start : start + 256])
-        for spans in (await store.query_latest_spans(chunk)).values():
+        for rollout_id, spans in (await store.query_latest_spans(chunk)).items():
             reward = find_final_reward(spans)
             if reward is not None:
-                rewards.append(reward)
+                by_rollout[rollout_id] = reward
+    rewards = list(by_rollout.values())
+    groups: dict[str, list[float]] = {}
+    for rollout in rollouts:
+        group = (rollout.metadata or {}).get("group_id")
+        if group is not None and rollout.rollout_id in by_rollout:
+            groups.setdefault(group, []).append(by_rollout[rollout.rollout_id])
+    several = {group: values for group, values in groups.items() if len(values) > 1}  # evaluations have none
+    flat = flat_groups(several)
     # From the first enqueue to the last finish, by the store's clock: the same when a retried flow run gets this
     # summary back from Prefect's cache (the rollout stages then take no time at all).
     starts = [rollout.start_time for rollout in rollouts]
@@ -204,8 +226,16 @@ async def summarize_rollouts(store: LightningStore, rollout_ids: Sequence[str]) 
         "failed": len(rollout_ids) - statuses.count("succeeded"),
         "with_reward": len(rewards),
         "reward_mean": sum(rewards) / len(rewards) if rewards else float("nan"),
+        **({"groups": len(several), "informative_groups": len(several) - len(flat)} if several else {}),
+        **({"flat_group_reward": sum(flat.values()) / len(flat)} if flat else {}),
         "seconds": max(ends) - min(starts) if starts and ends else None,
     }
+
+
+def flat_groups(rewards: dict[str, list[float]]) -> dict[str, float]:
+    """The groups of two or more rollouts whose rewards are all equal, with that reward: their group-relative
+    advantages are all 0, so they teach nothing (a rising share of them shows a plateau coming)."""
+    return {group: values[0] for group, values in rewards.items() if len(values) > 1 and len(set(values)) == 1}
 
 
 def enough_succeeded(run: Run, summary: dict[str, Any]) -> bool:
@@ -238,17 +268,75 @@ async def rollouts_failed(run: Run, iteration: int, rollout_ids: Sequence[str], 
     )
 
 
-async def collect_rollouts(run: Run, iteration: int, mode: Mode = "train") -> tuple[list[str], dict[str, Any]]:
-    """The rollout phase in one call (the flows run it as tasks): the rollout ids and their summary."""
-    resources_id = await update_resources(run, mode)
-    rollout_ids = await enqueue_rollouts(run, iteration, resources_id, mode)
+@dataclass(frozen=True)
+class RolloutSteps:
+    """The rollout phase's steps, each (run, iteration, ..., mode[, round]): the plain calls of this module
+    (`PLAIN`), or the same calls as Prefect tasks (flows/rollouts.py). The loop over them is written once
+    (`collect_rollouts`, `run_rollouts`); `round_` counts the rounds of running failed rollouts again and `refill`
+    the batches dynamic sampling adds, so that a task's cache key tells them apart."""
+
+    update_resources: Callable[[Run, int, Mode], Awaitable[str]]
+    enqueue_rollouts: Callable[[Run, int, str, Mode, int, int | None], Awaitable[list[str]]]
+    run_runners: Callable[[Run, int, list[str], Mode, int], Awaitable[Any]]
+    """Every runner of the run (`n_runners`) on the rollouts, until they finish or the phase's deadline."""
+    wait_for_rollouts: Callable[[Run, int, list[str], Mode, int], Awaitable[dict[str, Any]]]
+    requeue_unsuccessful: Callable[[Run, int, list[str], Mode, int], Awaitable[int]]
+
+
+async def _all_runners(run: Run, iteration: int, rollout_ids: list[str], mode: Mode, round_: int) -> None:
+    await asyncio.gather(*(run_runners(run, rollout_ids, index, mode) for index in range(run.config.n_runners)))
+
+
+PLAIN = RolloutSteps(
+    update_resources=lambda run, iteration, mode: update_resources(run, mode),
+    enqueue_rollouts=enqueue_rollouts,
+    run_runners=_all_runners,
+    wait_for_rollouts=lambda run, iteration, rollout_ids, mode, round_: wait_for_rollouts(run, rollout_ids, mode),
+    requeue_unsuccessful=lambda run, iteration, rollout_ids, mode, round_: requeue_unsuccessful(run, rollout_ids),
+)
+
+
+async def collect_rollouts(
+    run: Run, iteration: int, mode: Mode = "train", steps: RolloutSteps = PLAIN
+) -> tuple[list[str], dict[str, Any]]:
+    """The iteration's rollouts (for evaluation, `iteration` is the checkpoint step evaluated), run by the run's
+    runners; their ids and summary (counts, mean reward, groups).
+
+    With `dynamic_sampling` (training only), groups whose rewards are all equal teach nothing: while fewer than
+    `batch_size` groups differ, more tasks run (`max_sampling_rounds` refills at most, each as many tasks as the
+    share of informative groups so far says are needed, at most `batch_size`); `adapt_spans` keeps the informative
+    groups (DAPO's dynamic sampling, https://arxiv.org/abs/2503.14476)."""
+    config = run.config
+    resources_id = await steps.update_resources(run, iteration, mode)
+    rollout_ids = await steps.enqueue_rollouts(run, iteration, resources_id, mode, 0, None)
+    summary = await run_rollouts(run, iteration, rollout_ids, mode, steps)
+    if mode != "train" or not config.dynamic_sampling:
+        return rollout_ids, summary
+    informative, groups, refills = summary.get("informative_groups", 0), summary.get("groups", 0), 0
+    while informative < config.batch_size and refills < config.max_sampling_rounds:
+        refills += 1
+        count = min(config.batch_size, math.ceil((config.batch_size - informative) * groups / max(informative, 1)))
+        more = await steps.enqueue_rollouts(run, iteration, resources_id, mode, refills, count)
+        added = await run_rollouts(run, iteration, more, mode, steps)
+        informative, groups = informative + added.get("informative_groups", 0), groups + added.get("groups", 0)
+        rollout_ids = rollout_ids + more
+    if refills:
+        summary = {**await summarize_rollouts(run.store, rollout_ids), "refills": refills}
+    return rollout_ids, summary
+
+
+async def run_rollouts(
+    run: Run, iteration: int, rollout_ids: list[str], mode: Mode, steps: RolloutSteps = PLAIN
+) -> dict[str, Any]:
+    """Enqueued rollouts run by the runners, then waited for; their summary. When fewer than
+    `min_success_fraction` succeeded, the others run again (`rollout_retries` rounds) before the phase fails."""
     for round_ in range(run.config.rollout_retries + 1):
-        await asyncio.gather(*(run_runners(run, rollout_ids, index, mode) for index in range(run.config.n_runners)))
-        summary = await wait_for_rollouts(run, rollout_ids, mode)
+        await steps.run_runners(run, iteration, rollout_ids, mode, round_)
+        summary = await steps.wait_for_rollouts(run, iteration, rollout_ids, mode, round_)
         if enough_succeeded(run, summary):
-            return rollout_ids, summary
+            return summary
         if round_ < run.config.rollout_retries:
-            await requeue_unsuccessful(run, rollout_ids)
+            await steps.requeue_unsuccessful(run, iteration, rollout_ids, mode, round_)
     raise await rollouts_failed(run, iteration, rollout_ids, summary)
 
 
@@ -263,8 +351,11 @@ async def adapt_spans(run: Run, iteration: int, rollout_ids: Sequence[str]) -> d
 
     config = run.config
     adapted = await adapt_rollouts(run.store, list(rollout_ids), shape=config.adapter_shape)
+    triplets, dropped_groups = adapted.triplets, 0
+    if config.dynamic_sampling:
+        triplets, dropped_groups = informative_groups(triplets, config.batch_size)
     batch = TrainingBatch.from_triplets(
-        adapted.triplets, pad_token_id=run.tokenizer().pad_token_id, max_prompt_length=config.max_prompt_length,
+        triplets, pad_token_id=run.tokenizer().pad_token_id, max_prompt_length=config.max_prompt_length,
         max_response_length=config.max_response_length,
     )  # fmt: skip
     path = run.run_dir / "batches" / f"iteration-{iteration:06d}"
@@ -277,7 +368,24 @@ async def adapt_spans(run: Run, iteration: int, rollout_ids: Sequence[str]) -> d
         "rows": len(batch),
         "adapter": adapted.report.model_dump(),
         "batch": batch.report(),
+        "dropped_flat_groups": dropped_groups,
     }
+
+
+def informative_groups(triplets: Sequence[Triplet], limit: int) -> tuple[list[Triplet], int]:
+    """Dynamic sampling's filter: the triplets of the first `limit` groups whose rollouts' rewards differ, and how
+    many groups were left out (flat, or past the limit). With no informative group at all, every triplet stays:
+    the update then learns nothing either way, and the iteration's metrics say why."""
+    rewards: dict[str, dict[str, float]] = {}
+    for triplet in triplets:
+        group, rollout = triplet.metadata["group_id"], triplet.metadata["rollout_id"]
+        rewards.setdefault(group, {})[rollout] = triplet.reward if triplet.reward is not None else 0.0
+    flat = flat_groups({group: list(by_rollout.values()) for group, by_rollout in rewards.items()})
+    kept = [group for group in rewards if group not in flat][:limit]
+    if not kept:
+        return list(triplets), 0
+    chosen = set(kept)
+    return [triplet for triplet in triplets if triplet.metadata["group_id"] in chosen], len(rewards) - len(kept)
 
 
 async def ppo_step(run: Run, iteration: int, batch_path: str) -> dict[str, float]:
@@ -326,9 +434,11 @@ async def warm_start(run: Run) -> dict[str, Any]:
     path = run.run_dir / "batches" / "warm-start"
     batch.save(path)
     metrics: dict[str, Any] = {}
+    lr = config.warm_start.lr if config.warm_start.lr is not None else config.algorithm.lr
     for step in range(config.warm_start.steps):
-        metrics = await asyncio.to_thread(run.trainer.sft_step, path, timeout=config.timeouts.ppo_step)
+        metrics = await asyncio.to_thread(run.trainer.sft_step, path, timeout=config.timeouts.ppo_step, lr=lr)
         run.made_progress(f"warm-start step {step + 1}")
+    await asyncio.to_thread(run.trainer.reset_optimizer, timeout=config.timeouts.ppo_step)
     done = {"demonstrations": len(batch), "steps": config.warm_start.steps, **metrics}
     saved = await _publish(run, 0, {"run_name": run.name, "warm_start": done, "history": []})
     await asyncio.to_thread(run.tracker.log_metrics, {"warm_start": metrics}, 0)
@@ -407,14 +517,21 @@ async def log_evaluation(
 def iteration_row(
     iteration: int, rollouts: dict[str, Any], batch: dict[str, Any], metrics: dict[str, Any], rollout_seconds: float
 ) -> dict[str, Any]:
-    """One line of the run's history (and of MLflow's metrics): reward, loss, KL, rollouts, throughput. Metrics the
-    algorithm does not compute (KL without a KL term) are left out."""
+    """One line of the run's history (and of MLflow's metrics): reward, loss, KL, rollouts, throughput, and what
+    shows a plateau coming: the share of groups with zero advantage (`zero_adv_groups`, with their mean reward
+    `flat_group_reward`), the clipped share of tokens, entropy, grad norm, response length. Metrics the algorithm
+    does not compute (KL without a KL term) are left out."""
     response_tokens = metrics.get("response_length_mean", 0.0) * batch["rows"]
+    groups = rollouts.get("groups") or 0
     row = {
         "iteration": iteration,
         "reward": rollouts["reward_mean"],
         "rollouts_ok": rollouts["succeeded"],
         "rollouts_failed": rollouts["failed"],
+        "zero_adv_groups": 1 - rollouts.get("informative_groups", 0) / groups if groups else None,
+        "flat_group_reward": rollouts.get("flat_group_reward"),
+        "refills": rollouts.get("refills"),
+        "dropped_flat_groups": batch.get("dropped_flat_groups") or None,
         "rows": batch["rows"],
         "rollout_seconds": rollout_seconds,
         "rollout_tokens_per_s": response_tokens / rollout_seconds if rollout_seconds > 0 else 0.0,
@@ -422,7 +539,9 @@ def iteration_row(
         "pg_loss": metrics.get("pg_loss"),
         "kl": metrics.get("kl", metrics.get("kl_loss")),
         "entropy": metrics.get("entropy"),
+        "clip_frac": metrics.get("clip_frac"),
         "grad_norm": metrics.get("grad_norm"),
+        "response_length": metrics.get("response_length_mean"),
         "step_time_s": metrics.get("step_time_s"),
         # The train/inference mismatch: engine's vs trainer's log-probs of the sampled tokens (when the engine sent
         # them), before the update.
@@ -441,12 +560,36 @@ def progress_line(run: Run, row: dict[str, Any], done: int, elapsed: float) -> s
     val = f" | val {row['val_reward']:.3f}" if "val_reward" in row else ""
     kl = f" | kl {row['kl']:.4f}" if "kl" in row else ""
     mismatch = f" | mismatch {row['mismatch_mean']:.1e}" if "mismatch_mean" in row else ""
+    signal = no_signal(row)
     return (
         f"iteration {row['iteration'] + 1}/{iterations} | reward {row['reward']:.3f}{val} | "
         f"pg_loss {row.get('pg_loss', float('nan')):.4f}{kl}{mismatch} | rollouts {row['rollouts_ok']} ok, "
         f"{row['rollouts_failed']} failed | {row['rollout_tokens_per_s']:.0f} tok/s | {rate:.1f} s/it | "
-        f"ETA {_duration(rate * left)}"
+        f"ETA {_duration(rate * left)}" + (f" | {signal}" if signal else "")
     )
+
+
+NO_SIGNAL_SHARE = 0.5
+"""Above this share of groups with zero advantage, the progress line says how much of the batch taught nothing."""
+
+
+def no_signal(row: dict[str, Any]) -> str | None:
+    """What the progress line says when most groups scored alike (every sample of a task got the same reward, so
+    GRPO/RLOO advantages are 0 and the update learns nothing from them), and what to do about it; None otherwise."""
+    share = row.get("zero_adv_groups")
+    if share is None or share <= NO_SIGNAL_SHARE:
+        return None
+    flat_reward = row.get("flat_group_reward") or 0.0
+    said = f"{share:.0%} of groups scored alike (mean reward {flat_reward:.3f}): no advantage to learn from there"
+    if share < 0.9:
+        return said
+    if flat_reward < 0.5:
+        return (
+            f"{said}; the policy never earns a different reward on these tasks: give it a warm start "
+            "(warm_start: demonstrations), more samples_per_task, a higher sampling temperature, or a reward with "
+            "partial credit"
+        )
+    return f"{said}; the policy solves these tasks alike every time: harder tasks, or stop here"
 
 
 def _duration(seconds: float) -> str:

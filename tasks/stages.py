@@ -152,9 +152,12 @@ async def update_resources(run: Run, iteration: int, mode: Mode) -> str:
 
 
 @task(name="enqueue_rollouts", task_run_name="enqueue_rollouts-{mode}-{iteration}", **STAGE, **TRANSIENT)
-async def enqueue_rollouts(run: Run, iteration: int, resources_id: str, mode: Mode) -> list[str]:
+async def enqueue_rollouts(
+    run: Run, iteration: int, resources_id: str, mode: Mode, refill: int = 0, count: int | None = None
+) -> list[str]:
+    """`refill` >= 1: `count` more tasks that dynamic sampling asked for."""
     drill(run, "enqueue_rollouts", iteration)
-    return await stages.enqueue_rollouts(run, iteration, resources_id, mode)
+    return await stages.enqueue_rollouts(run, iteration, resources_id, mode, refill, count)
 
 
 @task(name="run_runner", task_run_name="run_runner-{mode}-{iteration}-{index}", **STAGE, **TRANSIENT)

@@ -157,14 +157,20 @@ LOSS_MASK = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]])  # the last row has 
         ("token-mean", (1 + 2 + 3 + 4) / 4),
         ("seq-mean-token-sum", (6 + 4) / 2),
         ("seq-mean-token-mean", (2 + 4) / 2),
+        ("seq-mean-token-sum-norm", (6 + 4) / 2 / 3),  # Dr. GRPO: over the constant 3 (R), not each row's length
     ],
 )
 def test_aggregate_modes(mode: str, expected: float) -> None:
     assert_close(aggregate(LOSS_MAT, LOSS_MASK, mode), expected)
 
 
+def test_dr_grpo_normalisation_divides_by_the_constant_given() -> None:
+    # Rows of 3 and 1 tokens weigh per token alike: (6 + 4) / 2 sequences / 8 (the generation budget).
+    assert_close(aggregate(LOSS_MAT, LOSS_MASK, "seq-mean-token-sum-norm", loss_scale_factor=8), 10 / 2 / 8)
+
+
 def test_aggregate_with_batch_counts_adds_up_over_micro_batches() -> None:
-    for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
+    for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
         whole = aggregate(LOSS_MAT, LOSS_MASK, mode)
         counts = loss_normalizers(LOSS_MASK)
         parts = sum(aggregate(LOSS_MAT[i : i + 1], LOSS_MASK[i : i + 1], mode, **counts) for i in range(3))

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLKind = Literal["k1", "low_var_kl"]
 AdvantageKind = Literal["grpo", "grpo_no_std", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
 
@@ -57,7 +57,13 @@ class TrainerConfig(BaseModel):
     """Subtract kl_coef * KL(old policy || reference) from token_level_scores before advantages (PPO's way)."""
 
     loss_agg: LossAggMode = "token-mean"
-    """How token losses average into the batch loss: over all tokens, or per sequence first."""
+    """How token losses average into the batch loss: over all tokens (DAPO's token-level loss), per sequence first
+    (GRPO's seq-mean-token-mean), or each sequence's token sum over a constant (seq-mean-token-sum-norm, Dr. GRPO's
+    unbiased normalisation: no response length in any denominator, so long and short answers weigh per token alike;
+    use it with advantage grpo_no_std)."""
+    loss_scale_factor: int | None = Field(default=None, ge=1)
+    """seq-mean-token-sum-norm: the constant each sequence's token sum is divided by (Dr. GRPO: the generation
+    budget, e.g. the run's max_response_length); None: the batch's padded response length."""
     micro_batch_size: int = Field(default=4, ge=1)
     """Rows per forward/backward; only memory depends on it, not the update."""
     mini_batch_size: int | None = Field(default=None, ge=1)

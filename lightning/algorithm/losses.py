@@ -35,12 +35,15 @@ def aggregate(
     mode: LossAggMode,
     batch_num_tokens: float | torch.Tensor | None = None,
     batch_num_seqs: float | torch.Tensor | None = None,
+    loss_scale_factor: float | None = None,
 ) -> torch.Tensor:
     """verl's agg_loss: a [B, R] loss matrix to a scalar.
 
-    token-mean:          sum of all masked tokens / number of masked tokens
-    seq-mean-token-sum:  mean over sequences of each sequence's token sum
-    seq-mean-token-mean: mean over sequences of each sequence's token mean
+    token-mean:              sum of all masked tokens / number of masked tokens
+    seq-mean-token-sum:      mean over sequences of each sequence's token sum
+    seq-mean-token-mean:     mean over sequences of each sequence's token mean
+    seq-mean-token-sum-norm: seq-mean-token-sum / loss_scale_factor (Dr. GRPO, https://arxiv.org/abs/2503.20783:
+                             a constant, by default R, where GRPO divides by each sequence's own length)
     Sequences with no masked token are left out of the sequence means.
 
     With gradient accumulation pass the whole mini-batch's counts as `batch_num_tokens` / `batch_num_seqs`:
@@ -52,14 +55,17 @@ def aggregate(
     if mode == "token-mean":
         denominator = mask.sum() if batch_num_tokens is None else batch_num_tokens
         return (loss_mat * mask).sum() / _at_least_one(denominator)
-    if mode == "seq-mean-token-sum":
+    if mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm"):
         seq_losses = (loss_mat * mask).sum(dim=-1)
     elif mode == "seq-mean-token-mean":
         seq_losses = (loss_mat * mask).sum(dim=-1) / (tokens_per_seq + 1e-8)
     else:
         raise ValueError(f"unknown loss aggregation {mode!r}")
     denominator = has_tokens.sum() if batch_num_seqs is None else batch_num_seqs
-    return (seq_losses * has_tokens).sum() / _at_least_one(denominator)
+    loss = (seq_losses * has_tokens).sum() / _at_least_one(denominator)
+    if mode == "seq-mean-token-sum-norm":
+        loss = loss / (loss_scale_factor or loss_mat.shape[-1])
+    return loss
 
 
 def _at_least_one(count: float | torch.Tensor) -> float | torch.Tensor:
@@ -77,6 +83,7 @@ def clipped_policy_loss(
     agg: LossAggMode = "token-mean",
     batch_num_tokens: float | torch.Tensor | None = None,
     batch_num_seqs: float | torch.Tensor | None = None,
+    loss_scale_factor: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO's clipped surrogate with dual clip (verl's compute_policy_loss_vanilla).
 
@@ -98,7 +105,7 @@ def clipped_policy_loss(
     dual_clipped_loss = torch.minimum(clipped_loss, dual_clip_cap)
     loss_mat = torch.where(advantages < 0, dual_clipped_loss, clipped_loss)
 
-    loss = aggregate(loss_mat, response_mask, agg, batch_num_tokens, batch_num_seqs)
+    loss = aggregate(loss_mat, response_mask, agg, batch_num_tokens, batch_num_seqs, loss_scale_factor)
     metrics = {
         "clip_frac": masked_mean((clipped > unclipped).float(), response_mask).detach(),
         "approx_kl": masked_mean(-log_ratio, response_mask).detach(),

@@ -83,12 +83,14 @@ def compute_advantages(
     raise ValueError(f"unknown advantage {config.advantage!r}")
 
 
-def loss_normalizers(response_mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """A mini-batch's token and sequence counts: dividing every micro-batch's loss by them makes the
-    accumulated gradient the mini-batch's gradient, whatever the micro-batch size."""
+def loss_normalizers(response_mask: torch.Tensor, loss_scale_factor: int | None = None) -> dict[str, Any]:
+    """A mini-batch's token and sequence counts (and seq-mean-token-sum-norm's constant): dividing every
+    micro-batch's loss by them makes the accumulated gradient the mini-batch's gradient, whatever the micro-batch
+    size."""
     return {
         "batch_num_tokens": response_mask.sum(),
         "batch_num_seqs": (response_mask.sum(dim=-1) > 0).sum(),
+        "loss_scale_factor": loss_scale_factor or response_mask.shape[-1],
     }
 
 
@@ -114,6 +116,11 @@ class TorchTrainer:
         if self.config.uses_reference:
             anchor = self.model if reference is None else load_policy(reference)[0]
             self.reference = frozen_copy(anchor).to(self.device)
+        self.reset_optimizer()
+
+    def reset_optimizer(self) -> None:
+        """A fresh AdamW (no moments) and LR schedule from step 0: what RL starts with after a supervised warm
+        start, whose steps neither shape the RL optimizer's moments nor use up its warm-up or cosine schedule."""
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=self.config.lr,
@@ -155,11 +162,15 @@ class TorchTrainer:
             "tokens_per_s": float(batch["attention_mask"].sum()) / step_time,
         }
 
-    def sft_step(self, batch: TrainingBatch) -> dict[str, float]:
-        """One supervised step: maximise the log-likelihood of the masked response tokens (rewards are
-        ignored). A short warm start on a few demonstrations makes sparse multi-token rewards reachable."""
+    def sft_step(self, batch: TrainingBatch, lr: float | None = None) -> dict[str, float]:
+        """One supervised step at `lr` (None: the schedule's): maximise the log-likelihood of the masked response
+        tokens (rewards are ignored). A short warm start on a few demonstrations makes sparse rewards reachable;
+        `reset_optimizer` after it gives RL a fresh optimizer."""
         batch = batch.to(self.device)
         tokens = batch["response_mask"].sum().clamp(min=1)
+        if lr is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
         for micro in batch.split(self.config.micro_batch_size):
@@ -235,7 +246,7 @@ class TorchTrainer:
         for _ in range(config.ppo_epochs):
             for mini in batch.split(config.mini_batch_size or len(batch)):
                 self.optimizer.zero_grad(set_to_none=True)
-                normalizers = loss_normalizers(mini["response_mask"])
+                normalizers = loss_normalizers(mini["response_mask"], config.loss_scale_factor)
                 for micro in mini.split(config.micro_batch_size):
                     loss, contributions = self.micro_loss(micro, normalizers)
                     loss.backward()

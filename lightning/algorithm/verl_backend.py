@@ -19,7 +19,7 @@ Our config -> verl's (see `verl_overrides`; a field verl cannot express is an er
     gamma                            algorithm.gamma
     use_kl_loss, kl_coef, kl_kind    actor.{use_kl_loss, kl_loss_coef, kl_loss_type}
     kl_in_reward, kl_coef, kl_kind   algorithm.{use_kl_in_reward, kl_ctrl.kl_coef (fixed), kl_penalty}
-    loss_agg                         actor.loss_agg_mode
+    loss_agg, loss_scale_factor      actor.{loss_agg_mode, loss_scale_factor}
     micro_batch_size                 actor.ppo_micro_batch_size_per_gpu, rollout/ref log_prob_micro_batch_size_per_gpu
     mini_batch_size, ppo_epochs      the mini-batch of each update_actor call, actor.ppo_epochs
     max_grad_norm, entropy_coef      actor.grad_clip, actor.entropy_coeff
@@ -116,6 +116,7 @@ def verl_overrides(
         f"{actor}.clip_ratio_high": trainer.clip_high,
         f"{actor}.clip_ratio_c": trainer.dual_clip_c,
         f"{actor}.loss_agg_mode": trainer.loss_agg,
+        f"{actor}.loss_scale_factor": trainer.loss_scale_factor,
         f"{actor}.ppo_mini_batch_size": mini_batch,
         f"{actor}.ppo_micro_batch_size_per_gpu": micro,
         f"{actor}.ppo_epochs": trainer.ppo_epochs,

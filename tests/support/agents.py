@@ -22,3 +22,15 @@ def counting_agent(task: dict[str, Any], rollout: AttemptedRollout) -> float:
         time.sleep(600)
     time.sleep(task.get("sleep", 0.0))
     return float(task.get("reward", 1.0))
+
+
+def half_flat_tasks() -> list[dict[str, Any]]:
+    """Eight tasks, two of which `half_flat_agent` scores differently from sample to sample."""
+    return [{"name": f"task-{i}", "mixed": i in (2, 5)} for i in range(8)]
+
+
+@rollout
+def half_flat_agent(task: dict[str, Any], rollout: AttemptedRollout) -> float:
+    """Reward by the sample's parity on a `mixed` task (its group's rewards differ), 1.0 on any other (a flat
+    group: every sample alike)."""
+    return float(rollout.metadata["sample"] % 2) if task["mixed"] else 1.0

@@ -1,0 +1,80 @@
+"""Dynamic sampling (DAPO): groups whose rewards are all equal are dropped and more tasks run until the batch has
+`batch_size` groups that differ; the metrics count the flat groups."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lightning import stages
+from lightning.config import load_config
+from lightning.run import Run
+from lightning.types import Triplet
+
+
+def test_flat_groups_are_those_of_two_or_more_alike() -> None:
+    rewards = {"a": [1.0, 0.0], "b": [1.0, 1.0, 1.0], "c": [0.0, 0.0], "solo": [0.0], "d": [0.5, 0.5000001]}
+    assert stages.flat_groups(rewards) == {"b": 1.0, "c": 0.0}
+
+
+def _triplets(rewards_by_group: dict[str, list[float]]) -> list[Triplet]:
+    return [
+        Triplet(prompt=[1], response=[2], reward=reward, metadata={"group_id": group, "rollout_id": f"{group}-{i}"})
+        for group, rewards in rewards_by_group.items()
+        for i, reward in enumerate(rewards)
+    ]
+
+
+def test_informative_groups_keeps_the_first_that_differ_up_to_the_limit() -> None:
+    triplets = _triplets({"g1": [1, 0], "g2": [1, 1], "g3": [0, 0], "g4": [0.5, 1], "g5": [0, 1]})
+    kept, dropped = stages.informative_groups(triplets, limit=2)
+    assert [t.metadata["rollout_id"] for t in kept] == ["g1-0", "g1-1", "g4-0", "g4-1"]
+    assert dropped == 3  # g2 and g3 flat, g5 past the limit
+    kept, dropped = stages.informative_groups(triplets, limit=10)
+    assert {t.metadata["group_id"] for t in kept} == {"g1", "g4", "g5"} and dropped == 2
+
+
+def test_a_multi_turn_rollout_counts_once_in_its_group() -> None:
+    # Two calls of rollout r0 (reward 1 on both) and one of r1 (reward 1): one reward per rollout, a flat group.
+    triplets = _triplets({"g": [1.0]}) + [
+        Triplet(prompt=[1], response=[2], reward=1.0, metadata={"group_id": "g", "rollout_id": "g-0"}),
+        Triplet(prompt=[1], response=[2], reward=1.0, metadata={"group_id": "g", "rollout_id": "g-1"}),
+        Triplet(prompt=[1], response=[2], reward=0.0, metadata={"group_id": "h", "rollout_id": "h-0"}),
+        Triplet(prompt=[1], response=[2], reward=1.0, metadata={"group_id": "h", "rollout_id": "h-1"}),
+    ]
+    kept, dropped = stages.informative_groups(triplets, limit=4)
+    assert {t.metadata["group_id"] for t in kept} == {"h"} and dropped == 1
+
+
+def test_with_no_informative_group_every_triplet_stays() -> None:
+    triplets = _triplets({"g1": [0, 0], "g2": [1, 1]})
+    assert stages.informative_groups(triplets, limit=2) == (triplets, 0)
+
+
+@pytest.mark.slow
+async def test_the_rollout_phase_refills_until_enough_groups_differ(tmp_path: Path) -> None:
+    config = load_config(
+        {
+            "run_name": "ds", "agent": "support.agents:half_flat_agent", "train_data": "support.agents:half_flat_tasks",
+            "batch_size": 2, "samples_per_task": 2, "n_runners": 1, "runner_concurrency": 8,
+            "dynamic_sampling": True, "max_sampling_rounds": 3,
+            "store_url": f"sqlite:///{tmp_path}/store.db", "tracking_uri": f"sqlite:///{tmp_path}/mlflow.db",
+            "output_dir": str(tmp_path / "runs"),
+        }
+    )  # fmt: skip
+    run = await Run.open(config, train=False)
+    try:
+        rollout_ids, summary = await stages.collect_rollouts(run, 0)
+        again, _ = await stages.collect_rollouts(run, 0)  # a retried iteration: the same rollouts, no new ones
+    finally:
+        await run.close()
+    # Two of the eight tasks are mixed: the first batch of two rarely holds both, so refills ran; every refill's
+    # tasks are new groups whose ids continue after the batch's.
+    assert summary["refills"] >= 1 and len(set(rollout_ids)) == len(rollout_ids) == summary["rollouts"]
+    assert summary["groups"] * 2 == summary["rollouts"]
+    assert summary["informative_groups"] >= 2 or summary["refills"] == 3  # enough differ, or the rounds ran out
+    assert again == rollout_ids
+    row = stages.iteration_row(0, summary, {"rows": 0}, {}, 1.0)
+    assert row["zero_adv_groups"] == 1 - summary["informative_groups"] / summary["groups"]
+    assert row["flat_group_reward"] == 1.0 and row["refills"] == summary["refills"]
