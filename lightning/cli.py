@@ -92,6 +92,15 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-body-mb", type=float, default=32, help="answer 413 to a request body larger than this (default: 32)"
     )
+    serve.add_argument(
+        "--watchdog-interval",
+        type=_positive_seconds,
+        default=1.0,
+        metavar="SECONDS",
+        help="seconds between the watchdog's passes, which mark attempts past their timeout_seconds or "
+        "unresponsive_seconds (default: %(default)s; agent-lightning's server checks on every request: a small value "
+        "such as 0.1 comes close, at the cost of a write transaction per pass)",
+    )
     serve.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="(default: %(default)s)")
     serve.add_argument(
         "--access-log",
@@ -364,6 +373,16 @@ def _config_check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     return 0
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not seconds > 0 or seconds == float("inf"):
+        raise argparse.ArgumentTypeError(f"give a number of seconds above 0, not {text}")
+    return seconds
+
+
 def _token_or_refuse(args: argparse.Namespace, parser: argparse.ArgumentParser, env: str, exposure: str) -> str | None:
     """The server's bearer token (--token, else $env); without one, only a loopback address is allowed."""
     token = args.token or os.environ.get(env) or None
@@ -430,7 +449,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     token = _token_or_refuse(args, parser, TOKEN_ENV, "read and change the store")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # The server's loop does nothing but serve the store: SQLite transactions run on it, not handed to a thread.
-    store = SqlLightningStore(args.db, threaded=False)
+    store = SqlLightningStore(args.db, threaded=False, watchdog_interval=args.watchdog_interval)
     try:
         auth = "bearer token required" if token else "no token"
         print(f"lightning store: {store!r} on http://{args.host}:{args.port} ({auth})", file=sys.stderr, flush=True)

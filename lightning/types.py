@@ -62,7 +62,8 @@ def new_attempt_id() -> str:
 
 
 def new_resources_id() -> str:
-    return f"rs-{os.urandom(8).hex()}"
+    # 48 random bits: agent-lightning's length ("rs-" and 12 hex digits), which its clients and tests expect.
+    return f"rs-{os.urandom(6).hex()}"
 
 
 # --- Rollouts and attempts -------------------------------------------------------------------
