@@ -461,5 +461,10 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
+__path__: list[str] = []
+"""A package for agent-lightning's paths below `agentlightning.cli` (lightning.cli.store, ...), which
+lightning.agl_paths answers for (its command line is ours: `lightning store serve`, ...)."""
+
+
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from lightning.agl_paths import missing
 from lightning.algorithm.config import TrainerConfig, VerlOptions
 from lightning.serving import is_loopback
 from lightning.store.sql import DEFAULT_URL as DEFAULT_STORE_URL
@@ -526,3 +527,7 @@ def load_agent(spec: str) -> Any:
             "@lightning.agent.rollout or subclass lightning.agent.LitAgent"
         )
     return target
+
+
+def __getattr__(name: str) -> Any:
+    missing(__name__, name)

@@ -25,15 +25,14 @@ import types
 from collections.abc import Awaitable, Callable, Mapping
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any, Protocol, SupportsIndex, TypeVar
+from typing import Any
 
 from lightning import preflight
 from lightning.agent import FunctionalLitAgent, LitAgent
+from lightning.agl_paths import missing
 from lightning.algorithm.config import TrainerConfig
 from lightning.config import ConfigError, TrainConfig, load_config, load_entry_point, validate_config
-from lightning.types import LLM, ProxyLLM
-
-T_co = TypeVar("T_co", covariant=True)
+from lightning.types import LLM, Dataset, ProxyLLM
 
 registry = types.SimpleNamespace()
 """Agents given to `fit` / `dev` that no module holds: `lightning.trainer:registry.<name>` (this process only)."""
@@ -59,14 +58,6 @@ _REFUSED = {
     "llm_proxy": "every run starts its own LLM proxy; give proxy_endpoint= to use one that is running",
     "hooks": "hooks are not passed to a run's runners; use lightning.runner.Runner(agent, store, hooks=[...]) directly",
 }
-
-
-class Dataset(Protocol[T_co]):
-    """agent-lightning's dataset type: anything with `len()` and `[i]` (a list will do)."""
-
-    def __getitem__(self, index: SupportsIndex, /) -> T_co: ...
-
-    def __len__(self) -> int: ...
 
 
 class Trainer:
@@ -332,6 +323,15 @@ def _dataset_spec(dataset: Any, argument: str, path: Path) -> str:
 def _plain(task: Any) -> Any:
     dump = getattr(task, "model_dump", None)  # a pydantic model
     return dump(mode="json") if callable(dump) else task
+
+
+__path__: list[str] = []
+"""A package for agent-lightning's paths below `agentlightning.trainer` (lightning.trainer.trainer), which
+lightning.agl_paths answers for."""
+
+
+def __getattr__(name: str) -> Any:
+    missing(__name__, name)
 
 
 __all__ = ["Dataset", "Trainer", "registry"]

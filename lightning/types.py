@@ -10,7 +10,7 @@ import hmac
 import json
 import os
 from collections.abc import Iterator, Sequence
-from typing import Annotated, Any, Generic, Literal, TypeVar
+from typing import Annotated, Any, Generic, Literal, Protocol, SupportsIndex, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
@@ -245,6 +245,7 @@ class PromptTemplate(BaseModel):
 
 
 Resource = Annotated[LLM | ProxyLLM | PromptTemplate, Field(discriminator="resource_type")]
+ResourceUnion = Resource  # agent-lightning's name for the union
 NamedResources = dict[str, Resource]
 
 
@@ -266,7 +267,18 @@ class Claim(BaseModel):
     resources: list[ResourcesUpdate] = []
 
 
-# --- Query results ---------------------------------------------------------------------------
+# --- Datasets and query results --------------------------------------------------------------
+
+T_co = TypeVar("T_co", covariant=True)
+
+
+class Dataset(Protocol[T_co]):
+    """agent-lightning's dataset type: anything with `len()` and `[i]` (a list will do)."""
+
+    def __getitem__(self, index: SupportsIndex, /) -> T_co: ...
+
+    def __len__(self) -> int: ...
+
 
 T = TypeVar("T")
 
@@ -309,6 +321,7 @@ class PaginatedResult(BaseModel, Generic[T]):
 AttributeValue = str | bool | int | float | Sequence[str] | Sequence[bool] | Sequence[int] | Sequence[float]
 Attributes = dict[str, Any]
 StatusCode = Literal["UNSET", "OK", "ERROR"]
+TraceState = dict[str, str]
 
 
 class SpanContext(BaseModel):
@@ -460,3 +473,21 @@ class Triplet(BaseModel):
                 f"response_mask has {len(self.response_mask)} entries for {len(self.response)} response tokens"
             )
         return self
+
+
+SpanLike = Span
+"""agent-lightning's name for what its span readers take (a Span or an OpenTelemetry ReadableSpan); ours read Spans
+(`Span.from_opentelemetry` converts a ReadableSpan)."""
+
+
+def __getattr__(name: str) -> Any:
+    # agent-lightning's `types` also offers Hook, RolloutRawResult and SpanCoreFields, which live with the agent and
+    # the tracing here (both import this module: they are looked up on first use).
+    from lightning.agl_paths import lookup
+
+    return lookup(__name__, ("lightning.agent", "lightning.tracing"), name)
+
+
+__path__: list[str] = []
+"""A package for agent-lightning's paths below `agentlightning.types` (lightning.types.core, .resources, .tracer),
+which lightning.agl_paths answers for."""

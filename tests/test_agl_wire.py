@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -17,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import serving
+from conftest import AGL_ENV, serving
 from prefect_server import free_port
 
 from lightning.runner import Runner
@@ -27,23 +26,7 @@ from lightning.store.server import create_app
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = Path(__file__).parent / "support" / "agl_client.py"
-AGL_PYTHON_ENV = "LIGHTNING_AGL_PYTHON"
 TOKEN = "agl-s3cret"
-
-
-@pytest.fixture(scope="session")
-def agl_python() -> str:
-    python = os.environ.get(AGL_PYTHON_ENV)
-    if not python or not Path(python).is_file():
-        pytest.fail(
-            f"the agl tests run agent-lightning 0.3.0's own client: `make agl-peer`, then "
-            f"{AGL_PYTHON_ENV}=.venv-agl/bin/python (`make test` does both); or leave them out with -m 'not agl'"
-        )
-    return python
-
-
-# agl imports LiteLLM, which otherwise fetches its price list from the internet at import (a minute offline).
-AGL_ENV = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
 
 
 def agl(python: str, *args: str, timeout: float = 120) -> Any:

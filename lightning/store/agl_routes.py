@@ -4,9 +4,11 @@
 Each route turns its path, query and body into the request model of `lightning.store.contract` that our own
 route `POST /v1/store/<method>` takes, hands it to the same store, and answers in agl's shape (paginated queries,
 `{"sequence_id": n}`, 201 on creation) with agl's status codes for bad requests: 400 for an explicit null where agl
-refuses one, for bad sorting or paging and for an argument the store refuses; 422 for a body that does not fit. agl's client cannot send a bearer token: on a server with a token, give it
-the token as the first part of the address, `LightningStoreClient("http://host:4747/t/<token>")`; the server
-strips `/t/<token>` and checks it like a bearer token (see `PathToken`).
+refuses one, for bad sorting or paging and for an argument the store refuses; 422 for a body that does not fit.
+
+agl's client cannot send a bearer token: on a server with a token, give it the token as the first part of the
+address, `LightningStoreClient("http://host:4747/t/<token>")`; the server strips `/t/<token>` and checks it like a
+bearer token (see `PathToken`).
 """
 
 from __future__ import annotations
