@@ -185,6 +185,12 @@ def _parser() -> argparse.ArgumentParser:
         help=f"require 'Authorization: Bearer TOKEN' (default: ${PROXY_TOKEN_ENV}, else none); "
         "required when --host is not a loopback address",
     )
+    proxy_serve.add_argument(
+        "--any-agent-key",
+        action="store_true",
+        help="serve agents' model calls whatever API key they send (agent-lightning's habit: agents send 'dummy' or "
+        "their own OPENAI_API_KEY); the admin routes still need the token. Loopback addresses only",
+    )
     proxy_serve.add_argument("--log-level", default="warning", choices=LOG_LEVELS, help="(default: %(default)s)")
     proxy_serve.set_defaults(run=_proxy_serve, help_parser=proxy_serve)
 
@@ -418,7 +424,16 @@ def _proxy_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     store = open_store(args.store, watchdog_interval=None)
     backends = [Backend(url=url, token_ids=not args.no_token_ids, api_key=args.backend_api_key) for url in args.backend]
-    proxy = LLMProxy(store, backends, model_name=args.model_name, external_models=external, token=token)
+    if args.any_agent_key and not is_loopback(args.host):
+        parser.error(f"--any-agent-key: only on a loopback address; on {args.host} agents must send the token")
+    proxy = LLMProxy(
+        store,
+        backends,
+        model_name=args.model_name,
+        external_models=external,
+        token=token,
+        agents_need_token=not args.any_agent_key,
+    )
     proxy.url = f"http://{args.host}:{args.port}"
     try:
         auth = "bearer token required" if token else "no token"

@@ -164,11 +164,18 @@ class Worker(BaseModel):
 class LLM(BaseModel):
     """An OpenAI-compatible endpoint and the sampling parameters to call it with."""
 
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
     resource_type: Literal["llm"] = "llm"
+    """What this resource is: an LLM endpoint."""
     endpoint: str
+    """The OpenAI base URL (".../v1")."""
     model: str
+    """The model name to ask the endpoint for."""
     api_key: str | None = Field(default=None, repr=False)
+    """The key to send (None: none)."""
     sampling_parameters: dict[str, Any] = Field(default_factory=dict)
+    """Sampling parameters to call it with (temperature, max_tokens, ...)."""
 
     @property
     def base_url(self) -> str:
@@ -225,9 +232,14 @@ class ProxyLLM(LLM):
 class PromptTemplate(BaseModel):
     """A prompt with placeholders, rendered with Python's str.format or with Jinja2."""
 
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
     resource_type: Literal["prompt_template"] = "prompt_template"
+    """What this resource is: a prompt template."""
     template: str
+    """The text, with {placeholders} (f-string) or {{ placeholders }} (jinja)."""
     engine: Literal["f-string", "jinja"] = "f-string"
+    """How the template is rendered: Python's str.format or Jinja2."""
 
     def format(self, **kwargs: Any) -> str:
         if self.engine == "f-string":

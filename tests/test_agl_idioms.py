@@ -230,6 +230,21 @@ def test_the_trainer_maps_agent_lightning_s_arguments_onto_a_train_config(tmp_pa
         Trainer(task_runner="ray", store="http://127.0.0.1:9").build_config(local, [{"x": 2}])
 
 
+def test_initial_resources_take_named_llms_and_prompt_templates(tmp_path: Path) -> None:
+    prompt = agl.PromptTemplate(template="Say {word}", engine="f-string")
+    judge = agl.LLM(endpoint="http://127.0.0.1:9/v1", model="judge")
+    only_prompts = Trainer(initial_resources={"main_prompt": prompt}, output_dir=str(tmp_path))
+    config = only_prompts.build_config(module_level_agent, [{"q": 1}])
+    assert (config.inference.backend, config.llm_resource_name) == ("embedded", "main_llm")  # the run's own model
+    assert config.resources == {"main_prompt": prompt}
+    several = Trainer(initial_resources={"main_llm": LLM_M, "judge": judge, "prompt_template": prompt})
+    config = several.build_config(module_level_agent, [{"q": 1}])
+    assert (config.inference.endpoint, config.llm_resource_name) == ("http://127.0.0.1:9/v1", "main_llm")
+    assert config.resources == {"judge": judge, "prompt_template": prompt}
+    named = Trainer(initial_resources={"policy": LLM_M}).build_config(module_level_agent, [{"q": 1}])
+    assert (named.llm_resource_name, named.resources) == ("policy", {})
+
+
 @pytest.mark.parametrize(
     ("arguments", "error", "message"),
     [
@@ -245,7 +260,8 @@ def test_the_trainer_maps_agent_lightning_s_arguments_onto_a_train_config(tmp_pa
         ({"algorithm": {"lr": -1}}, ConfigError, "algorithm.lr"),
         ({"n_runners": 2, "n_workers": 3}, ValueError, "disagree"),
         ({"store": object()}, TypeError, "give the URL"),
-        ({"initial_resources": {"p": agl.PromptTemplate(template="x")}}, ValueError, "takes one LLM"),
+        ({"initial_resources": {"a": LLM_M, "b": LLM_M}}, ValueError, "name the one the run trains 'main_llm'"),
+        ({"initial_resources": {"p": "a prompt"}}, TypeError, r"\['p'\] are not lightning.LLM"),
         ({"initial_resources": {"m": LLM_M.model_copy(update={"api_key": "k"})}}, ValueError, "api_key_env"),
         ({"iteratons": 3}, ConfigError, "iteratons: unknown field"),
     ],
