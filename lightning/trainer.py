@@ -122,7 +122,8 @@ class Trainer:
 
     def dev(self, agent: LitAgent[Any], train_dataset: Any = None, *, val_dataset: Any = None) -> dict[str, Any]:
         """One batch of `train_dataset` rollouts through the `dev` flow, adapted to a training batch; nothing is
-        trained. Returns the flow's report (rollouts and batch). `val_dataset` is accepted and unused."""
+        trained. Unless batch_size or samples_per_task are given, the batch is each task once, as agent-lightning's
+        `dev` runs them. Returns the flow's report (rollouts and batch). `val_dataset` is accepted and unused."""
         return _run_sync(self.dev_async(agent, train_dataset, val_dataset=val_dataset), "dev")
 
     async def fit_async(self, agent: LitAgent[Any], train_dataset: Any = None, *, val_dataset: Any = None) -> Any:
@@ -135,9 +136,16 @@ class Trainer:
 
     # --- the config ---
 
-    def build_config(self, agent: Any, train_dataset: Any = None, val_dataset: Any = None) -> TrainConfig:
-        """The TrainConfig that fit/dev run: the keywords over `config=`, with the agent and the datasets."""
+    def build_config(
+        self, agent: Any, train_dataset: Any = None, val_dataset: Any = None, *, one_pass: bool = False
+    ) -> TrainConfig:
+        """The TrainConfig that fit/dev run: the keywords over `config=`, with the agent and the datasets.
+        `one_pass` (dev): unless batch_size or samples_per_task are given, each task of `train_dataset` runs once, as
+        agent-lightning's `dev` runs them (its Baseline algorithm, one epoch)."""
         data = {**self._base, **self._fields}
+        if one_pass and train_dataset is not None and not isinstance(train_dataset, str | Path):
+            data.setdefault("batch_size", len(train_dataset))
+            data.setdefault("samples_per_task", 1)
         agent_spec = _agent_spec(agent)
         data["agent"] = agent_spec
         data.setdefault("run_name", _run_name(agent))
@@ -165,7 +173,7 @@ class Trainer:
             raise TypeError(
                 f"Trainer: agent is a {type(agent).__name__}; give a LitAgent instance or a @lightning.rollout function"
             )
-        config = self.build_config(agent, train_dataset, val_dataset)
+        config = self.build_config(agent, train_dataset, val_dataset, one_pass=flow_name == "dev")
         preflight.check(config)
         run_flow = _flow_runner()
         agent.set_trainer(self)

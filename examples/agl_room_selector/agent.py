@@ -2,8 +2,8 @@
 meeting request, the model calls a `get_rooms_and_availability` tool and picks a room. Reward: True when it picks the
 best room (the smallest free one that fits the attendees, the equipment and the accessibility needed).
 
-Written as for agent-lightning, with `import lightning as agl`: an `@agl.rollout` function taking the task and the
-`llm`, a bool reward emitted with `agl.emit_reward(..., primary_key=..., attributes=...)`.
+Written as for agent-lightning, its submodule imports changed from `agentlightning.X` to `lightning.X`: a `@rollout`
+function taking the task and the `llm`, a bool reward emitted with `emit_reward(..., primary_key=..., attributes=...)`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ from typing import Any
 
 from openai import OpenAI
 
-import lightning as agl
+from lightning.emitter import emit_reward
+from lightning.litagent import rollout
+from lightning.types import LLM
 
 TASKS = Path(__file__).with_name("tasks.jsonl")
 MAX_TURNS = 3
@@ -48,8 +50,8 @@ ROOM_TOOL = {
 }
 
 
-@agl.rollout
-def room_selector(task: dict[str, Any], llm: agl.LLM) -> None:
+@rollout
+def room_selector(task: dict[str, Any], llm: LLM) -> None:
     client = OpenAI(base_url=llm.endpoint, api_key=llm.api_key or "dummy", max_retries=0)
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM_PROMPT},
@@ -69,7 +71,7 @@ def room_selector(task: dict[str, Any], llm: agl.LLM) -> None:
             tool_calls += 1
             messages.append({"role": "tool", "tool_call_id": call.id, "content": run_tool(call.function.arguments)})
     correct = choice == task["expected_choice"]
-    agl.emit_reward(
+    emit_reward(
         {"correct": correct, "used_tool": tool_calls > 0},
         primary_key="correct",
         attributes={"choice": choice or "", "expected": task["expected_choice"]},
