@@ -6,7 +6,7 @@ Only its import lines differ from agent-lightning code (`agentlightning.litagent
 and `.reward` become `lightning.*`). `transcripts` shows a rollout as prompt optimisation reads it: `TraceToMessages`
 turns its spans into chat transcripts. Its LLM calls are the ones the run's LLM proxy records, so the agent calls
 the `llm` resource (agl's example calls OpenAI() and lets its tracer instrument the client). The rooms, the tool and
-the tasks are examples/agl_room_selector's.
+its tool loop are examples/agl_room_selector's.
 """
 
 from __future__ import annotations
@@ -15,14 +15,12 @@ from typing import Any
 
 from openai import OpenAI
 
-from examples.agl_room_selector.agent import ROOM_TOOL, best_room, final_choice, run_tool
+from examples.agl_room_selector.agent import best_room, converse
 from lightning.adapter import TraceToMessages
 from lightning.litagent import rollout
 from lightning.reward import find_final_reward
 from lightning.store import LightningStore
 from lightning.types import LLM, PromptTemplate
-
-MAX_TURNS = 3
 
 
 def prompt_template_baseline() -> PromptTemplate:
@@ -49,18 +47,7 @@ def room_selector(task: dict[str, Any], prompt_template: PromptTemplate, llm: LL
         {"role": "system", "content": "You are a scheduling assistant. End with final_choice: <room>"},
         {"role": "user", "content": user_message},
     ]
-    choice = None
-    for _ in range(MAX_TURNS):
-        response = client.chat.completions.create(
-            model=llm.model, messages=messages, tools=[ROOM_TOOL], **llm.sampling_parameters
-        )
-        message = response.choices[0].message
-        if not message.tool_calls:
-            choice = final_choice(message.content or "")
-            break
-        messages.append(message.model_dump(exclude_none=True))
-        for call in message.tool_calls:
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": run_tool(call.function.arguments)})
+    choice, _ = converse(client, llm, messages)
     return 1.0 if choice is not None and choice == best_room(task) else 0.0
 
 

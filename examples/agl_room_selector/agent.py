@@ -57,25 +57,31 @@ def room_selector(task: dict[str, Any], llm: LLM) -> None:
         {"role": "system", "content": SYSTEM_PROMPT},
         {"role": "user", "content": describe(task)},
     ]
-    choice, tool_calls = None, 0
-    for _ in range(MAX_TURNS):
-        response = client.chat.completions.create(
-            model=llm.model, messages=messages, tools=[ROOM_TOOL], **llm.sampling_parameters
-        )
-        message = response.choices[0].message
-        if not message.tool_calls:
-            choice = final_choice(message.content or "")
-            break
-        messages.append(message.model_dump(exclude_none=True))
-        for call in message.tool_calls:
-            tool_calls += 1
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": run_tool(call.function.arguments)})
+    choice, tool_calls = converse(client, llm, messages)
     correct = choice == task["expected_choice"]
     emit_reward(
         {"correct": correct, "used_tool": tool_calls > 0},
         primary_key="correct",
         attributes={"choice": choice or "", "expected": task["expected_choice"]},
     )
+
+
+def converse(client: OpenAI, llm: LLM, messages: list[dict[str, Any]]) -> tuple[str | None, int]:
+    """Ask the model, run the tool calls it makes and tell it their results, until it chooses (at most MAX_TURNS
+    calls); its choice (None: it made none) and how many tool calls it made."""
+    tool_calls = 0
+    for _ in range(MAX_TURNS):
+        response = client.chat.completions.create(
+            model=llm.model, messages=messages, tools=[ROOM_TOOL], **llm.sampling_parameters
+        )
+        message = response.choices[0].message
+        if not message.tool_calls:
+            return final_choice(message.content or ""), tool_calls
+        messages.append(message.model_dump(exclude_none=True))
+        for call in message.tool_calls:
+            tool_calls += 1
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": run_tool(call.function.arguments)})
+    return None, tool_calls
 
 
 def describe(task: dict[str, Any]) -> str:
