@@ -288,8 +288,14 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 def _public_names(module_name: str) -> list[str]:
     module = importlib.import_module(module_name)
     names = getattr(module, "__all__", None)
-    if names is None:
-        names = [n for n, v in vars(module).items() if not n.startswith("_") and not isinstance(v, types.ModuleType)]
+    if names is None:  # what the module defines (a class of pydantic's it imports is not its)
+        names = [
+            name
+            for name, value in vars(module).items()
+            if not name.startswith("_")
+            and not isinstance(value, types.ModuleType)
+            and getattr(value, "__module__", module_name) == module_name
+        ]
     return list(names)
 
 
