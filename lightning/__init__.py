@@ -1,41 +1,60 @@
 """lightning: train LLM agents with reinforcement learning. The library; it never imports Prefect.
 
 `import lightning as agl` gives an agent-lightning 0.3 script the names it uses (`agl.LitAgent`, `agl.rollout`,
-`agl.emit_reward`, `agl.Trainer`, ...). The heavier ones (tracing, runner, trainer) load on first use.
+`agl.emit_reward`, `agl.Trainer`, ...), and agl's module paths resolve below it (`from lightning.litagent import
+rollout`; see lightning.agl_paths). An agl name with no counterpart raises `NotInLightning` (an ImportError) saying
+what to use instead. The heavier names (tracing, runner, trainer) load on first use.
 """
 
 from __future__ import annotations
 
 import importlib
-import logging
+import sys
 from typing import Any
 
-from lightning.agent import Hook, LitAgent, llm_rollout, prompt_rollout, rollout
+from lightning import agl_paths
+from lightning.agent import Hook, LitAgent, RolloutRawResult, llm_rollout, prompt_rollout, rollout
+from lightning.logging import configure_logger
+from lightning.logging import setup as setup_logging
+from lightning.logging import setup_module as setup_module_logging
 from lightning.store import LightningStore, SqlLightningStore
 from lightning.types import (
     LLM,
     Attempt,
     AttemptedRollout,
     AttemptStatus,
+    Attributes,
+    AttributeValue,
     EnqueueRolloutRequest,
+    Event,
+    Link,
     NamedResources,
+    OtelResource,
+    PaginatedResult,
     PromptTemplate,
     ProxyLLM,
     Resource,
     ResourcesUpdate,
+    ResourceUnion,
     Rollout,
     RolloutConfig,
     RolloutMode,
     RolloutStatus,
     Span,
+    SpanContext,
+    SpanLike,
+    StatusCode,
     TaskInput,
+    TraceState,
+    TraceStatus,
     Triplet,
     Worker,
+    WorkerStatus,
 )
 
 # Loaded on first use: name -> module.
 _LAZY = {
-    "Dataset": "lightning.trainer",
+    "Dataset": "lightning.types",
     "Trainer": "lightning.trainer",
     "TrainConfig": "lightning.config",
     "TrainerConfig": "lightning.algorithm.config",
@@ -50,95 +69,96 @@ _LAZY = {
     "operation": "lightning.tracing",
     "find_final_reward": "lightning.tracing",
     "find_rewards": "lightning.tracing",
+    "find_reward_spans": "lightning.tracing",
+    "is_reward_span": "lightning.tracing",
     "get_reward_value": "lightning.tracing",
     "get_final_reward": "lightning.tracing",
+    "TraceToMessages": "lightning.adapter",
+    "LightningStoreClient": "lightning.store.client",
+    "InMemoryLightningStore": "lightning.store.memory",
 }
-_RENAMED = {"LitAgentRunner": "Runner"}
+# agent-lightning's submodules (agl.litagent, agl.store, ...) as attributes, imported on first use.
+_SUBMODULES = frozenset(
+    {"adapter", "algorithm", "config", "emitter", "litagent", "logging", "reward", "runner", "semconv", "store",
+     "tracer", "trainer", "types"}
+)  # fmt: skip
 
-# agent-lightning names that have no counterpart here, and what to use instead.
-_NOT_HERE = {
-    "VERL": "give lightning.Trainer(algorithm={...}) the fields of lightning.TrainerConfig (lr, kl_coef, "
-    "advantage, ...) and TrainConfig fields as keywords (batch_size, samples_per_task, max_prompt_length, ...); "
-    "trainer_backend='verl' runs verl's FSDP workers",
-    "APO": "prompt optimisation is the `optimize_prompt` flow: give the TrainConfig an `apo` section (the seed "
-    "prompt, and APO's beam_width, branch_factor, beam_rounds, gradient_batch_size, val_batch_size, gradient_model, "
-    "apply_edit_model, diversity_temperature) and run `python -m flows.optimize_prompt CONFIG.yaml` "
-    "(examples/room_booking/apo.yaml)",
-    "Baseline": "Trainer.dev(agent, dataset) runs one batch of rollouts without training",
-    "InMemoryLightningStore": "use lightning.SqlLightningStore('sqlite://') (in memory) or a SQLite file",
-    "LLMProxy": "every run starts its own LLM proxy; see TrainConfig.proxy_endpoint to use a running one",
-    "AgentOpsTracer": "the tracer is the runner's (lightning.Tracer); LLM calls are recorded by the LLM proxy",
-    "OtelTracer": "the tracer is the runner's (lightning.Tracer)",
-}
+sys.meta_path.append(agl_paths.FINDER)
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), _RENAMED.get(name, name))
+        value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value
         return value
-    if name in _NOT_HERE:
-        raise AttributeError(f"lightning has no {name} (an agent-lightning name): {_NOT_HERE[name]}")
-    raise AttributeError(f"module 'lightning' has no attribute {name!r}")
-
-
-def setup_logging(level: int | str = "INFO") -> None:
-    """agent-lightning's `setup_logging`: log lines with time, logger and level to stderr at `level`."""
-    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request drowns what matters
-
-
-def configure_logger(level: int = logging.INFO, name: str = "lightning") -> logging.Logger:
-    """agent-lightning's `configure_logger`: the logger `name`, at `level`, logging to stderr."""
-    setup_logging(level)
-    logger = logging.getLogger(name)
-    logger.setLevel(level)
-    return logger
+    if name in _SUBMODULES:
+        return importlib.import_module(f"lightning.{name}")
+    agl_paths.missing(__name__, name)
 
 
 __all__ = [
-    "LLM",
     "Attempt",
     "AttemptStatus",
     "AttemptedRollout",
+    "AttributeValue",
+    "Attributes",
     "Dataset",
     "EnqueueRolloutRequest",
+    "Event",
     "Hook",
+    "InMemoryLightningStore",
+    "LLM",
     "LightningStore",
+    "LightningStoreClient",
+    "Link",
     "LitAgent",
     "LitAgentRunner",
     "NamedResources",
+    "OtelResource",
+    "PaginatedResult",
     "PromptTemplate",
     "ProxyLLM",
     "Resource",
+    "ResourceUnion",
     "ResourcesUpdate",
     "Rollout",
     "RolloutConfig",
     "RolloutMode",
+    "RolloutRawResult",
     "RolloutStatus",
     "Runner",
     "Span",
+    "SpanContext",
     "SpanCoreFields",
+    "SpanLike",
     "SqlLightningStore",
+    "StatusCode",
     "TaskInput",
+    "TraceState",
+    "TraceStatus",
+    "TraceToMessages",
+    "Tracer",
     "TrainConfig",
     "Trainer",
     "TrainerConfig",
-    "Tracer",
     "Triplet",
     "Worker",
+    "WorkerStatus",
     "configure_logger",
     "emit_exception",
     "emit_message",
     "emit_object",
     "emit_reward",
     "find_final_reward",
+    "find_reward_spans",
     "find_rewards",
     "get_final_reward",
     "get_reward_value",
+    "is_reward_span",
     "llm_rollout",
     "operation",
     "prompt_rollout",
     "rollout",
     "setup_logging",
+    "setup_module_logging",
 ]

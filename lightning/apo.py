@@ -36,7 +36,7 @@ from pydantic import BaseModel
 
 from lightning.config import ApoConfig, ConfigError, TrainConfig
 from lightning.run import Run
-from lightning.stages import Mode, run_llm, run_rollouts, summarize_rollouts
+from lightning.stages import Mode, run_resources, run_rollouts, summarize_rollouts
 from lightning.types import EnqueueRolloutRequest, PromptTemplate
 
 logger = logging.getLogger(__name__)
@@ -103,11 +103,10 @@ async def publish_candidates(run: Run, candidates: Sequence[Candidate], mode: Mo
     """Each candidate as a resources version: the run's LLM with the mode's sampling parameters (train: `sampling`,
     val: `eval_sampling`) and the candidate as the PromptTemplate resource; candidate id -> resources id."""
     apo = apo_config(run.config)
-    llm = run_llm(run, mode)
     published = {}
     for each in candidates:
         prompt = PromptTemplate(template=each.template, engine=apo.prompt_engine)
-        resources = {"main_llm": llm, apo.resource_name: prompt}
+        resources = run_resources(run, mode, {apo.resource_name: prompt})
         update = await run.store.update_resources(candidate_resources_id(run, each.id, mode), resources)
         published[each.id] = update.resources_id
     run.made_progress(f"publish_candidates ({mode})")

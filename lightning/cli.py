@@ -92,6 +92,15 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-body-mb", type=float, default=32, help="answer 413 to a request body larger than this (default: 32)"
     )
+    serve.add_argument(
+        "--watchdog-interval",
+        type=_positive_seconds,
+        default=1.0,
+        metavar="SECONDS",
+        help="seconds between the watchdog's passes, which mark attempts past their timeout_seconds or "
+        "unresponsive_seconds (default: %(default)s; agent-lightning's server checks on every request: a small value "
+        "such as 0.1 comes close, at the cost of a write transaction per pass)",
+    )
     serve.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="(default: %(default)s)")
     serve.add_argument(
         "--access-log",
@@ -175,6 +184,12 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help=f"require 'Authorization: Bearer TOKEN' (default: ${PROXY_TOKEN_ENV}, else none); "
         "required when --host is not a loopback address",
+    )
+    proxy_serve.add_argument(
+        "--any-agent-key",
+        action="store_true",
+        help="serve agents' model calls whatever API key they send (agent-lightning's habit: agents send 'dummy' or "
+        "their own OPENAI_API_KEY); the admin routes still need the token. Loopback addresses only",
     )
     proxy_serve.add_argument("--log-level", default="warning", choices=LOG_LEVELS, help="(default: %(default)s)")
     proxy_serve.set_defaults(run=_proxy_serve, help_parser=proxy_serve)
@@ -364,6 +379,16 @@ def _config_check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     return 0
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not seconds > 0 or seconds == float("inf"):
+        raise argparse.ArgumentTypeError(f"give a number of seconds above 0, not {text}")
+    return seconds
+
+
 def _token_or_refuse(args: argparse.Namespace, parser: argparse.ArgumentParser, env: str, exposure: str) -> str | None:
     """The server's bearer token (--token, else $env); without one, only a loopback address is allowed."""
     token = args.token or os.environ.get(env) or None
@@ -399,7 +424,16 @@ def _proxy_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     store = open_store(args.store, watchdog_interval=None)
     backends = [Backend(url=url, token_ids=not args.no_token_ids, api_key=args.backend_api_key) for url in args.backend]
-    proxy = LLMProxy(store, backends, model_name=args.model_name, external_models=external, token=token)
+    if args.any_agent_key and not is_loopback(args.host):
+        parser.error(f"--any-agent-key: only on a loopback address; on {args.host} agents must send the token")
+    proxy = LLMProxy(
+        store,
+        backends,
+        model_name=args.model_name,
+        external_models=external,
+        token=token,
+        agents_need_token=not args.any_agent_key,
+    )
     proxy.url = f"http://{args.host}:{args.port}"
     try:
         auth = "bearer token required" if token else "no token"
@@ -430,7 +464,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     token = _token_or_refuse(args, parser, TOKEN_ENV, "read and change the store")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # The server's loop does nothing but serve the store: SQLite transactions run on it, not handed to a thread.
-    store = SqlLightningStore(args.db, threaded=False)
+    store = SqlLightningStore(args.db, threaded=False, watchdog_interval=args.watchdog_interval)
     try:
         auth = "bearer token required" if token else "no token"
         print(f"lightning store: {store!r} on http://{args.host}:{args.port} ({auth})", file=sys.stderr, flush=True)
@@ -440,6 +474,11 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     finally:
         asyncio.run(store.close())
     return 0
+
+
+__path__: list[str] = []
+"""A package for agent-lightning's paths below `agentlightning.cli` (lightning.cli.store, ...), which
+lightning.agl_paths answers for (its command line is ours: `lightning store serve`, ...)."""
 
 
 if __name__ == "__main__":

@@ -12,15 +12,18 @@ import json
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from lightning.agl_paths import missing
 from lightning.algorithm.config import TrainerConfig, VerlOptions
 from lightning.serving import is_loopback
 from lightning.store.sql import DEFAULT_URL as DEFAULT_STORE_URL
-from lightning.types import PromptTemplate, RolloutConfig
+from lightning.types import LLM, PromptTemplate, RolloutConfig
 
+StaticResource = Annotated[LLM | PromptTemplate, Field(discriminator="resource_type")]
+"""What `TrainConfig.resources` holds: resources handed to rollouts as they are (no ProxyLLM: the run has its own)."""
 ENTRY_POINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
@@ -334,6 +337,13 @@ class TrainConfig(BaseModel):
     apo: ApoConfig | None = None
     """Prompt optimisation by the `optimize_prompt` flow (None: none). When set, every flow's rollouts also get
     the seed prompt as the PromptTemplate resource `apo.resource_name`."""
+    llm_resource_name: str = Field(default="main_llm", min_length=1)
+    """The name of the run's LLM (the policy, reached through the run's proxy) in the rollouts' resources."""
+    resources: dict[str, StaticResource] = Field(default_factory=dict)
+    """Named resources every rollout gets beside the run's LLM, as they are (agent-lightning's `initial_resources`):
+    prompt templates, and LLMs the agent calls directly (not trained; their key, if any, comes from the agent's own
+    environment, never from here). Each is `{resource_type: prompt_template, template: ..., engine: f-string}` or
+    `{resource_type: llm, endpoint: ..., model: ...}`."""
 
     @field_validator("run_name")
     @classmethod
@@ -368,6 +378,27 @@ class TrainConfig(BaseModel):
         if value is None or ENTRY_POINT.match(value) or Path(value).suffix in (".jsonl", ".parquet"):
             return value
         raise ValueError("give a .jsonl or .parquet file, or module:function returning a list of tasks")
+
+    @field_validator("resources")
+    @classmethod
+    def _resources(cls, value: dict[str, Any]) -> dict[str, Any]:
+        for name, resource in value.items():
+            if isinstance(resource, LLM) and resource.api_key:
+                raise ValueError(
+                    f"{name}: an LLM here may not hold an api_key (the store would keep it); let the agent read its "
+                    "key from its environment"
+                )
+        return value
+
+    @model_validator(mode="after")
+    def _resource_names(self) -> TrainConfig:
+        taken = {self.llm_resource_name: "llm_resource_name"}
+        if self.apo is not None:
+            taken[self.apo.resource_name] = "apo.resource_name"
+        for name in self.resources:
+            if name in taken:
+                raise ValueError(f"resources.{name}: the name is the run's own ({taken[name]}); give another")
+        return self
 
     @model_validator(mode="after")
     def _backend_combinations(self) -> TrainConfig:
@@ -542,3 +573,7 @@ def load_agent(spec: str) -> Any:
             "@lightning.agent.rollout or subclass lightning.agent.LitAgent"
         )
     return target
+
+
+def __getattr__(name: str) -> Any:
+    missing(__name__, name)

@@ -35,6 +35,7 @@ from pydantic import BaseModel, PrivateAttr
 
 from lightning.config import TrainConfig, load_tasks
 from lightning.diagnose import collect_stacks, dump_stacks_on_signal
+from lightning.serving import is_loopback
 from lightning.store import lifecycle
 from lightning.store.base import LightningStore
 
@@ -558,7 +559,10 @@ def _start_serving(config: TrainConfig, parts: _Parts, serving_dir: Path) -> End
         api_key = os.environ.get(inference.api_key_env) if inference.api_key_env else None
         backends = [Backend(url=str(inference.endpoint), api_key=api_key)]
     parts.proxy_token = proxy_token() or secrets.token_urlsafe(24)
-    proxy = LLMProxy(parts.store, backends, model_name=name, token=parts.proxy_token)
+    # On loopback, agents' calls are served whatever key they send, as agent-lightning's proxy serves them; beyond it,
+    # the token is required (the admin routes need it everywhere).
+    need_token = not is_loopback(config.proxy_host)
+    proxy = LLMProxy(parts.store, backends, model_name=name, token=parts.proxy_token, agents_need_token=need_token)
     proxy_url = proxy.start(host=config.proxy_host)
     parts.closers.append(proxy.stop)
     return Endpoints(proxy_url=proxy_url, model_name=name)

@@ -26,18 +26,28 @@ def is_loopback(host: str) -> bool:
 
 
 class BearerAuth:
-    """ASGI middleware: every HTTP request, but those to `open_paths`, must carry `Authorization: Bearer <token>`
-    (compared in constant time); any other gets `refusal()`, a 401 in the server's own error shape. Plain ASGI:
-    Starlette's BaseHTTPMiddleware costs about 0.3 ms a call."""
+    """ASGI middleware: every HTTP request, but those to `open_paths` or below `open_prefixes`, must carry
+    `Authorization: Bearer <token>` (compared in constant time); any other gets `refusal()`, a 401 in the server's
+    own error shape. Plain ASGI: Starlette's BaseHTTPMiddleware costs about 0.3 ms a call."""
 
-    def __init__(self, app: Any, token: str, refusal: Callable[[], Any], open_paths: Collection[str] = ()) -> None:
+    def __init__(
+        self,
+        app: Any,
+        token: str,
+        refusal: Callable[[], Any],
+        open_paths: Collection[str] = (),
+        open_prefixes: tuple[str, ...] = (),
+    ) -> None:
         self.app = app
         self.expected = f"Bearer {token}".encode()
         self.refusal = refusal
         self.open_paths = frozenset(open_paths)
+        self.open_prefixes = open_prefixes
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] in ("http", "websocket") and scope["path"] not in self.open_paths:
+        path = scope.get("path", "")
+        guarded = path not in self.open_paths and not path.startswith(self.open_prefixes)
+        if scope["type"] in ("http", "websocket") and guarded:
             given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
             if not hmac.compare_digest(given, self.expected):
                 await self.refusal()(scope, receive, send)

@@ -166,12 +166,14 @@ class LocalStack:
             backend = f"{self.inference_url}/v1"
             if proxy == "thread":
                 backends = [Backend(url=backend, api_key=self.inference_key)]
-                self.proxy = LLMProxy(store, backends, model_name=model_name, token=self.proxy_token)
+                self.proxy = LLMProxy(
+                    store, backends, model_name=model_name, token=self.proxy_token, agents_need_token=False
+                )
                 self.proxy_url = self.proxy.start()
             else:
                 port = free_port()
                 command = [sys.executable, "-m", "lightning.cli", "proxy", "serve", "--backend", backend]
-                command += ["--model-name", model_name, "--port", str(port)]
+                command += ["--model-name", model_name, "--port", str(port), "--any-agent-key"]
                 env = {
                     "LIGHTNING_STORE_URL": str(store_url),
                     "LIGHTNING_PROXY_TOKEN": self.proxy_token,

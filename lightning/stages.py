@@ -31,7 +31,7 @@ from lightning.config import load_agent, load_entry_point
 from lightning.run import Run, ServingError, proxy_token
 from lightning.seeding import rollout_seed
 from lightning.store.base import LightningStore
-from lightning.types import AttemptedRollout, EnqueueRolloutRequest, ProxyLLM, Triplet
+from lightning.types import AttemptedRollout, EnqueueRolloutRequest, PromptTemplate, ProxyLLM, Triplet
 
 logger = logging.getLogger(__name__)
 
@@ -46,16 +46,22 @@ class RolloutsFailed(RuntimeError):
 
 
 async def update_resources(run: Run, mode: Mode = "train") -> str:
-    """Point the run's LLM resource for `mode` at this process's proxy, with the mode's sampling parameters (and,
-    with `apo` set, the seed prompt beside it); its id (the same for every iteration of the run: rollouts of an
-    earlier process of the run reach this proxy too)."""
+    """Point the run's LLM resource for `mode` at this process's proxy, with the mode's sampling parameters, beside
+    the config's `resources` (and, with `apo` set, the seed prompt); its id (the same for every iteration of the
+    run: rollouts of an earlier process of the run reach this proxy too)."""
     run.check_serving()
     config = run.config
-    llm = run_llm(run, mode)
     prompt = {config.apo.resource_name: config.apo.seed()} if config.apo is not None else {}
-    resources = await run.store.update_resources(run.resources_id(mode), {"main_llm": llm, **prompt})
+    resources = await run.store.update_resources(run.resources_id(mode), run_resources(run, mode, prompt))
     run.made_progress(f"update_resources ({mode})")
     return resources.resources_id
+
+
+def run_resources(run: Run, mode: Mode, prompt: dict[str, PromptTemplate]) -> dict[str, Any]:
+    """The rollouts' resources: the run's LLM first (agents that take "the first LLM" get it), the config's
+    `resources`, then `prompt` (the seed or candidate prompt of prompt optimisation)."""
+    config = run.config
+    return {config.llm_resource_name: run_llm(run, mode), **config.resources, **prompt}
 
 
 def run_llm(run: Run, mode: Mode) -> ProxyLLM:

@@ -25,15 +25,14 @@ import types
 from collections.abc import Awaitable, Callable, Mapping
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any, Protocol, SupportsIndex, TypeVar
+from typing import Any
 
 from lightning import preflight
 from lightning.agent import FunctionalLitAgent, LitAgent
+from lightning.agl_paths import missing
 from lightning.algorithm.config import TrainerConfig
 from lightning.config import ConfigError, TrainConfig, load_config, load_entry_point, validate_config
-from lightning.types import LLM, ProxyLLM
-
-T_co = TypeVar("T_co", covariant=True)
+from lightning.types import LLM, Dataset, PromptTemplate, ProxyLLM
 
 registry = types.SimpleNamespace()
 """Agents given to `fit` / `dev` that no module holds: `lightning.trainer:registry.<name>` (this process only)."""
@@ -61,20 +60,13 @@ _REFUSED = {
 }
 
 
-class Dataset(Protocol[T_co]):
-    """agent-lightning's dataset type: anything with `len()` and `[i]` (a list will do)."""
-
-    def __getitem__(self, index: SupportsIndex, /) -> T_co: ...
-
-    def __len__(self) -> int: ...
-
-
 class Trainer:
     """`Trainer(n_runners=2, algorithm={"lr": 1e-4}, iterations=3, batch_size=8).fit(agent, train, val_dataset=val)`.
 
     Keywords: agent-lightning's `n_runners` (`n_workers`), `algorithm` (a `TrainerConfig` or a dict of its fields),
-    `store` (a store URL, or an HttpLightningStore), `initial_resources` (one `LLM`: the
-    endpoint rollouts use, as inference backend `external`); any `TrainConfig` field (run_name, iterations, model,
+    `store` (a store URL, or an HttpLightningStore), `initial_resources` (named LLMs and prompt templates: the LLM
+    to train is the endpoint rollouts use, as inference backend `external`; the rest reach every rollout as they
+    are); any `TrainConfig` field (run_name, iterations, model,
     batch_size, ...); and `config=` (a TrainConfig, a dict of its fields, or a YAML file) under them. The other
     agent-lightning arguments are refused with what to use instead."""
 
@@ -130,7 +122,8 @@ class Trainer:
 
     def dev(self, agent: LitAgent[Any], train_dataset: Any = None, *, val_dataset: Any = None) -> dict[str, Any]:
         """One batch of `train_dataset` rollouts through the `dev` flow, adapted to a training batch; nothing is
-        trained. Returns the flow's report (rollouts and batch). `val_dataset` is accepted and unused."""
+        trained. Unless batch_size or samples_per_task are given, the batch is each task once, as agent-lightning's
+        `dev` runs them. Returns the flow's report (rollouts and batch). `val_dataset` is accepted and unused."""
         return _run_sync(self.dev_async(agent, train_dataset, val_dataset=val_dataset), "dev")
 
     async def fit_async(self, agent: LitAgent[Any], train_dataset: Any = None, *, val_dataset: Any = None) -> Any:
@@ -143,9 +136,16 @@ class Trainer:
 
     # --- the config ---
 
-    def build_config(self, agent: Any, train_dataset: Any = None, val_dataset: Any = None) -> TrainConfig:
-        """The TrainConfig that fit/dev run: the keywords over `config=`, with the agent and the datasets."""
+    def build_config(
+        self, agent: Any, train_dataset: Any = None, val_dataset: Any = None, *, one_pass: bool = False
+    ) -> TrainConfig:
+        """The TrainConfig that fit/dev run: the keywords over `config=`, with the agent and the datasets.
+        `one_pass` (dev): unless batch_size or samples_per_task are given, each task of `train_dataset` runs once, as
+        agent-lightning's `dev` runs them (its Baseline algorithm, one epoch)."""
         data = {**self._base, **self._fields}
+        if one_pass and train_dataset is not None and not isinstance(train_dataset, str | Path):
+            data.setdefault("batch_size", len(train_dataset))
+            data.setdefault("samples_per_task", 1)
         agent_spec = _agent_spec(agent)
         data["agent"] = agent_spec
         data.setdefault("run_name", _run_name(agent))
@@ -173,7 +173,7 @@ class Trainer:
             raise TypeError(
                 f"Trainer: agent is a {type(agent).__name__}; give a LitAgent instance or a @lightning.rollout function"
             )
-        config = self.build_config(agent, train_dataset, val_dataset)
+        config = self.build_config(agent, train_dataset, val_dataset, one_pass=flow_name == "dev")
         preflight.check(config)
         run_flow = _flow_runner()
         agent.set_trainer(self)
@@ -251,29 +251,38 @@ def _store_url(store: Any) -> str:
 
 
 def _resource_fields(resources: Mapping[str, Any]) -> dict[str, Any]:
+    """agent-lightning's `initial_resources` as TrainConfig fields. The LLM to train (the only LLM, or the one named
+    `main_llm` among several) becomes the run's policy endpoint (inference backend 'external'), given to rollouts
+    under its name through the run's proxy; with no LLM, the run serves its own model as `main_llm`. Every other
+    resource (prompt templates, LLMs the agent calls as they are) goes to every rollout unchanged."""
+    unknown = sorted(name for name, value in resources.items() if not isinstance(value, LLM | PromptTemplate))
+    if unknown:
+        raise TypeError(f"Trainer: initial_resources {unknown} are not lightning.LLM or lightning.PromptTemplate")
     llms = {name: value for name, value in resources.items() if isinstance(value, LLM)}
-    others = sorted(name for name in resources if name not in llms)
-    if others or len(llms) != 1:
+    if len(llms) > 1 and "main_llm" not in llms:
         raise ValueError(
-            "Trainer: initial_resources= takes one LLM (the endpoint rollouts call, as inference backend 'external'); "
-            f"got {sorted(resources)}. The run gives the agent its LLM as resources['main_llm']; pass prompt "
-            "templates and other settings to the agent itself"
+            f"Trainer: initial_resources has several LLMs ({sorted(llms)}); name the one the run trains 'main_llm'"
         )
-    (llm,) = llms.values()
-    if isinstance(llm, ProxyLLM):
+    policy_name = next(iter(llms)) if len(llms) == 1 else "main_llm"
+    fields: dict[str, Any] = {
+        "resources": {name: value.model_dump() for name, value in resources.items() if name != policy_name}
+    }
+    policy = llms.get(policy_name)
+    if policy is None:
+        return fields
+    if isinstance(policy, ProxyLLM):
         raise ValueError(
             "Trainer: initial_resources= got a ProxyLLM; the run starts its own proxy: give the LLM behind it"
         )
-    if llm.api_key:
+    if policy.api_key:
         raise ValueError(
             "Trainer: initial_resources= holds an API key; put it in an environment variable and give "
             "inference={'backend': 'external', 'endpoint': ..., 'api_key_env': 'NAME'} instead"
         )
-    fields: dict[str, Any] = {
-        "inference": {"backend": "external", "endpoint": llm.endpoint, "served_model_name": llm.model}
-    }
-    if llm.sampling_parameters:
-        fields["sampling"] = dict(llm.sampling_parameters)
+    fields["llm_resource_name"] = policy_name
+    fields["inference"] = {"backend": "external", "endpoint": policy.endpoint, "served_model_name": policy.model}
+    if policy.sampling_parameters:
+        fields["sampling"] = dict(policy.sampling_parameters)
     return fields
 
 
@@ -332,6 +341,15 @@ def _dataset_spec(dataset: Any, argument: str, path: Path) -> str:
 def _plain(task: Any) -> Any:
     dump = getattr(task, "model_dump", None)  # a pydantic model
     return dump(mode="json") if callable(dump) else task
+
+
+__path__: list[str] = []
+"""A package for agent-lightning's paths below `agentlightning.trainer` (lightning.trainer.trainer), which
+lightning.agl_paths answers for."""
+
+
+def __getattr__(name: str) -> Any:
+    missing(__name__, name)
 
 
 __all__ = ["Dataset", "Trainer", "registry"]

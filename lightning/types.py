@@ -10,7 +10,7 @@ import hmac
 import json
 import os
 from collections.abc import Iterator, Sequence
-from typing import Annotated, Any, Generic, Literal, TypeVar
+from typing import Annotated, Any, Generic, Literal, Protocol, SupportsIndex, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
@@ -62,7 +62,8 @@ def new_attempt_id() -> str:
 
 
 def new_resources_id() -> str:
-    return f"rs-{os.urandom(8).hex()}"
+    # 48 random bits: agent-lightning's length ("rs-" and 12 hex digits), which its clients and tests expect.
+    return f"rs-{os.urandom(6).hex()}"
 
 
 # --- Rollouts and attempts -------------------------------------------------------------------
@@ -163,11 +164,18 @@ class Worker(BaseModel):
 class LLM(BaseModel):
     """An OpenAI-compatible endpoint and the sampling parameters to call it with."""
 
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
     resource_type: Literal["llm"] = "llm"
+    """What this resource is: an LLM endpoint."""
     endpoint: str
+    """The OpenAI base URL (".../v1")."""
     model: str
+    """The model name to ask the endpoint for."""
     api_key: str | None = Field(default=None, repr=False)
+    """The key to send (None: none)."""
     sampling_parameters: dict[str, Any] = Field(default_factory=dict)
+    """Sampling parameters to call it with (temperature, max_tokens, ...)."""
 
     @property
     def base_url(self) -> str:
@@ -229,9 +237,14 @@ class ProxyLLM(LLM):
 class PromptTemplate(BaseModel):
     """A prompt with placeholders, rendered with Python's str.format or with Jinja2."""
 
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
     resource_type: Literal["prompt_template"] = "prompt_template"
+    """What this resource is: a prompt template."""
     template: str
+    """The text, with {placeholders} (f-string) or {{ placeholders }} (jinja)."""
     engine: Literal["f-string", "jinja"] = "f-string"
+    """How the template is rendered: Python's str.format or Jinja2."""
 
     def format(self, **kwargs: Any) -> str:
         if self.engine == "f-string":
@@ -249,6 +262,7 @@ class PromptTemplate(BaseModel):
 
 
 Resource = Annotated[LLM | ProxyLLM | PromptTemplate, Field(discriminator="resource_type")]
+ResourceUnion = Resource  # agent-lightning's name for the union
 NamedResources = dict[str, Resource]
 
 
@@ -270,7 +284,18 @@ class Claim(BaseModel):
     resources: list[ResourcesUpdate] = []
 
 
-# --- Query results ---------------------------------------------------------------------------
+# --- Datasets and query results --------------------------------------------------------------
+
+T_co = TypeVar("T_co", covariant=True)
+
+
+class Dataset(Protocol[T_co]):
+    """agent-lightning's dataset type: anything with `len()` and `[i]` (a list will do)."""
+
+    def __getitem__(self, index: SupportsIndex, /) -> T_co: ...
+
+    def __len__(self) -> int: ...
+
 
 T = TypeVar("T")
 
@@ -313,6 +338,7 @@ class PaginatedResult(BaseModel, Generic[T]):
 AttributeValue = str | bool | int | float | Sequence[str] | Sequence[bool] | Sequence[int] | Sequence[float]
 Attributes = dict[str, Any]
 StatusCode = Literal["UNSET", "OK", "ERROR"]
+TraceState = dict[str, str]
 
 
 class SpanContext(BaseModel):
@@ -464,3 +490,21 @@ class Triplet(BaseModel):
                 f"response_mask has {len(self.response_mask)} entries for {len(self.response)} response tokens"
             )
         return self
+
+
+SpanLike = Span
+"""agent-lightning's name for what its span readers take (a Span or an OpenTelemetry ReadableSpan); ours read Spans
+(`Span.from_opentelemetry` converts a ReadableSpan)."""
+
+
+def __getattr__(name: str) -> Any:
+    # agent-lightning's `types` also offers Hook, RolloutRawResult and SpanCoreFields, which live with the agent and
+    # the tracing here (both import this module: they are looked up on first use).
+    from lightning.agl_paths import lookup
+
+    return lookup(__name__, ("lightning.agent", "lightning.tracing"), name)
+
+
+__path__: list[str] = []
+"""A package for agent-lightning's paths below `agentlightning.types` (lightning.types.core, .resources, .tracer),
+which lightning.agl_paths answers for."""

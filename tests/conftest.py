@@ -72,6 +72,23 @@ def _processes_carrying(marker: bytes) -> dict[int, str]:
     return found
 
 
+AGL_PYTHON_ENV = "LIGHTNING_AGL_PYTHON"
+# agl imports LiteLLM, which otherwise fetches its price list from the internet at import (a minute offline).
+AGL_ENV = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+
+
+@pytest.fixture(scope="session")
+def agl_python() -> str:
+    """The Python of agent-lightning 0.3.0's venv (`make agl-peer`), for the tests marked `agl`."""
+    python = os.environ.get(AGL_PYTHON_ENV)
+    if not python or not Path(python).is_file():
+        pytest.fail(
+            f"the agl tests run agent-lightning 0.3.0's own code: `make agl-peer`, then "
+            f"{AGL_PYTHON_ENV}=.venv-agl/bin/python (`make test` does both); or leave them out with -m 'not agl'"
+        )
+    return python
+
+
 DEFAULT_PG_URL = "postgresql://postgres@127.0.0.1:5432/test"
 BACKENDS = ("sqlite_file", "sqlite_memory", "postgres")
 SHARED_BACKENDS = ("sqlite_file", "postgres")

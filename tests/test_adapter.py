@@ -16,6 +16,7 @@ from lightning import semconv
 from lightning.adapter import (
     AdaptReport,
     SpanNode,
+    TraceToMessages,
     adapt_rollouts,
     build_forest,
     iter_forest,
@@ -531,6 +532,24 @@ def test_spans_to_messages() -> None:
     assert transcript.metadata["finish_reason"] == "stop"
     assert (transcript.metadata["span_id"], transcript.metadata["turn_index"]) == ("c", 0)
     assert transcript.metadata["model"] == "tiny"
+
+
+def test_trace_to_messages_gives_agl_s_shape_with_the_request_s_tools() -> None:
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+    call = llm_span(1, "c", 1, 2, prompt=None, responses=[[1]], messages=[{"role": "user", "content": "hi"}])
+    with_tools = call.model_copy(
+        update={"attributes": {**call.attributes, semconv.GEN_AI_TOOL_DEFINITIONS: json.dumps([tool])}}
+    )
+    plain = llm_span(3, "d", 3, 4, prompt=None, responses=[[2]])
+    adapter = TraceToMessages()
+    assert adapter.adapt([with_tools, plain, reward_span(5, "r", 1.0, 5)]) == [
+        {
+            "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "answer 0"}],
+            "tools": [tool],
+        },
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "answer 0"}], "tools": None},
+    ]
+    assert adapter([plain]) == adapter.adapt([plain])
 
 
 # --- against a real store ----------------------------------------------------------------------------

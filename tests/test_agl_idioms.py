@@ -124,6 +124,50 @@ async def test_an_agent_that_overrides_is_async_as_a_method_runs(store: Any) -> 
     await runner.close()
 
 
+async def test_agl_s_reward_decorator_emits_what_the_function_returns(store: Any) -> None:
+    from lightning.reward import reward
+
+    @reward
+    def judge(answer: str) -> float:
+        return 0.75 if answer == "4" else 0.0
+
+    @reward
+    async def judge_async(answer: str) -> float | None:
+        return 0.25 if answer else None  # None: returned, not emitted
+
+    @agl.rollout
+    async def agent(task: dict[str, Any]) -> None:
+        assert judge("4") == 0.75 and await judge_async("") is None
+        await judge_async("x")
+
+    runner = agl.Runner(agent, store)
+    finished = await runner.step({})
+    spans = await store.query_spans(finished.rollout_id)
+    assert [agl.get_reward_value(span) for span in agl.find_reward_spans(spans)] == [0.75, 0.25]
+    await runner.close()
+
+
+async def test_an_in_memory_store_and_agl_s_client_by_their_agl_names(tmp_path: Path) -> None:
+    from conftest import serving
+
+    from lightning.store import InMemoryLightningStore, LightningStoreClient
+    from lightning.store.server import create_app
+
+    async with InMemoryLightningStore(watchdog_interval=None) as memory:
+        runner = agl.Runner(NoInitAgent(), memory)
+        assert await final_reward(memory, (await runner.step({})).rollout_id) == 0.25
+        await runner.close()
+
+    served = agl.SqlLightningStore(f"sqlite:///{tmp_path}/served.db", watchdog_interval=None, threaded=False)
+    with serving(create_app(served)) as url:
+        client = LightningStoreClient(url, retry_delays=(), request_timeout=5.0)
+        rollout = await client.enqueue_rollout({"x": 1})
+        assert [r.rollout_id for r in await client.query_rollouts()] == [rollout.rollout_id]
+        assert client.server_address == url
+        await client.close()
+    await served.close()
+
+
 def test_import_lightning_as_agl_names_what_agents_and_scripts_use_without_prefect() -> None:
     names = [
         "LitAgent", "rollout", "llm_rollout", "prompt_rollout", "emit_reward", "emit_message", "emit_object",
@@ -136,7 +180,7 @@ def test_import_lightning_as_agl_names_what_agents_and_scripts_use_without_prefe
         "import lightning as agl\n"
         f"missing = [n for n in {names!r} if not hasattr(agl, n)]\n"
         "layers = sorted(m for m in sys.modules if m.split('.')[0] in ('prefect', 'flows', 'tasks', 'torch'))\n"
-        "try:\n    agl.VERL\n    verl = ''\nexcept AttributeError as exc:\n    verl = str(exc)\n"
+        "try:\n    agl.VERL\n    verl = ''\nexcept ImportError as exc:\n    verl = str(exc)\n"
         "print(json.dumps({'missing': missing, 'layers': layers, 'verl': verl}))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -186,6 +230,21 @@ def test_the_trainer_maps_agent_lightning_s_arguments_onto_a_train_config(tmp_pa
         Trainer(task_runner="ray", store="http://127.0.0.1:9").build_config(local, [{"x": 2}])
 
 
+def test_initial_resources_take_named_llms_and_prompt_templates(tmp_path: Path) -> None:
+    prompt = agl.PromptTemplate(template="Say {word}", engine="f-string")
+    judge = agl.LLM(endpoint="http://127.0.0.1:9/v1", model="judge")
+    only_prompts = Trainer(initial_resources={"main_prompt": prompt}, output_dir=str(tmp_path))
+    config = only_prompts.build_config(module_level_agent, [{"q": 1}])
+    assert (config.inference.backend, config.llm_resource_name) == ("embedded", "main_llm")  # the run's own model
+    assert config.resources == {"main_prompt": prompt}
+    several = Trainer(initial_resources={"main_llm": LLM_M, "judge": judge, "prompt_template": prompt})
+    config = several.build_config(module_level_agent, [{"q": 1}])
+    assert (config.inference.endpoint, config.llm_resource_name) == ("http://127.0.0.1:9/v1", "main_llm")
+    assert config.resources == {"judge": judge, "prompt_template": prompt}
+    named = Trainer(initial_resources={"policy": LLM_M}).build_config(module_level_agent, [{"q": 1}])
+    assert (named.llm_resource_name, named.resources) == ("policy", {})
+
+
 @pytest.mark.parametrize(
     ("arguments", "error", "message"),
     [
@@ -201,7 +260,8 @@ def test_the_trainer_maps_agent_lightning_s_arguments_onto_a_train_config(tmp_pa
         ({"algorithm": {"lr": -1}}, ConfigError, "algorithm.lr"),
         ({"n_runners": 2, "n_workers": 3}, ValueError, "disagree"),
         ({"store": object()}, TypeError, "give the URL"),
-        ({"initial_resources": {"p": agl.PromptTemplate(template="x")}}, ValueError, "takes one LLM"),
+        ({"initial_resources": {"a": LLM_M, "b": LLM_M}}, ValueError, "name the one the run trains 'main_llm'"),
+        ({"initial_resources": {"p": "a prompt"}}, TypeError, r"\['p'\] are not lightning.LLM"),
         ({"initial_resources": {"m": LLM_M.model_copy(update={"api_key": "k"})}}, ValueError, "api_key_env"),
         ({"iteratons": 3}, ConfigError, "iteratons: unknown field"),
     ],

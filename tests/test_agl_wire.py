@@ -1,43 +1,32 @@
 """agent-lightning 0.3.0's own store client (its package, in its own Python 3.12 venv from `make agl-peer`)
-against our store server on a SQLite file: its REST routes under /v1/agl, its paginated answers, a token in the
-address, and rollouts that agl enqueues and waits for while our runner runs them."""
+against our store server: its REST routes under /v1/agl, its paginated answers, a token in the address, rollouts
+that agl enqueues and waits for while our runner runs them, and agl's store semantics call by call (on SQLite and
+PostgreSQL)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-import os
 import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from conftest import serving
+from conftest import AGL_ENV, serving
+from prefect_server import free_port
 
 from lightning.runner import Runner
 from lightning.store import SqlLightningStore
 from lightning.store.client import HttpLightningStore
 from lightning.store.server import create_app
 
+REPO = Path(__file__).resolve().parent.parent
 SCRIPT = Path(__file__).parent / "support" / "agl_client.py"
-AGL_PYTHON_ENV = "LIGHTNING_AGL_PYTHON"
 TOKEN = "agl-s3cret"
-
-
-@pytest.fixture(scope="session")
-def agl_python() -> str:
-    python = os.environ.get(AGL_PYTHON_ENV)
-    if not python or not Path(python).is_file():
-        pytest.fail(
-            f"the agl tests run agent-lightning 0.3.0's own client: `make agl-peer`, then "
-            f"{AGL_PYTHON_ENV}=.venv-agl/bin/python (`make test` does both); or leave them out with -m 'not agl'"
-        )
-    return python
-
-
-# agl imports LiteLLM, which otherwise fetches its price list from the internet at import (a minute offline).
-AGL_ENV = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
 
 
 def agl(python: str, *args: str, timeout: float = 120) -> Any:
@@ -152,12 +141,69 @@ def test_a_token_server_refuses_agl_without_the_token_in_the_address(agl_python:
     assert done.returncode != 0 and "401" in done.stderr
 
 
+@pytest.mark.agl
+def test_agl_store_semantics_hold_over_the_agl_routes(agl_python: str, shared_url: str) -> None:
+    store = SqlLightningStore(shared_url, watchdog_interval=None)
+    try:
+        with serving(create_app(store)) as url:
+            seen = agl(agl_python, "semantics", url)
+    finally:
+        asyncio.run(store.close())
+
+    # An explicit null is a 400 where agl's server refuses it; a field that may be cleared takes it.
+    assert seen["null"] == {
+        "update_worker.heartbeat_stats": 400,
+        "update_attempt.worker_id": 400,
+        "update_attempt.last_heartbeat_time": 400,
+        "update_attempt.metadata": 400,
+        "update_rollout.status": 400,
+        "update_rollout.config": 400,
+        "update_rollout.mode": "ok",
+    }
+    assert seen["next_span"] == [1, 2, 3]  # the rollout's counter, whatever the attempt id ("latest", unknown)
+    assert seen["worker_moved"] == ["busy", True]
+    assert seen["resources_id_kept"] == ["rs-later", "rs-later"]
+    assert seen["resources_id_length"] == len("rs-") + 12
+    assert seen["null_first"] and seen["null_last"]  # on PostgreSQL too
+    assert (seen["bad_sort_by"], seen["bad_limit"], seen["missing_field"]) == (400, 400, 422)
+
+
+@pytest.mark.agl
+def test_store_serve_watchdog_interval_marks_a_silent_attempt_unresponsive(
+    agl_python: str, shared_url: str, tmp_path: Path
+) -> None:
+    port = free_port()
+    command = [sys.executable, "-m", "lightning.cli", "store", "serve", "--port", str(port), "--db", shared_url]
+    command += ["--watchdog-interval", "0.1", "--log-level", "warning"]
+    log = (tmp_path / "serve.log").open("w")
+    process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(f"{url}/v1/agl/health", timeout=1)
+                break
+            except httpx.TransportError:
+                assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+                time.sleep(0.1)
+        seen = agl(agl_python, "unresponsive", url)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    assert seen == {"status": "unresponsive"}
+
+
 def test_agl_routes_answer_bad_requests_with_4xx(tmp_path: Path) -> None:
     store = SqlLightningStore(f"sqlite:///{tmp_path / 'store.db'}", watchdog_interval=None)
     with serving(create_app(store)) as url:
         base = f"{url}/v1/agl"
         wrong_field = httpx.post(f"{base}/rollouts/search", json={"statuses": ["queuing"]})
         assert wrong_field.status_code == 422 and "statuses" in wrong_field.json()["detail"]
+        wrong_sort = httpx.get(f"{base}/rollouts", params={"sort_by": "input"}).json()["detail"]
+        assert wrong_sort.startswith("Invalid sort_by: input, allowed fields are: rollout_id, start_time")
+        null = httpx.post(f"{base}/workers/w1", json={"heartbeat_stats": None})
+        assert null.status_code == 400 and "heartbeat_stats" in null.json()["detail"]
         assert httpx.post(f"{base}/rollouts/search", content=b"{not json").status_code == 400
         unknown = httpx.post(f"{base}/rollouts/ro-missing/attempts/at-missing", json={"status": "running"})
         assert unknown.status_code == 404 and "ro-missing" in unknown.json()["detail"]

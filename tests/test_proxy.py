@@ -284,6 +284,25 @@ async def test_a_token_is_required_when_set_and_the_agent_gets_it_as_its_api_key
     assert "s3cret" not in span.model_dump_json() and "backend-key" not in span.model_dump_json()
 
 
+async def test_on_loopback_agents_calls_are_served_whatever_key_they_send(store: SqlLightningStore) -> None:
+    # agent-lightning's agents send their own placeholder ("dummy", OPENAI_API_KEY); the admin routes keep the token.
+    with (
+        backends() as [(_, url)],
+        running(LLMProxy(store, [url], token="s3cret", agents_need_token=False)) as proxy,
+    ):
+        rollout, llm = await attempt_llm(store, proxy)
+        placeholder = llm.model_copy(update={"api_key": "dummy"})
+        await client(placeholder).chat.completions.create(model="policy", messages=MESSAGES)
+        async with httpx.AsyncClient() as http:
+            plain = await http.post(f"{proxy.url}/v1/chat/completions", json={"model": "policy", "messages": MESSAGES})
+            admin = await http.get(f"{proxy.url}/admin/status", headers={"authorization": "Bearer dummy"})
+        [span] = await store.query_spans(rollout.rollout_id)
+    assert plain.status_code == 200 and admin.status_code == 401
+    assert span.attributes[semconv.GEN_AI_REQUEST_MODEL] == "policy"
+    with pytest.raises(ValueError, match="agents_need_token=False"):
+        LLMProxy(store, [url], token="s3cret", agents_need_token=False).start(host="0.0.0.0")
+
+
 def test_the_proxy_refuses_to_listen_beyond_loopback_without_a_token(tmp_path: Path) -> None:
     proxy = LLMProxy(SqlLightningStore(f"sqlite:///{tmp_path}/s.db", watchdog_interval=None), ["http://127.0.0.1:1/v1"])
     with pytest.raises(ValueError, match="token"):

@@ -209,9 +209,13 @@ async def test_enqueue_with_explicit_resources_id(store: Any) -> None:
     assert rollout.resources_id == r1.resources_id
 
 
-async def test_enqueue_unknown_resources_id_raises_not_found(store: Any) -> None:
-    with pytest.raises(NotFoundError):
-        await store.enqueue_rollout("x", resources_id="rs-doesnotexist")
+async def test_a_resources_id_that_names_no_resources_is_stored_as_given(store: Any) -> None:
+    # As agent-lightning: the id is the caller's to choose (resources may be added under it later); a runner that
+    # claims such a rollout fails its attempt, naming the id.
+    queued = await store.enqueue_rollout("x", resources_id="rs-later")
+    started = await store.start_rollout("y", resources_id="rs-later")
+    updated = await store.update_rollout(started.rollout_id, resources_id="rs-other")
+    assert (queued.resources_id, updated.resources_id) == ("rs-later", "rs-other")
 
 
 async def test_get_resources_by_unknown_id_is_none(store: Any) -> None:
@@ -413,6 +417,18 @@ async def test_add_span_attempt_of_other_rollout_raises_not_found(store: Any) ->
 async def test_next_span_sequence_id_unknown_rollout_raises_not_found(store: Any) -> None:
     with pytest.raises(NotFoundError):
         await store.get_next_span_sequence_id("ro-doesnotexist", "at-doesnotexist")
+
+
+async def test_next_span_sequence_id_numbers_per_rollout_whatever_the_attempt_id(store: Any) -> None:
+    # As agent-lightning: the counter is the rollout's, so "latest" or an id the store never made number too.
+    started = await store.start_rollout("a")
+    rid = started.rollout_id
+    numbers = [
+        await store.get_next_span_sequence_id(rid, started.attempt.attempt_id),
+        await store.get_next_span_sequence_id(rid, "latest"),
+        await store.get_next_span_sequence_id(rid, "at-unknown"),
+    ]
+    assert numbers == [1, 2, 3]
 
 
 async def test_query_spans_filters_by_attempt_and_latest(store: Any) -> None:
@@ -971,6 +987,26 @@ async def test_dequeue_with_worker_makes_worker_busy_and_success_idle(store: Any
     await store.update_attempt(got.rollout_id, got.attempt.attempt_id, status="succeeded")
     worker = await store.get_worker_by_id("w1")
     assert worker is not None and worker.status == "idle"
+
+
+async def test_sorting_puts_null_first_ascending_and_last_descending(store: Any) -> None:
+    # As agent-lightning and SQLite do; PostgreSQL's own default is the other way round.
+    train = (await store.enqueue_rollout("a", mode="train")).rollout_id
+    none = (await store.enqueue_rollout("b")).rollout_id
+    val = (await store.enqueue_rollout("c", mode="val")).rollout_id
+    ascending = await store.query_rollouts(sort_by="mode")
+    descending = await store.query_rollouts(sort_by="mode", sort_order="desc")
+    assert [r.rollout_id for r in ascending] == [none, train, val]
+    assert [r.rollout_id for r in descending] == [val, train, none]
+
+
+async def test_a_worker_given_another_attempt_moves_to_it(store: Any) -> None:
+    await store.enqueue_rollout("x")
+    first = await store.dequeue_rollout(worker_id="w1")
+    second = await store.start_attempt(first.rollout_id)
+    await store.update_attempt(first.rollout_id, second.attempt.attempt_id, worker_id="w1")
+    worker = await store.get_worker_by_id("w1")
+    assert (worker.status, worker.current_attempt_id) == ("busy", second.attempt.attempt_id)
 
 
 async def test_update_worker_heartbeat_stats(store: Any) -> None:

@@ -2,8 +2,8 @@
 meeting request, the model calls a `get_rooms_and_availability` tool and picks a room. Reward: True when it picks the
 best room (the smallest free one that fits the attendees, the equipment and the accessibility needed).
 
-Written as for agent-lightning, with `import lightning as agl`: an `@agl.rollout` function taking the task and the
-`llm`, a bool reward emitted with `agl.emit_reward(..., primary_key=..., attributes=...)`.
+Written as for agent-lightning, its submodule imports changed from `agentlightning.X` to `lightning.X`: a `@rollout`
+function taking the task and the `llm`, a bool reward emitted with `emit_reward(..., primary_key=..., attributes=...)`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ from typing import Any
 
 from openai import OpenAI
 
-import lightning as agl
+from lightning.emitter import emit_reward
+from lightning.litagent import rollout
+from lightning.types import LLM
 
 TASKS = Path(__file__).with_name("tasks.jsonl")
 MAX_TURNS = 3
@@ -48,32 +50,38 @@ ROOM_TOOL = {
 }
 
 
-@agl.rollout
-def room_selector(task: dict[str, Any], llm: agl.LLM) -> None:
+@rollout
+def room_selector(task: dict[str, Any], llm: LLM) -> None:
     client = OpenAI(base_url=llm.endpoint, api_key=llm.api_key or "dummy", max_retries=0)
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM_PROMPT},
         {"role": "user", "content": describe(task)},
     ]
-    choice, tool_calls = None, 0
+    choice, tool_calls = converse(client, llm, messages)
+    correct = choice == task["expected_choice"]
+    emit_reward(
+        {"correct": correct, "used_tool": tool_calls > 0},
+        primary_key="correct",
+        attributes={"choice": choice or "", "expected": task["expected_choice"]},
+    )
+
+
+def converse(client: OpenAI, llm: LLM, messages: list[dict[str, Any]]) -> tuple[str | None, int]:
+    """Ask the model, run the tool calls it makes and tell it their results, until it chooses (at most MAX_TURNS
+    calls); its choice (None: it made none) and how many tool calls it made."""
+    tool_calls = 0
     for _ in range(MAX_TURNS):
         response = client.chat.completions.create(
             model=llm.model, messages=messages, tools=[ROOM_TOOL], **llm.sampling_parameters
         )
         message = response.choices[0].message
         if not message.tool_calls:
-            choice = final_choice(message.content or "")
-            break
+            return final_choice(message.content or ""), tool_calls
         messages.append(message.model_dump(exclude_none=True))
         for call in message.tool_calls:
             tool_calls += 1
             messages.append({"role": "tool", "tool_call_id": call.id, "content": run_tool(call.function.arguments)})
-    correct = choice == task["expected_choice"]
-    agl.emit_reward(
-        {"correct": correct, "used_tool": tool_calls > 0},
-        primary_key="correct",
-        attributes={"choice": choice or "", "expected": task["expected_choice"]},
-    )
+    return None, tool_calls
 
 
 def describe(task: dict[str, Any]) -> str:

@@ -1,6 +1,8 @@
 """Adapters: the spans of rollout attempts -> training data (token triplets, chat transcripts)."""
 
-from lightning.adapter.messages import Transcript, spans_to_messages
+from typing import Any
+
+from lightning.adapter.messages import TraceToMessages, Transcript, spans_to_messages
 from lightning.adapter.tree import SpanNode, build_forest, iter_forest
 from lightning.adapter.triplets import (
     DEFAULT_LLM_SPAN_NAME,
@@ -11,6 +13,12 @@ from lightning.adapter.triplets import (
     adapt_rollouts,
     spans_to_triplets,
 )
+from lightning.agl_paths import missing
+
+
+def __getattr__(name: str) -> Any:
+    missing(__name__, name)
+
 
 __all__ = [
     "DEFAULT_LLM_SPAN_NAME",
@@ -19,6 +27,7 @@ __all__ = [
     "RewardMatch",
     "Shape",
     "SpanNode",
+    "TraceToMessages",
     "Transcript",
     "adapt_rollouts",
     "build_forest",

@@ -17,6 +17,8 @@ class Transcript(BaseModel):
     """One LLM call as chat messages: the request's messages, then the model's answer (first choice)."""
 
     messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    """The tools the request offered (OpenAI's shape), or None when it offered none."""
     reward: float | None = None
     """The reward the policy matched; None when there is none (kept: SFT may not need one)."""
     metadata: dict[str, Any] = Field(default_factory=dict)
@@ -60,8 +62,28 @@ def spans_to_messages(
             or span.attributes.get(semconv.GEN_AI_REQUEST_MODEL),
             "finish_reason": finish_reason,
         }
-        transcripts.append(Transcript(messages=[*request, answer], reward=call.reward, metadata=metadata))
+        tools = _json_attribute(span, semconv.GEN_AI_TOOL_DEFINITIONS)
+        transcripts.append(
+            Transcript(
+                messages=[*request, answer],
+                tools=tools if isinstance(tools, list) else None,
+                reward=call.reward,
+                metadata=metadata,
+            )
+        )
     return transcripts
+
+
+class TraceToMessages:
+    """agent-lightning's messages adapter: `TraceToMessages().adapt(spans)` (or called) -> one
+    `{"messages": [...], "tools": [...] | None}` per LLM call, the request's messages then the model's answer, in
+    OpenAI's fine-tuning shape. Over `spans_to_messages`: the calls are those the run's LLM proxy recorded (agl's
+    reads its tracer's `gen_ai.prompt.*` attributes instead)."""
+
+    def adapt(self, source: Sequence[Span], /) -> list[dict[str, Any]]:
+        return [{"messages": t.messages, "tools": t.tools} for t in spans_to_messages(source)]
+
+    __call__ = adapt
 
 
 def _json_attribute(span: Span, attribute: str) -> Any:

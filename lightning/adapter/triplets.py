@@ -38,7 +38,7 @@ from pydantic import BaseModel, Field
 from lightning import semconv
 from lightning.adapter.tree import SpanNode, build_forest, iter_forest
 from lightning.store.base import LightningStore
-from lightning.tracing.rewards import find_final_reward, get_reward_value
+from lightning.tracing.rewards import find_final_reward, get_reward_value, is_reward_span
 from lightning.types import Rollout, Span, Triplet
 
 Shape = Literal["transition", "trajectory"]
@@ -312,12 +312,9 @@ def is_llm_call(span: Span, name_regex: re.Pattern[str]) -> bool:
     return bool(name_regex.search(span.name)) or span.attributes.get(semconv.GEN_AI_OPERATION) in LLM_OPERATIONS
 
 
-def is_reward_span(span: Span) -> bool:
-    return span.name in (semconv.REWARD_SPAN, semconv.PEER_REWARD_SPAN) or get_reward_value(span) is not None
-
-
 def _is_reward_code(span: Span) -> bool:
-    if is_reward_span(span) or REWARD_CODE_NAME.search(span.name):
+    reward_span = span.name in (semconv.REWARD_SPAN, semconv.PEER_REWARD_SPAN) or is_reward_span(span)
+    if reward_span or REWARD_CODE_NAME.search(span.name):
         return True
     operation = span.attributes.get(semconv.OPERATION_NAME)
     return isinstance(operation, str) and bool(REWARD_CODE_NAME.search(operation))

@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 RolloutResult = None | float | int | bool | list[Span] | list[Any]
+RolloutRawResult = RolloutResult  # agent-lightning's name
 """What a rollout returns: None, a reward (a bool counts as 1.0 / 0.0), or spans (ours, OpenTelemetry
 ReadableSpans, or what the emitters return)."""
 

@@ -83,6 +83,10 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
     return JSONResponse(body, status_code=status)
 
 
+AGENT_ROUTES = ("/v1/", "/rollout/")
+"""The paths of agents' model calls (the rest: /health, /admin/...)."""
+
+
 class LLMProxy:
     """Forwards OpenAI-style calls to `backends`, stores a span per call in `store`.
 
@@ -91,7 +95,11 @@ class LLMProxy:
       else the first name the backend's `GET /models` lists when it does not list `model_name`.
     - `external_models`: names answered through LiteLLM instead of the backends.
     - `token`: bearer token every request must carry (the agents' `api_key`); required to listen
-      beyond loopback.
+      beyond loopback. It also signs the routes runners hand their agents.
+    - `agents_need_token`: False lets model calls (`/v1/...`, `/rollout/...`) in with any key or none, as
+      agent-lightning's proxy does: agents written for it send a placeholder ("dummy", their own OPENAI_API_KEY).
+      The admin routes still need the token. Only for a proxy on loopback (`start` refuses it elsewhere): any
+      process of the machine can then call the models, as with agl's proxy.
     - `max_tries`: backends tried per call; connection errors and 5xx move on to the next one
       after `retry_backoff` seconds (doubling).
     """
@@ -104,6 +112,7 @@ class LLMProxy:
         model_name: str = "policy",
         external_models: Sequence[ExternalModel] = (),
         token: str | None = None,
+        agents_need_token: bool = True,
         max_tries: int = 3,
         retry_backoff: float = 0.05,
         timeout: float = 600.0,
@@ -114,6 +123,7 @@ class LLMProxy:
         self.model_name = model_name
         self.external_models = {m.model_name: m for m in external_models}
         self.token = token
+        self.agents_need_token = agents_need_token
         self.max_tries = max_tries
         self.retry_backoff = retry_backoff
         self.timeout = timeout
@@ -197,7 +207,9 @@ class LLMProxy:
         proxy = self
 
         if self.token is not None:
-            app.add_middleware(BearerAuth, token=self.token, refusal=_unauthorised, open_paths=("/health",))
+            open_prefixes = () if self.agents_need_token else AGENT_ROUTES
+            auth = {"token": self.token, "refusal": _unauthorised, "open_paths": ("/health",)}
+            app.add_middleware(BearerAuth, **auth, open_prefixes=open_prefixes)
 
         @app.get("/health")
         async def health() -> dict[str, str]:
@@ -623,10 +635,11 @@ class LLMProxy:
         """Serve on a background thread; returns the proxy's URL (http://host:port)."""
         from lightning.serving import ThreadedServer, is_loopback
 
-        if self.token is None and not is_loopback(host):
+        if (self.token is None or not self.agents_need_token) and not is_loopback(host):
             raise ValueError(
-                f"LLMProxy(token=None) refuses to listen on {host}: anyone who can reach it could use the models "
-                "and write spans. Pass token=..., or listen on 127.0.0.1."
+                f"LLMProxy(token=None or agents_need_token=False) refuses to listen on {host}: anyone who can reach it "
+                "could use the models and write spans. Pass token=... (and leave agents_need_token), or listen on "
+                "127.0.0.1."
             )
         self._server = ThreadedServer(self.app, host=host, port=port)
         self.url = self._server.start()

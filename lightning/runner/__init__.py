@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning.agent import Hook, LitAgent, RolloutResult, _current_runner
+from lightning.agl_paths import missing
 from lightning.store import lifecycle
 from lightning.store.base import LightningStore
 from lightning.store.errors import AuthError, StoreError
@@ -288,4 +289,13 @@ def known_versions(known: dict[str, ResourcesUpdate]) -> dict[str, int]:
     return {resources_id: update.version for resources_id, update in known.items()}
 
 
-__all__ = ["Runner"]
+LitAgentRunner = Runner
+"""agent-lightning's name. Built as `Runner(agent, store)`; agl's `LitAgentRunner(tracer)` + `run_context(...)` is
+not: the runner makes its own tracer."""
+
+
+def __getattr__(name: str) -> Any:
+    missing(__name__, name)
+
+
+__all__ = ["LitAgentRunner", "Runner"]

@@ -1,9 +1,13 @@
 """The store: rollouts, attempts, spans, resources and workers, and the rules of their lifecycle."""
 
+from typing import Any
+
+from lightning.agl_paths import missing
 from lightning.store import contract
 from lightning.store.base import UNSET, LightningStore, Unset
 from lightning.store.contract import DEFAULT_QUEUE
 from lightning.store.errors import AuthError, ConflictError, InvalidArgumentError, NotFoundError, StoreError
+from lightning.store.memory import InMemoryLightningStore
 from lightning.store.sql import DEFAULT_URL, SqlLightningStore
 
 
@@ -21,12 +25,21 @@ def open_store(url: str, *, token: str | None = None, watchdog_interval: float |
     return SqlLightningStore(url, watchdog_interval=watchdog_interval)
 
 
+def __getattr__(name: str) -> Any:
+    if name == "LightningStoreClient":  # (aiohttp, loaded on first use)
+        from lightning.store.client import LightningStoreClient
+
+        return LightningStoreClient
+    missing(__name__, name)
+
+
 __all__ = [
     "DEFAULT_QUEUE",
     "DEFAULT_URL",
     "UNSET",
     "AuthError",
     "ConflictError",
+    "InMemoryLightningStore",
     "InvalidArgumentError",
     "LightningStore",
     "NotFoundError",

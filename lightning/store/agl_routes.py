@@ -3,9 +3,12 @@
 
 Each route turns its path, query and body into the request model of `lightning.store.contract` that our own
 route `POST /v1/store/<method>` takes, hands it to the same store, and answers in agl's shape (paginated queries,
-`{"sequence_id": n}`, 201 on creation). agl's client cannot send a bearer token: on a server with a token, give it
-the token as the first part of the address, `LightningStoreClient("http://host:4747/t/<token>")`; the server
-strips `/t/<token>` and checks it like a bearer token (see `PathToken`).
+`{"sequence_id": n}`, 201 on creation) with agl's status codes for bad requests: 400 for an explicit null where agl
+refuses one, for bad sorting or paging and for an argument the store refuses; 422 for a body that does not fit.
+
+agl's client cannot send a bearer token: on a server with a token, give it the token as the first part of the
+address, `LightningStoreClient("http://host:4747/t/<token>")`; the server strips `/t/<token>` and checks it like a
+bearer token (see `PathToken`).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args, get_origin
 
 import pydantic
 from starlette.requests import Request
@@ -46,6 +49,9 @@ class AglRoute:
     answer: Callable[[Any], Any] = lambda value: value
     list_fields: tuple[str, ...] = ()
     """Query-string parameters that may repeat (GET): the values form a list."""
+    not_null: tuple[str, ...] = ()
+    """Fields that agl's server refuses as an explicit null (400): for these, left out ("unset", keep the value) and
+    null differ, and null is not a value."""
 
 
 # Fixed paths before the ones with an {id} in the same place: the first route whose path and method match wins.
@@ -56,16 +62,21 @@ ROUTES: tuple[AglRoute, ...] = (
     AglRoute("GET", "/rollouts", contract.QueryRollouts, list_fields=("status_in", "rollout_id_in")),
     AglRoute("POST", "/rollouts/search", contract.QueryRollouts),
     AglRoute("GET", "/rollouts/{rollout_id}", contract.GetRolloutById),
-    AglRoute("POST", "/rollouts/{rollout_id}", contract.UpdateRollout),
+    AglRoute("POST", "/rollouts/{rollout_id}", contract.UpdateRollout, not_null=("status", "config")),
     AglRoute("POST", "/rollouts/{rollout_id}/attempts", contract.StartAttempt, 201),
     AglRoute("GET", "/rollouts/{rollout_id}/attempts", contract.QueryAttempts),
     AglRoute("POST", "/rollouts/{rollout_id}/attempts/search", contract.QueryAttempts),
     AglRoute("GET", "/rollouts/{rollout_id}/attempts/latest", contract.GetLatestAttempt),
-    AglRoute("POST", "/rollouts/{rollout_id}/attempts/{attempt_id}", contract.UpdateAttempt),
+    AglRoute(
+        "POST",
+        "/rollouts/{rollout_id}/attempts/{attempt_id}",
+        contract.UpdateAttempt,
+        not_null=("status", "worker_id", "last_heartbeat_time", "metadata"),
+    ),
     AglRoute("GET", "/workers", contract.QueryWorkers, list_fields=("status_in",)),
     AglRoute("POST", "/workers/search", contract.QueryWorkers),
     AglRoute("GET", "/workers/{worker_id}", contract.GetWorkerById),
-    AglRoute("POST", "/workers/{worker_id}", contract.UpdateWorker),
+    AglRoute("POST", "/workers/{worker_id}", contract.UpdateWorker, not_null=("heartbeat_stats",)),
     AglRoute("GET", "/statistics", contract.Statistics),
     AglRoute("GET", "/resources", contract.QueryResources),
     AglRoute("POST", "/resources", contract.AddResources, 201, body_is="resources"),
@@ -98,9 +109,15 @@ def _endpoint(store: LightningStore, route: AglRoute) -> Callable[..., Any]:
     answer_type = pydantic.TypeAdapter(route.request.response)
 
     async def endpoint(request: Request) -> Response:
+        fields: dict[str, Any] = {}
         try:
             fields = await _fields(request, route)
+            for name in route.not_null:
+                if name in fields and fields[name] is None:
+                    return _error(400, f"{name} is invalid; it cannot be a null value.")
             call = route.request.model_validate(fields)
+            if isinstance(call, contract.Page) and call.limit == 0:
+                return _error(400, "Limit must be greater than 0 or -1 for no limit")
             if isinstance(call, contract.WaitForRollouts):
                 cap = MAX_WAIT_SECONDS if call.timeout is None else min(call.timeout, MAX_WAIT_SECONDS)
                 call = call.model_copy(update={"timeout": cap})
@@ -108,9 +125,11 @@ def _endpoint(store: LightningStore, route: AglRoute) -> Callable[..., Any]:
             body = answer_type.dump_python(result, mode="json")
             return JSONResponse(route.answer(body), status_code=route.status_code)
         except pydantic.ValidationError as exc:
-            return _error(422, f"{route.request.method}: {describe_validation_error(exc, 'body')}")
+            return _validation_error(route, exc, fields)
         except BodyTooLarge as exc:
             return _error(413, str(exc))
+        except InvalidArgumentError as exc:
+            return _error(400, str(exc))  # agl's "bad request: do not retry"
         except StoreError as exc:
             return _error(http_status(exc), str(exc))
         except json.JSONDecodeError as exc:
@@ -141,6 +160,28 @@ async def _fields(request: Request, route: AglRoute) -> dict[str, Any]:
             fields.update(body)
     fields.update(request.path_params)
     return fields
+
+
+PAGE_FIELDS = frozenset({"sort_by", "sort_order", "limit", "offset", "filter_logic"})
+
+
+def _validation_error(route: AglRoute, exc: pydantic.ValidationError, fields: dict[str, Any]) -> JSONResponse:
+    """agl's answers to a request that does not fit: its server checks the sorting, paging and filter logic of a
+    query itself (400, naming the allowed values), and leaves the rest of the body to FastAPI's validation (422)."""
+    wrong = {str(error["loc"][0]) for error in exc.errors() if error.get("loc")}
+    if not wrong or not wrong <= PAGE_FIELDS:
+        return _error(422, f"{route.request.method}: {describe_validation_error(exc, 'body')}")
+    if "sort_by" in wrong:
+        allowed = ", ".join(_literal_values(route.request.model_fields["sort_by"].annotation))
+        return _error(400, f"Invalid sort_by: {fields.get('sort_by')}, allowed fields are: {allowed}")
+    return _error(400, f"{route.request.method}: {describe_validation_error(exc, 'body')}")
+
+
+def _literal_values(annotation: Any) -> list[str]:
+    """The strings a `Literal[...] | None` annotation allows."""
+    if get_origin(annotation) is Literal:
+        return [str(value) for value in get_args(annotation)]
+    return [value for arg in get_args(annotation) for value in _literal_values(arg)]
 
 
 def _error(status_code: int, detail: str) -> JSONResponse:

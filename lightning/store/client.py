@@ -9,7 +9,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 import aiohttp
@@ -212,3 +212,27 @@ def _error_from(method: str, status: int, reason: str | None, content: bytes, ba
     if error_type is StoreError:
         detail = f"{method}: HTTP {status}: {detail}"
     return error_type(detail)
+
+
+class LightningStoreClient(HttpLightningStore):
+    """agent-lightning's store client, by its name and arguments: `LightningStoreClient("http://host:4747")`, the
+    address of `lightning store serve` (or of agl's own server: this client speaks our `/v1/store` routes, which
+    only ours serves). `retry_delays`: its length is how many times a call safe to repeat is tried again (our client
+    picks its own back-off); `request_timeout`: seconds per request. `health_retry_delays` and `connection_timeout`
+    are accepted for agl's code and change nothing. `token`: the server's bearer token."""
+
+    def __init__(
+        self,
+        server_address: str,
+        *,
+        retry_delays: Sequence[float] = (1.0, 2.0, 5.0),
+        health_retry_delays: Sequence[float] = (0.1, 0.2, 0.5),
+        request_timeout: float = 30.0,
+        connection_timeout: float = 5.0,
+        token: str | None = None,
+    ) -> None:
+        super().__init__(server_address, token=token, timeout=request_timeout, retries=len(retry_delays))
+        self.server_address = self.base_url
+
+    def __repr__(self) -> str:
+        return f"LightningStoreClient({self.base_url!r})"

@@ -779,7 +779,6 @@ _INSERT_ROLLOUT = _Sql(_insert_row(rollouts))
 _INSERT_ROLLOUT_IF_NEW_KEY = _insert_ignoring_duplicates(rollouts)
 _SELECT_ROLLOUT_BY_KEY = _Sql(select(*_ROLLOUT_COLUMNS).where(rollouts.c.idempotency_key == _bp("key")))
 _SELECT_LATEST_RESOURCES_ID = _Sql(select(resources.c.resources_id).order_by(resources.c.latest_order.desc()).limit(1))
-_SELECT_RESOURCES_ID = _Sql(select(resources.c.resources_id).where(resources.c.resources_id == _bp("rs_id")))
 _SELECT_QUEUE_HEAD = _Sql(
     select(*_ROLLOUT_COLUMNS, rollouts.c.attempt_count)
     .where(rollouts.c.queue == _bp("queue"), rollouts.c.queued_at.is_not(None))
@@ -834,7 +833,6 @@ _RAISE_SPAN_COUNTER = _Sql(
         )
     )
 )
-_SELECT_ATTEMPT_OWNER = _Sql(select(attempts.c.rollout_id).where(attempts.c.attempt_id == _bp("a_id")))
 _ALLOCATE_SPAN_IDS = _Sql(
     update(rollouts)
     .where(rollouts.c.rollout_id == _bp("r_id"))
@@ -889,7 +887,6 @@ _UPSERT_WORKER_STATUS = _DialectSql(
 
 
 def _op_enqueue(tx: _Tx, requests: list[EnqueueRolloutRequest], encoded: list[str], now: float) -> list[Rollout]:
-    _check_resources_exist(tx, {r.resources_id for r in requests if r.resources_id})
     latest = None
     if any(r.resources_id is None for r in requests):
         latest = tx.first(_SELECT_LATEST_RESOURCES_ID, {})
@@ -931,7 +928,6 @@ def _op_enqueue(tx: _Tx, requests: list[EnqueueRolloutRequest], encoded: list[st
 
 
 def _op_start_rollout(tx: _Tx, request: contract.StartRollout, encoded_input: str, now: float) -> AttemptedRollout:
-    _check_resources_exist(tx, {request.resources_id} if request.resources_id else set())
     latest = None if request.resources_id else tx.first(_SELECT_LATEST_RESOURCES_ID, {})
     rollout = Rollout(
         rollout_id=new_rollout_id(),
@@ -1024,8 +1020,6 @@ def _create_attempt(tx: _Tx, rollout: Rollout, sequence_id: int, worker_id: str 
 def _op_update_rollout(tx: _Tx, rollout_id: str, changes: dict[str, Any], status: RolloutStatus, now: float) -> Rollout:
     if tx.first(_SELECT_ROLLOUT_FOR_UPDATE, {"r_id": rollout_id}) is None:
         raise NotFoundError(f"update_rollout: no rollout {rollout_id!r}")
-    if changes.get("resources_id"):
-        _check_resources_exist(tx, {changes["resources_id"]})
     if changes:
         tx.conn.execute(update(rollouts).where(rollouts.c.rollout_id == rollout_id).values(**changes))
     if "config" in changes:
@@ -1080,6 +1074,10 @@ def _op_update_attempt(
     attempt = _attempt(row)
     if status is not UNSET and status != attempt.status:
         _move_attempt(tx, attempt, row, status, now)
+    elif changes.get("worker_id"):
+        # As in agent-lightning: the worker named takes this attempt as its current one (a worker that dequeued
+        # attempt 1 and is handed attempt 2 moves to it).
+        _record_worker_status(tx, changes["worker_id"], attempt, now, dequeued=False)
     return attempt
 
 
@@ -1197,20 +1195,17 @@ def _op_finish_attempt(
 
 
 def _op_allocate_sequence_ids(tx: _Tx, pairs: list[tuple[str, str]]) -> list[int]:
-    """Reserve span sequence ids, per rollout, in the order asked."""
+    """Reserve span sequence ids, per rollout, in the order asked. As in agent-lightning, the counter is the
+    rollout's: the attempt id is not looked at (any id, "latest" too, numbers in its rollout's sequence)."""
     counts: dict[str, int] = {}
-    checked: set[tuple[str, str]] = set()
-    for rollout_id, attempt_id in pairs:
-        if (rollout_id, attempt_id) not in checked:
-            owner = tx.first(_SELECT_ATTEMPT_OWNER, {"a_id": attempt_id})
-            if owner is None or owner["rollout_id"] != rollout_id:
-                raise NotFoundError(f"span sequence id: no attempt {attempt_id!r} in rollout {rollout_id!r}")
-            checked.add((rollout_id, attempt_id))
+    for rollout_id, _ in pairs:
         counts[rollout_id] = counts.get(rollout_id, 0) + 1
     next_free: dict[str, int] = {}
     for rollout_id in sorted(counts):
         after = tx.first(_ALLOCATE_SPAN_IDS, {"r_id": rollout_id, "count": counts[rollout_id]})
-        next_free[rollout_id] = after["next_span_sequence_id"] - counts[rollout_id]  # type: ignore[index]
+        if after is None:
+            raise NotFoundError(f"span sequence id: no rollout {rollout_id!r}")
+        next_free[rollout_id] = after["next_span_sequence_id"] - counts[rollout_id]
     allocated = []
     for rollout_id, _ in pairs:
         allocated.append(next_free[rollout_id])
@@ -1574,12 +1569,6 @@ def _dialect_insert(conn: Connection) -> Any:
     return sqlite_dialect.insert if conn.dialect.name == "sqlite" else pg_dialect.insert
 
 
-def _check_resources_exist(tx: _Tx, resources_ids: set[str]) -> None:
-    for resources_id in sorted(resources_ids):
-        if tx.first(_SELECT_RESOURCES_ID, {"rs_id": resources_id}) is None:
-            raise NotFoundError(f"resources_id {resources_id!r} names no resources; add them with add_resources first")
-
-
 def _check_rollout_exists(tx: _Tx, rollout_id: str, where: str) -> None:
     if tx.first(_SELECT_ROLLOUT_EXISTS, {"r_id": rollout_id}) is None:
         raise NotFoundError(f"{where}: no rollout {rollout_id!r}")
@@ -1596,7 +1585,13 @@ def _order_and_page(stmt: Any, table: Any, page: contract.Page, default_order: A
     sort_by = getattr(page, "sort_by", None)
     if sort_by is not None:
         column = table.c[sort_by]
-        stmt = stmt.order_by(column.desc() if page.sort_order == "desc" else column.asc())
+        order = column.desc() if page.sort_order == "desc" else column.asc()
+        if column.nullable:
+            # NULL counts as the smallest value, as in agent-lightning and SQLite; PostgreSQL's default is the
+            # largest. (Only for columns that can hold NULL: an explicit NULLS order keeps PostgreSQL from reading
+            # a plain index in order.)
+            order = order.nulls_last() if page.sort_order == "desc" else order.nulls_first()
+        stmt = stmt.order_by(order)
     if default_order is not None:
         stmt = stmt.order_by(default_order.desc() if page.sort_order == "desc" and sort_by is None else default_order)
     if page.limit >= 0:

@@ -9,8 +9,16 @@ from lightning.tracing.emitters import (
     emit_reward,
     is_secret_name,
     operation,
+    reward,
 )
-from lightning.tracing.rewards import find_final_reward, find_rewards, get_final_reward, get_reward_value
+from lightning.tracing.rewards import (
+    find_final_reward,
+    find_reward_spans,
+    find_rewards,
+    get_final_reward,
+    get_reward_value,
+    is_reward_span,
+)
 from lightning.tracing.tracer import SpanExportError, TraceContext, Tracer
 
 __all__ = [
@@ -24,9 +32,12 @@ __all__ = [
     "emit_object",
     "emit_reward",
     "find_final_reward",
+    "find_reward_spans",
     "find_rewards",
     "get_final_reward",
     "get_reward_value",
+    "is_reward_span",
     "is_secret_name",
     "operation",
+    "reward",
 ]

@@ -139,6 +139,33 @@ def emit_reward(
     return _record("emit_reward", semconv.REWARD_SPAN, fields, propagate)
 
 
+def reward(fn: F) -> F:
+    """agent-lightning's `@reward` (deprecated there for `emit_reward`): the decorated function, sync or async, works
+    as before, and each number it returns is also emitted as a reward (`emit_reward`). A result that is not a number
+    (None, text) is returned and not emitted, with a warning, as agl does."""
+
+    def emit(result: Any) -> Any:
+        if isinstance(result, numbers.Real):
+            emit_reward(float(result))
+        else:
+            logger.warning("@reward: %s returned %r, not a number; no reward emitted", fn.__qualname__, result)
+        return result
+
+    if inspect.iscoroutinefunction(fn):
+
+        @functools.wraps(fn)
+        async def emitting_async(*args: Any, **kwargs: Any) -> Any:
+            return emit(await fn(*args, **kwargs))
+
+        return emitting_async  # type: ignore[return-value]
+
+    @functools.wraps(fn)
+    def emitting(*args: Any, **kwargs: Any) -> Any:
+        return emit(fn(*args, **kwargs))
+
+    return emitting  # type: ignore[return-value]
+
+
 def _reward_attributes(value: float | Mapping[str, float], primary_key: str | None = None) -> dict[str, Any]:
     """The attributes of a reward span, after checking every value is a finite number: ours, and agent-lightning
     0.3's list of dimensions (primary first), so its `find_final_reward` reads our rewards too."""

@@ -30,6 +30,16 @@ def get_reward_value(span: Span) -> float | None:
     return None
 
 
+def is_reward_span(span: Span) -> bool:
+    """Whether the span carries a reward (ours, or agent-lightning's)."""
+    return get_reward_value(span) is not None
+
+
+def find_reward_spans(spans: Sequence[Span]) -> list[Span]:
+    """The spans that carry a reward, in the order given."""
+    return [span for span in spans if is_reward_span(span)]
+
+
 def find_rewards(spans: Sequence[Span]) -> list[float]:
     """The primary reward of each reward span, in sequence order."""
     ordered = sorted(spans, key=lambda span: span.sequence_id)

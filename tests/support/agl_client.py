@@ -5,6 +5,8 @@
     python agl_client.py enqueue URL N        queue N rollouts for a runner; their ids
     python agl_client.py collect URL ID...    wait for them; each one's status, span names and final reward
     python agl_client.py agl-runner URL N     agl's own LitAgentRunner (OtelTracer) runs N rollouts of the store
+    python agl_client.py semantics URL        what agl's store semantics say, call by call (issue 30's list)
+    python agl_client.py unresponsive URL     an attempt 0.25 s past unresponsive_seconds=0.2: its status
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ import json
 import sys
 import time
 
+import aiohttp
 from agentlightning import PromptTemplate
 from agentlightning.emitter.reward import find_final_reward
 from agentlightning.store.client_server import LightningStoreClient
-from agentlightning.types import AttemptedRollout, EnqueueRolloutRequest, PaginatedResult, Rollout
+from agentlightning.types import AttemptedRollout, EnqueueRolloutRequest, PaginatedResult, Rollout, RolloutConfig
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -150,12 +153,89 @@ async def agl_runner(url: str, count: int) -> dict[str, object]:
     return {"ran": count}
 
 
+async def status_of(call: object) -> object:
+    """What the server answered a call: "ok", or the HTTP status of its refusal."""
+    try:
+        await call  # type: ignore[misc]
+    except aiohttp.ClientResponseError as exc:
+        return exc.status
+    return "ok"
+
+
+async def semantics(url: str) -> dict[str, object]:
+    store = client(url)
+    seen: dict[str, object] = {}
+    started = await store.start_rollout(input={"x": 1})
+    rid, aid = started.rollout_id, started.attempt.attempt_id
+    # An explicit null is refused where agl refuses it (left out, the field keeps its value).
+    null_config = store._request_json("post", f"/rollouts/{rid}", json={"config": None})
+    seen["null"] = {
+        "update_worker.heartbeat_stats": await status_of(store.update_worker("w-null", heartbeat_stats=None)),
+        "update_attempt.worker_id": await status_of(store.update_attempt(rid, aid, worker_id=None)),
+        "update_attempt.last_heartbeat_time": await status_of(store.update_attempt(rid, aid, last_heartbeat_time=None)),
+        "update_attempt.metadata": await status_of(store.update_attempt(rid, aid, metadata=None)),
+        "update_rollout.status": await status_of(store.update_rollout(rid, status=None)),
+        # (agl's client cannot send this one: it calls config.model_dump() first)
+        "update_rollout.config": await status_of(null_config),
+        "update_rollout.mode": await status_of(store.update_rollout(rid, mode=None)),
+    }
+    # Span numbers are the rollout's: "latest" and an attempt id the store never made both number.
+    seen["next_span"] = [
+        await store.get_next_span_sequence_id(rid, aid),
+        await store.get_next_span_sequence_id(rid, "latest"),
+        await store.get_next_span_sequence_id(rid, "at-unknown"),
+    ]
+    # A worker handed a newer attempt moves to it.
+    await store.enqueue_rollout(input={"x": 2})
+    first = await store.dequeue_rollout(worker_id="W")
+    second = await store.start_attempt(first.rollout_id)
+    await store.update_attempt(first.rollout_id, second.attempt.attempt_id, worker_id="W")
+    worker = await store.get_worker_by_id("W")
+    seen["worker_moved"] = (worker.status, worker.current_attempt_id == second.attempt.attempt_id)
+    # A resources id with nothing stored under it (yet) is kept as given.
+    seen["resources_id_kept"] = [
+        (await store.enqueue_rollout(input={"x": 3}, resources_id="rs-later")).resources_id,
+        (await store.start_rollout(input={"x": 4}, resources_id="rs-later")).resources_id,
+    ]
+    added = await store.add_resources({"p": PromptTemplate(template="Say {word}", engine="f-string")})
+    seen["resources_id_length"] = len(added.resources_id)
+    # NULL sorts first ascending, last descending.
+    by_mode = [
+        (await store.enqueue_rollout(input={"m": mode}, mode=mode)).rollout_id for mode in ("train", None, "val")
+    ]
+    ascending = await store.query_rollouts(rollout_id_in=by_mode, sort_by="mode")
+    descending = await store.query_rollouts(rollout_id_in=by_mode, sort_by="mode", sort_order="desc")
+    seen["null_first"] = [by_mode.index(r.rollout_id) for r in ascending] == [1, 0, 2]
+    seen["null_last"] = [by_mode.index(r.rollout_id) for r in descending] == [2, 0, 1]
+    # Bad query arguments: 400, as agl's server answers them; a body of the wrong shape: 422, as FastAPI's.
+    seen["bad_sort_by"] = await status_of(store.query_rollouts(sort_by="nonexistent"))
+    seen["bad_limit"] = await status_of(store.query_rollouts(limit=0))
+    seen["missing_field"] = await status_of(store._request_json("post", "/queues/rollouts/enqueue", json={}))
+    await store.close()
+    return seen
+
+
+async def unresponsive(url: str) -> dict[str, object]:
+    store = client(url)
+    await store.enqueue_rollout(input={"x": 1}, config=RolloutConfig(unresponsive_seconds=0.2))
+    claimed = await store.dequeue_rollout(worker_id="quiet")
+    await store.update_attempt(claimed.rollout_id, claimed.attempt.attempt_id, status="running")
+    await asyncio.sleep(0.45)
+    attempt = await store.get_latest_attempt(claimed.rollout_id)
+    await store.close()
+    return {"status": attempt.status}
+
+
 def main() -> None:
     command, url, *rest = sys.argv[1:]
     if command == "walk":
         seen = asyncio.run(walk(url))
     elif command == "agl-runner":
         seen = asyncio.run(agl_runner(url, int(rest[0])))
+    elif command == "semantics":
+        seen = asyncio.run(semantics(url))
+    elif command == "unresponsive":
+        seen = asyncio.run(unresponsive(url))
     elif command == "enqueue":
         seen = asyncio.run(enqueue(url, int(rest[0])))
     else:

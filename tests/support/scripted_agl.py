@@ -16,7 +16,8 @@ from fastapi import FastAPI
 
 def scripted_chat_app(reply: Callable[[dict[str, Any]], dict[str, Any]]) -> FastAPI:
     """/v1/chat/completions answering each request with the assistant message `reply(body)`; bodies are kept in
-    `app.state.requests`."""
+    `app.state.requests`. Token ids come with each answer, as vLLM sends them (made up: no model behind them), so
+    that the calls adapt to training rows."""
     app = FastAPI()
     app.state.requests = []
     ids = itertools.count()
@@ -30,8 +31,14 @@ def scripted_chat_app(reply: Callable[[dict[str, Any]], dict[str, Any]]) -> Fast
             "object": "chat.completion",
             "created": int(time.time()),
             "model": body["model"],
+            "prompt_token_ids": [1, 2, 3],
             "choices": [
-                {"index": 0, "message": message, "finish_reason": "tool_calls" if message.get("tool_calls") else "stop"}
+                {
+                    "index": 0,
+                    "message": message,
+                    "finish_reason": "tool_calls" if message.get("tool_calls") else "stop",
+                    "token_ids": [4, 5],
+                }
             ],
             "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
         }

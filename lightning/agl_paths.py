@@ -1,0 +1,302 @@
+"""agent-lightning 0.3's public module paths under `lightning`: the module of ours that answers for each, or what
+to use instead where there is none.
+
+`import lightning` puts `FINDER` on `sys.meta_path`. A module of ours at agl's path (lightning.store,
+lightning.adapter.messages, lightning.logging, ...) is imported as usual; one listed in `MODULES` is made on import
+from the modules of ours it names (`lightning.litagent` offers `lightning.agent`'s names); one in `NO_MODULE`, or
+below one, raises `NotInLightning`, whose message says what to use. A name agl has and we do not raises
+`NotInLightning` too (from `NAMES`), from the module where agl has it: `from lightning import APO` fails with the
+replacement in the message, not with Python's bare "cannot import name". tests/test_agl_surface.py checks every
+module and `__all__` name of the installed agentlightning 0.3.0 against these tables.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.abc
+import importlib.machinery
+import types
+from typing import Any, NoReturn
+
+
+class NotInLightning(ImportError):
+    """An agent-lightning module or name with no counterpart here; the message says what to use instead. An
+    ImportError, so that `from lightning import X` shows the message (Python replaces an AttributeError's)."""
+
+
+MODULES: dict[str, tuple[str, ...]] = {
+    "adapter.base": ("lightning.adapter",),
+    "adapter.triplet": ("lightning.adapter",),
+    "emitter": ("lightning.tracing",),
+    "emitter.annotation": ("lightning.tracing",),
+    "emitter.exception": ("lightning.tracing",),
+    "emitter.message": ("lightning.tracing",),
+    "emitter.object": ("lightning.tracing",),
+    "emitter.reward": ("lightning.tracing",),
+    "litagent": ("lightning.agent",),
+    "litagent.decorator": ("lightning.agent",),
+    "litagent.litagent": ("lightning.agent",),
+    "reward": ("lightning.tracing",),
+    "runner.agent": ("lightning.runner",),
+    "runner.base": ("lightning.runner",),
+    "store.client_server": ("lightning.store.client",),
+    "store.sqlite": ("lightning.store.sql",),
+    "tracer": ("lightning.tracing",),
+    "tracer.base": ("lightning.tracing",),
+    "trainer.trainer": ("lightning.trainer",),
+    "types.core": ("lightning.types", "lightning.agent"),
+    "types.resources": ("lightning.types",),
+    "types.tracer": ("lightning.types", "lightning.tracing"),
+}
+"""agl module (after `agentlightning.`) -> our modules whose names `lightning.<that path>` offers, first found first.
+agl's modules at a path where we have a module of our own are not here: lightning.adapter, lightning.adapter.messages,
+lightning.algorithm, lightning.cli, lightning.config, lightning.logging, lightning.runner, lightning.semconv,
+lightning.store, lightning.store.base, lightning.store.memory, lightning.trainer, lightning.types."""
+
+_ADAPTER = (
+    "adapters here are functions over spans: lightning.adapter.spans_to_triplets and spans_to_messages "
+    "(lightning.adapter.TraceToMessages is agl's messages adapter over the latter); a run picks its training rows' "
+    "shape with adapter_shape='transition' (one row per LLM call) or 'trajectory'"
+)
+_ALGORITHM = (
+    "training is the `train` flow (lightning.Trainer(...).fit, python -m flows.train) set by lightning.TrainerConfig "
+    "(lr, kl_coef, advantage, ...); prompt optimisation is the `optimize_prompt` flow. There is no Algorithm class to "
+    "subclass"
+)
+_APO = (
+    "prompt optimisation is the `optimize_prompt` flow: give the TrainConfig an `apo` section (the seed prompt, and "
+    "APO's beam_width, branch_factor, beam_rounds, gradient_batch_size, val_batch_size, gradient_model, "
+    "apply_edit_model, diversity_temperature) and run `python -m flows.optimize_prompt CONFIG.yaml` "
+    "(examples/room_booking/apo.yaml)"
+)
+_VERL = (
+    "give lightning.Trainer(algorithm={...}) the fields of lightning.TrainerConfig (lr, kl_coef, advantage, ...) and "
+    "TrainConfig fields as keywords (batch_size, samples_per_task, max_prompt_length, ...); trainer_backend='verl' "
+    "runs verl's FSDP workers"
+)
+_CLI = (
+    "the command line is `lightning`: `lightning store serve` (agl's `agl store`), `lightning proxy serve`, "
+    "`lightning inference serve`; vLLM is `inference.backend: vllm` in a run's config"
+)
+_LEGACY = (
+    "agent-lightning's deprecated 0.1/0.2 API: use lightning.Trainer(...).fit / .dev, lightning.Runner(agent, store) "
+    "and the store (lightning.store.client.LightningStoreClient for a store server)"
+)
+_ENV = "a run's settings are TrainConfig fields (`lightning config defaults` lists them) and LIGHTNING_* variables"
+_STRATEGY = (
+    "a run's runners are threads of the flow (task_runner='default') or Ray tasks (task_runner='ray'); size them with "
+    "Trainer(n_runners=...) and runner_concurrency"
+)
+_INSTRUMENT = (
+    "nothing to instrument: every call through the rollout's LLM resource is recorded by the run's LLM proxy, token "
+    "ids included"
+)
+_STORE = (
+    "the store is lightning.SqlLightningStore (a SQLite file, `sqlite://` in memory, or a PostgreSQL URL); "
+    "lightning.store.memory.InMemoryLightningStore is one in memory"
+)
+_TRACER = (
+    "the tracer is the runner's own (lightning.Tracer, as `self.tracer` in an agent) and every LLM call is recorded "
+    "by the run's LLM proxy: there is no tracer to choose or activate"
+)
+_COMPONENTS = (
+    "a run's parts are chosen by TrainConfig fields (inference.backend, trainer_backend, task_runner, store_url), "
+    "not built from specs"
+)
+_INTERNAL = "agent-lightning's internal helpers; nothing of them is needed here"
+_FILTERS = (
+    "queries take their filters as keywords: status_in=, rollout_id_in=, rollout_id_contains=, filter_logic=, "
+    "sort_by=, sort_order=, limit=, offset="
+)
+
+NO_MODULE: dict[str, str] = {
+    "algorithm.apo": _APO,
+    "algorithm.base": _ALGORITHM,
+    "algorithm.decorator": _ALGORITHM,
+    "algorithm.fast": _ALGORITHM,
+    "algorithm.utils": _ALGORITHM,
+    "algorithm.verl": _VERL,
+    "verl": _VERL,
+    "cli.prometheus": _CLI,
+    "cli.store": _CLI,
+    "cli.vllm": _CLI,
+    "client": _LEGACY,
+    "server": _LEGACY,
+    "runner.legacy": _LEGACY,
+    "trainer.legacy": _LEGACY,
+    "env_var": _ENV,
+    "execution": _STRATEGY,
+    "instrumentation": _INSTRUMENT,
+    "llm_proxy": "every run starts its own LLM proxy (`lightning proxy serve` alone); TrainConfig.proxy_endpoint "
+    "uses one that is running",
+    "store.collection": _STORE,
+    "store.collection_based": _STORE,
+    "store.mongo": _STORE,
+    "store.threading": _STORE,
+    "store.utils": _INTERNAL,
+    "tracer.agentops": _TRACER,
+    "tracer.dummy": _TRACER,
+    "tracer.otel": _TRACER,
+    "tracer.weave": _TRACER,
+    "trainer.init_utils": _COMPONENTS,
+    "trainer.registry": _COMPONENTS,
+    "utils": _INTERNAL,
+}
+"""agl modules (and the modules below them) with no counterpart here -> what to use instead."""
+
+NAMES: dict[str, str] = {
+    **dict.fromkeys(
+        [
+            "Adapter",
+            "TraceAdapter",
+            "OtelTraceAdapter",
+            "TraceToTripletBase",
+            "TracerTraceToTriplet",
+            "LlmProxyTraceToTriplet",
+        ],
+        _ADAPTER,
+    ),
+    **dict.fromkeys(["Algorithm", "FastAlgorithm", "algo"], _ALGORITHM),
+    "APO": _APO,
+    "VERL": _VERL,
+    "Baseline": "Trainer.dev(agent, dataset) runs one batch of rollouts without training",
+    "lightning_cli": "a run's settings are a TrainConfig (YAML; `lightning config check FILE`), and the flows take "
+    "--set field=value",
+    "emit_annotation": "record it with lightning.emit_object(value, attributes={...}) or emit_message(text, "
+    "attributes={...})",
+    "get_rewards_from_span": "lightning.get_reward_value(span) reads a reward span's primary reward; its named "
+    "rewards are its `lightning.reward.<name>` attributes",
+    "get_message_value": "a message span's text is span.attributes['lightning.message.body']",
+    "get_object_value": "an object span's value is json.loads(span.attributes['lightning.object.json'])",
+    **dict.fromkeys(["LightningEnvVar", "resolve_bool_env_var", "resolve_int_env_var", "resolve_str_env_var"], _ENV),
+    **dict.fromkeys(
+        [
+            "ExecutionStrategy",
+            "ClientServerExecutionStrategy",
+            "SharedMemoryExecutionStrategy",
+            "ExecutionEvent",
+            "ThreadingEvent",
+            "MultiprocessingEvent",
+        ],
+        _STRATEGY,
+    ),
+    "LLMProxy": NO_MODULE["llm_proxy"],
+    **dict.fromkeys(
+        [
+            "LegacyAgentRunner",
+            "AgentLightningClient",
+            "AgentLightningServer",
+            "DevTaskLoader",
+            "RolloutLegacy",
+            "RolloutRawResultLegacy",
+            "Task",
+            "TaskIfAny",
+            "GenericResponse",
+            "ParallelWorkerBase",
+        ],
+        _LEGACY,
+    ),
+    **dict.fromkeys(["CollectionBasedLightningStore", "LightningStoreThreaded"], _STORE),
+    "LightningStoreCapabilities": "every store here has the same capabilities (async, thread-safe, shared by "
+    "processes on a SQLite file or PostgreSQL)",
+    "LightningStoreStatistics": "statistics() answers a plain dict with agl's keys (name, total_rollouts, "
+    "total_attempts, total_spans, total_resources, total_workers, uptime) and counts by status",
+    "LightningStoreServer": "run `lightning store serve --db URL` (agl's LightningStoreClient talks to it), or serve "
+    "lightning.store.server.create_app(store) with uvicorn",
+    **dict.fromkeys(
+        [
+            "AgentOpsTracer",
+            "OtelTracer",
+            "DummyTracer",
+            "get_active_tracer",
+            "set_active_tracer",
+            "clear_active_tracer",
+            "SpanRecordingContext",
+        ],
+        _TRACER,
+    ),
+    "build_component": _COMPONENTS,
+    **dict.fromkeys(["FilterOptions", "SortOptions", "FilterField"], _FILTERS),
+    **dict.fromkeys(
+        ["SpanNames", "SpanAttributeNames"],
+        "span and attribute names are constants of lightning.semconv (REWARD_SPAN, MESSAGE_SPAN, GEN_AI_*, ...)",
+    ),
+}
+"""agl names with no counterpart here -> what to use instead (wherever agl has the name)."""
+
+
+def missing(module_name: str, name: str) -> NoReturn:
+    """A module's `__getattr__` for a name it does not have: NotInLightning for an agl name with no counterpart,
+    else the usual AttributeError."""
+    if name in NAMES:
+        raise NotInLightning(f"{module_name} has no {name} (an agent-lightning name): {NAMES[name]}", name=module_name)
+    raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
+
+
+def lookup(module_name: str, sources: tuple[str, ...], name: str) -> Any:
+    """`name` from the first of the modules `sources` that has it; else as `missing`."""
+    if not name.startswith("__"):  # (a module's own dunders are not taken from elsewhere: __path__, __file__, ...)
+        for source in sources:
+            try:
+                return getattr(importlib.import_module(source), name)
+            except AttributeError:
+                continue
+    missing(module_name, name)
+
+
+def no_module_reason(agl_path: str) -> str | None:
+    """Why agl's module `agl_path` (or a package above it) has no counterpart here; None when it has one."""
+    parts = agl_path.split(".")
+    for end in range(1, len(parts) + 1):
+        reason = NO_MODULE.get(".".join(parts[:end]))
+        if reason is not None:
+            return reason
+    return None
+
+
+class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Makes the modules of `MODULES` and refuses those of `NO_MODULE`; after the usual finders, so a module of
+    ours at the same path always wins."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        package, _, agl_path = fullname.partition(".")
+        if package != "lightning" or not agl_path:
+            return None
+        if agl_path in MODULES or no_module_reason(agl_path) is not None:
+            return importlib.machinery.ModuleSpec(fullname, self)
+        return None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> None:
+        return None  # the default module object
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        agl_path = module.__name__.partition(".")[2]
+        reason = no_module_reason(agl_path)
+        if reason is not None:
+            raise NotInLightning(
+                f"lightning has no module {module.__name__} (agentlightning.{agl_path}): {reason}", name=module.__name__
+            )
+        sources = MODULES[agl_path]
+        module.__doc__ = f"agentlightning.{agl_path}'s names, from {', '.join(sources)}."
+        module.__path__ = []  # agl's path may go deeper (lightning.tracer.agentops): this finder answers for it
+        module.__all__ = sorted({name for source in sources for name in _public_names(source)})  # type: ignore[attr-defined]
+
+        module.__getattr__ = functools.partial(lookup, module.__name__, sources)  # type: ignore[attr-defined]
+
+
+def _public_names(module_name: str) -> list[str]:
+    module = importlib.import_module(module_name)
+    names = getattr(module, "__all__", None)
+    if names is None:  # what the module defines (a class of pydantic's it imports is not its)
+        names = [
+            name
+            for name, value in vars(module).items()
+            if not name.startswith("_")
+            and not isinstance(value, types.ModuleType)
+            and getattr(value, "__module__", module_name) == module_name
+        ]
+    return list(names)
+
+
+FINDER = _Finder()
