@@ -417,6 +417,14 @@ class TrainConfig(BaseModel):
         return self
 
     @property
+    def update_config(self) -> TrainerConfig:
+        """`algorithm` as the trainer takes it: a cosine schedule without `total_steps` spans the run's
+        iterations (one update each)."""
+        if self.algorithm.lr_schedule == "cosine" and self.algorithm.total_steps is None:
+            return self.algorithm.model_copy(update={"total_steps": self.iterations})
+        return self.algorithm
+
+    @property
     def run_dir(self) -> Path:
         return Path(self.output_dir) / self.run_name
 

@@ -617,7 +617,7 @@ def _trainer(config: TrainConfig, model_dir: Path) -> Any:
     from lightning.algorithm.worker import TrainerWorker
 
     return TrainerWorker(
-        model_dir, config.algorithm, checkpoints_dir(config), threads=config.trainer_threads,
+        model_dir, config.update_config, checkpoints_dir(config), threads=config.trainer_threads,
         stacks_dir=config.run_dir / "stacks", deterministic=config.deterministic,
     )  # fmt: skip
 

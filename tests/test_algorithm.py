@@ -522,3 +522,8 @@ def test_resume_through_a_saved_checkpoint_is_bit_exact(tiny_dir: Path, tmp_path
     resumed_parameters = dict(resumed.model.named_parameters())
     for name, p in first.model.named_parameters():
         assert torch.equal(p, resumed_parameters[name]), name
+
+
+def test_a_trainer_with_a_cosine_schedule_needs_its_length(tiny_dir: Path) -> None:
+    with pytest.raises(ValueError, match=r"algorithm.total_steps"):
+        TorchTrainer(tiny_dir, TrainerConfig(lr_schedule="cosine"))

@@ -163,3 +163,10 @@ def test_a_run_that_cannot_start_says_why_before_anything_starts(
         # Before anything starts: no Prefect server, no traceback (how fast is a machine's business, not a test's).
         assert "Traceback" not in done.stderr and "Prefect server" not in done.stderr, done.stderr
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("model"))  # nothing started
+
+
+def test_a_cosine_schedule_without_total_steps_spans_the_runs_iterations() -> None:
+    config = load_config({"iterations": 12, "algorithm": {"lr_schedule": "cosine"}})
+    assert config.algorithm.total_steps is None  # the config as given: a later --set iterations=... still applies
+    assert config.update_config.total_steps == 12
+    assert load_config({"algorithm": {"lr_schedule": "cosine", "total_steps": 5}}).update_config.total_steps == 5

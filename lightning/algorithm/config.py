@@ -24,11 +24,13 @@ class TrainerConfig(BaseModel):
     weight_decay: float = Field(default=0.01, ge=0)
     """AdamW's decoupled weight decay."""
     warmup_steps: int = Field(default=0, ge=0)
-    """Optimizer steps of linear warm-up from 0 to lr."""
+    """Updates (`step` calls: one per training iteration, whatever its epochs and mini-batches) of linear warm-up
+    from 0 to lr."""
     lr_schedule: Literal["constant", "cosine"] = "constant"
     """After warm-up: constant lr, or cosine decay to min_lr_ratio * lr over total_steps."""
     total_steps: int | None = Field(default=None, ge=1)
-    """Length of the cosine schedule, in `step` calls; needed for "cosine"."""
+    """Length of the cosine schedule, in `step` calls; needed for "cosine" (None in a run's config: its
+    `iterations`)."""
     min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
     """Where the cosine schedule ends, as a fraction of lr."""
 
@@ -86,8 +88,6 @@ class TrainerConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainerConfig:
-        if self.lr_schedule == "cosine" and self.total_steps is None:
-            raise ValueError("lr_schedule 'cosine' needs total_steps")
         if self.use_kl_loss and self.kl_in_reward:
             raise ValueError("use_kl_loss and kl_in_reward both apply the KL penalty; choose one")
         return self

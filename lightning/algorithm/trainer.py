@@ -121,6 +121,8 @@ class TorchTrainer:
     def reset_optimizer(self) -> None:
         """A fresh AdamW (no moments) and LR schedule from step 0: what RL starts with after a supervised warm
         start, whose steps neither shape the RL optimizer's moments nor use up its warm-up or cosine schedule."""
+        if self.config.lr_schedule == "cosine" and self.config.total_steps is None:
+            raise ValueError("algorithm.lr_schedule 'cosine' needs algorithm.total_steps: the schedule's length")
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=self.config.lr,
