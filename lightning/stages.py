@@ -83,7 +83,9 @@ def select_tasks(run: Run, iteration: int, refill: int = 0, count: int | None = 
     tasks = run.dataset("train_data")
     if refill:
         rng = random.Random(f"{config.seed}/{iteration}/refill/{refill}")
-        return [tasks[rng.randrange(len(tasks))] for _ in range(count or config.batch_size)]
+        wanted, indices = count or config.batch_size, range(len(tasks))
+        picks = rng.sample(indices, wanted) if wanted <= len(tasks) else rng.choices(indices, k=wanted)
+        return [tasks[index] for index in picks]
     chosen = []
     for position in range(iteration * config.batch_size, (iteration + 1) * config.batch_size):
         epoch, index = divmod(position, len(tasks))
@@ -103,12 +105,12 @@ async def enqueue_rollouts(
 ) -> list[str]:
     """Enqueue the iteration's rollouts in the run's queue (train: `samples_per_task` of each selected task; val:
     one of each held-out task); their ids. Each carries its sampling seed (`lightning.seeding`) in its metadata.
-    `refill` >= 1: `count` more tasks for dynamic sampling, their task indices after the batch's and earlier
-    refills'. Enqueued before (a retry, a resume): the same rollouts."""
+    `refill` >= 1: `count` more tasks for dynamic sampling (at most `batch_size * max_sampling_rounds`), their task
+    indices apart from the batch's and other refills'. Enqueued before (a retry, a resume): the same rollouts."""
     config = run.config
     tasks = select_tasks(run, iteration, refill, count) if mode == "train" else run.dataset("val_data")
     samples = config.samples_per_task if mode == "train" else 1
-    first = refill * config.batch_size
+    first = refill * config.batch_size * (config.max_sampling_rounds + 1)  # past every earlier refill's indices
     requests = []
     for task_index, task in enumerate(tasks, start=first):
         group = group_id(run.queue, mode, iteration, task_index)
@@ -310,8 +312,8 @@ async def collect_rollouts(
 
     With `dynamic_sampling` (training only), groups whose rewards are all equal teach nothing: while fewer than
     `batch_size` groups differ, more tasks run (`max_sampling_rounds` refills at most, each as many tasks as the
-    share of informative groups so far says are needed, at most `batch_size`); `adapt_spans` keeps the informative
-    groups (DAPO's dynamic sampling, https://arxiv.org/abs/2503.14476)."""
+    share of informative groups so far says are needed, `batch_size * max_sampling_rounds` tasks in all);
+    `adapt_spans` keeps the informative groups (DAPO's dynamic sampling, https://arxiv.org/abs/2503.14476)."""
     config = run.config
     resources_id = await steps.update_resources(run, iteration, mode)
     rollout_ids = await steps.enqueue_rollouts(run, iteration, resources_id, mode, 0, None)
@@ -319,13 +321,14 @@ async def collect_rollouts(
     if mode != "train" or not config.dynamic_sampling:
         return rollout_ids, summary
     informative, groups, refills = summary.get("informative_groups", 0), summary.get("groups", 0), 0
-    while informative < config.batch_size and refills < config.max_sampling_rounds:
+    budget = config.batch_size * config.max_sampling_rounds  # tasks the refills may add, all rounds together
+    while informative < config.batch_size and refills < config.max_sampling_rounds and budget > 0:
         refills += 1
-        count = min(config.batch_size, math.ceil((config.batch_size - informative) * groups / max(informative, 1)))
+        count = min(budget, math.ceil((config.batch_size - informative) * groups / max(informative, 1)))
         more = await steps.enqueue_rollouts(run, iteration, resources_id, mode, refills, count)
         added = await run_rollouts(run, iteration, more, mode, steps)
         informative, groups = informative + added.get("informative_groups", 0), groups + added.get("groups", 0)
-        rollout_ids = rollout_ids + more
+        rollout_ids, budget = rollout_ids + more, budget - count
     if refills:
         summary = {**await summarize_rollouts(run.store, rollout_ids), "refills": refills}
     return rollout_ids, summary
