@@ -1,6 +1,9 @@
-"""Learning, measured: our GRPO loop and TRL's GRPOTrainer side by side on the same tiny model, task,
-batch size and wall time; prints the held-out reward over time, the time until it first reaches
-1.0 (or the best reached), and seconds per optimiser step.
+"""Learning, measured: our GRPO loop and TRL's GRPOTrainer side by side on the same tiny model, task, warm start and
+wall time, each with its own recipe; prints the held-out reward over time, the time until it first reaches 1.0 (or
+the best reached), and seconds per optimiser step.
+
+Our recipe is the demo's (examples/copy_task/demo.yaml: its algorithm, batch shape and dynamic sampling; `--recipe`
+names another config, `--set` changes a field). TRL's is `--trl-*` (lr, batch shape, loss type, threads).
 
 Our side is the whole product loop, `lightning.stages` on an open `Run`: rollouts through runners -> LLM proxy ->
 embedded inference server, spans in a SQLite store, adapter -> TrainingBatch -> GRPO step in the trainer process ->
@@ -63,16 +66,15 @@ async def run_ours(
     heldout_tasks: list[dict],
     *,
     seconds: float,
-    prompts_per_step: int,
-    generations: int,
     eval_every_s: float,
     workdir: Path,
-    config: TrainerConfig,
+    recipe: dict[str, Any],
     server: str = "process",
     seed: int = 0,
 ) -> dict[str, Any]:
     """The product's loop through `lightning.stages` on an open `Run`: the trainer in its own process, every LLM
-    call through the proxy; MLflow logging and checkpoints as in `flows.train`."""
+    call through the proxy; MLflow metrics and checkpoints as in `flows.train`. `recipe`: TrainConfig fields (the
+    algorithm, batch_size, samples_per_task, dynamic sampling). MLflow traces are off: TRL's side logs nothing."""
     workdir.mkdir(parents=True, exist_ok=True)
     for name, tasks in (("train", train_tasks), ("val", heldout_tasks)):
         (workdir / f"{name}.jsonl").write_text("".join(json.dumps(task) + "\n" for task in tasks))
@@ -80,11 +82,10 @@ async def run_ours(
     run_config = load_config(
         {
             "run_name": "bench", "model": str(model_dir), "agent": "examples.copy_task.agent:copy_agent",
-            "train_data": str(workdir / "train.jsonl"), "val_data": str(workdir / "val.jsonl"),
-            "batch_size": prompts_per_step, "samples_per_task": generations, "n_runners": 1,
-            "runner_concurrency": prompts_per_step * generations, "sampling": sampling,
+            "train_data": str(workdir / "train.jsonl"), "val_data": str(workdir / "val.jsonl"), "n_runners": 1,
+            "runner_concurrency": 256, "sampling": sampling, "mlflow_traces": {"train_per_iteration": 0},
             "eval_sampling": {**sampling, "temperature": 0.0}, "max_prompt_length": 64,
-            "max_response_length": MAX_NEW_TOKENS + 1, "algorithm": config.model_dump(), "iterations": 100_000,
+            "max_response_length": MAX_NEW_TOKENS + 1, **recipe, "iterations": 100_000,
             "inference": {"in_process": server == "thread"}, "proxy_in_process": server == "thread",
             "checkpoint": {"keep_last": 1, "log_to_mlflow": False}, "seed": seed,
             "store_url": f"sqlite:///{workdir}/store.db", "tracking_uri": f"sqlite:///{workdir}/mlflow.db",
@@ -144,24 +145,45 @@ async def run_ours(
     }
 
 
+RECIPE_FIELDS = ("algorithm", "batch_size", "samples_per_task", "dynamic_sampling", "max_sampling_rounds")
+
+
+def our_recipe(path: Path, sets: list[str]) -> dict[str, Any]:
+    """The recipe fields of a run config (the demo's by default), with `--set FIELD=VALUE` changes (YAML values)."""
+    import yaml
+
+    overrides = {name: yaml.safe_load(value) for name, _, value in (item.partition("=") for item in sets)}
+    config = load_config(path, **overrides)
+    return {field: getattr(config, field) for field in RECIPE_FIELDS} | {"algorithm": config.algorithm.model_dump()}
+
+
+def changed(recipe: dict[str, Any]) -> dict[str, Any]:
+    """The recipe with the algorithm's fields left at their defaults left out."""
+    defaults = TrainerConfig().model_dump()
+    algorithm = {name: value for name, value in recipe["algorithm"].items() if value != defaults[name]}
+    return {**recipe, "algorithm": algorithm}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=120, help="training wall time for each side")
-    parser.add_argument("--prompts", type=int, default=16, help="prompts per optimiser step")
-    parser.add_argument("--generations", type=int, default=4, help="samples per prompt")
-    parser.add_argument("--lr", type=float, default=1e-3, help="our trainer's learning rate")
+    parser.add_argument("--recipe", type=Path, default=REPO / "examples/copy_task/demo.yaml", help="our recipe")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="change a recipe field")
+    parser.add_argument("--trl-prompts", type=int, default=16, help="TRL: prompts per optimiser step")
+    parser.add_argument("--trl-generations", type=int, default=4, help="TRL: samples per prompt")
     parser.add_argument("--trl-lr", type=float, default=3e-4, help="TRL's (3e-4 is the recipe that reaches 1.0)")
-    parser.add_argument("--epochs", type=int, default=1, help="our trainer: update epochs per batch")
-    parser.add_argument("--mini-batch", type=int, default=None, help="our trainer: rows per optimiser step")
+    parser.add_argument("--trl-loss", default="dapo", help="TRL's loss_type (its default: dapo)")
+    parser.add_argument(
+        "--trl-threads", type=int, default=1,
+        help="TRL's torch threads (ours: the trainer and the inference server take 1 each on 2 cores); 0: torch's",
+    )  # fmt: skip
     parser.add_argument("--server", choices=["process", "thread"], default="process", help="our inference server")
-    parser.add_argument("--kl", type=float, default=0.05, help="our trainer: low-variance KL loss to the start")
     parser.add_argument("--eval-every", type=float, default=5.0, help="seconds of training between evaluations")
     parser.add_argument("--only", choices=["ours", "trl"], default=None)
     parser.add_argument("--task", choices=["last", "copy"], default="last", help="examples/copy_task: which rule")
     parser.add_argument("--warm-steps", type=int, default=15, help="supervised warm-start steps (0: none)")
     parser.add_argument("--warm-fraction", type=float, default=0.3, help="share of train prompts demonstrated")
     parser.add_argument("--warm-lr", type=float, default=1e-3)
-    parser.add_argument("--entropy", type=float, default=0.0, help="our trainer: entropy bonus coefficient")
     parser.add_argument("--max-tokens", type=int, default=MAX_NEW_TOKENS, help="tokens each answer may have")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each side, taking turns (seeds 0..N-1)")
     parser.add_argument("--json", type=Path, default=None)
@@ -176,20 +198,16 @@ def main() -> None:
     if args.warm_steps:
         shown = train_tasks[: max(1, int(len(train_tasks) * args.warm_fraction))]
         model_dir = warm_start(model_dir, shown, steps=args.warm_steps, lr=args.warm_lr, root=workdir / "warm")
+    recipe = our_recipe(args.recipe, args.set)
     results: dict[str, list[dict[str, Any]]] = {"ours": [], "trl": []}
     for seed in range(args.repeat):
         if args.only in (None, "ours"):
             results["ours"].append(
                 asyncio.run(
                     run_ours(
-                        model_dir, train_tasks, heldout_tasks, seconds=args.seconds, prompts_per_step=args.prompts,
-                        generations=args.generations, eval_every_s=args.eval_every, workdir=workdir / f"ours-{seed}",
-                        config=TrainerConfig(
-                            lr=args.lr, advantage="grpo", ppo_epochs=args.epochs, mini_batch_size=args.mini_batch,
-                            micro_batch_size=256, kl_coef=args.kl, use_kl_loss=args.kl > 0, kl_kind="low_var_kl",
-                            seed=seed, entropy_coef=args.entropy,
-                        ),
-                        server=args.server, seed=seed,
+                        model_dir, train_tasks, heldout_tasks, seconds=args.seconds, eval_every_s=args.eval_every,
+                        workdir=workdir / f"ours-{seed}", server=args.server, seed=seed,
+                        recipe={**recipe, "algorithm": {**recipe["algorithm"], "seed": seed}},
                     )
                 )
             )  # fmt: skip
@@ -198,15 +216,19 @@ def main() -> None:
 
             results["trl"].append(
                 run_trl(
-                    model_dir, train_tasks, heldout_tasks, seconds=args.seconds, prompts_per_step=args.prompts,
-                    generations=args.generations, lr=args.trl_lr, max_new_tokens=MAX_NEW_TOKENS,
+                    model_dir, train_tasks, heldout_tasks, seconds=args.seconds, prompts_per_step=args.trl_prompts,
+                    generations=args.trl_generations, lr=args.trl_lr, loss_type=args.trl_loss,
+                    max_new_tokens=MAX_NEW_TOKENS,
                     eval_every_s=args.eval_every, seed=seed, output_dir=workdir / f"trl-{seed}",
+                    threads=args.trl_threads or None,
                 )
             )  # fmt: skip
     print(
         f"\nGRPO on the tiny model, {args.task!r} task ({len(train_tasks)} train / {len(heldout_tasks)} held-out), "
-        f"{args.prompts} prompts x {args.generations} samples per step, {args.seconds:.0f} s each; ours: lr {args.lr}, "
-        f"low-var KL {args.kl}, {args.epochs} epoch(s); TRL: lr {args.trl_lr}, beta 0"
+        f"{args.seconds:.0f} s each; ours: {args.recipe.name} {' '.join(args.set)} "
+        f"({json.dumps(changed(recipe))}); TRL: "
+        f"{args.trl_prompts} prompts x {args.trl_generations} samples, lr {args.trl_lr}, loss {args.trl_loss}, beta 0, "
+        f"{args.trl_threads or 'default'} thread(s)"
     )
     print("| trainer | run | time to held-out 1.0 | best held-out | steps | s/step |")
     print("|---|---|---|---|---|---|")

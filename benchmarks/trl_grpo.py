@@ -157,12 +157,15 @@ def run_trl(
     prompts_per_step: int = 16,
     generations: int = 4,
     lr: float = 3e-4,
+    loss_type: str = "dapo",
     max_new_tokens: int = 5,
     seed: int = 0,
     eval_every_s: float = 5.0,
     output_dir: Path,
+    threads: int | None = None,
 ) -> dict:
-    """Train the model in `model_dir` with TRL's GRPOTrainer for `seconds` of training wall time.
+    """Train the model in `model_dir` with TRL's GRPOTrainer for `seconds` of training wall time, on `threads` torch
+    threads (None: torch's default, every core).
 
     Returns {"curve": [(elapsed_s, step, heldout_reward), ...], "steps", "seconds_per_step", "time_to_1.0",
     "best_heldout"}; elapsed_s and seconds_per_step leave the held-out evaluations out.
@@ -171,6 +174,8 @@ def run_trl(
     transformers.logging.disable_progress_bar()
     logging.getLogger("trl").setLevel(logging.WARNING)
     torch.manual_seed(seed)
+    if threads is not None:
+        torch.set_num_threads(threads)
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -200,6 +205,7 @@ def run_trl(
         top_p=1.0,
         top_k=0,
         beta=0.0,
+        loss_type=loss_type,
         learning_rate=lr,
         lr_scheduler_type="constant",
         warmup_steps=0,
