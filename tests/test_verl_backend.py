@@ -182,7 +182,7 @@ def test_actor_loss_agrees_with_verls_ppo_loss(tiny_dir: Path, loss_agg: str) ->
     trainer.step(grouped_batch(seed=5))  # the current policy moves away from old_log_probs: ratios != 1
     batch = old_batch
     with torch.no_grad():
-        ours, _ = trainer.micro_loss(batch, loss_normalizers(batch["response_mask"]))
+        ours, _, _ = trainer.micro_loss(batch, loss_normalizers(batch["response_mask"]))
 
     proto = batch_to_dataproto(batch)
     for key in ("old_log_probs", "ref_log_prob", "advantages"):
