@@ -15,27 +15,34 @@ DEVICE_HELP = "give auto (cuda when torch sees a GPU, else cpu), cpu, cuda or cu
 
 def resolve_device(setting: str | None, field: str) -> torch.device:
     """The device a setting names; `auto` (or None): cuda when torch sees a GPU, else cpu. A GPU asked for where
-    torch sees none raises ValueError naming `field` and the fix."""
+    torch sees none raises ConfigError naming `field` and the fix."""
     import torch
+
+    from lightning.config import ConfigError
 
     setting = setting or "auto"
     if not DEVICE_SETTING.match(setting):
-        raise ValueError(f"{field}: {setting!r} is not a device; {DEVICE_HELP}")
+        raise ConfigError(f"{field}: {setting!r} is not a device; {DEVICE_HELP}")
     if setting == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(setting)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(
+            raise ConfigError(
                 f"{field}: {setting} asked for, but torch sees no GPU here (torch {torch.__version__}, "
                 f"torch.cuda.is_available() is False); set {field}: cpu, or auto"
             )
         if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(
+            raise ConfigError(
                 f"{field}: {setting} asked for, but torch sees {torch.cuda.device_count()} GPU(s); give cuda:0 to "
                 f"cuda:{torch.cuda.device_count() - 1}, or auto"
             )
     return device
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`bfloat16` for torch.bfloat16: how settings and logs name a dtype."""
+    return str(dtype).removeprefix("torch.")
 
 
 def serving_dtype(setting: str, device: torch.device) -> torch.dtype:
