@@ -140,6 +140,7 @@ def varlen_attention(
     flash = torch_varlen_attention()
     if flash is not None and query.is_cuda and dtype in (torch.bfloat16, torch.float16):
         longest = int(max_length_q) if max_length_q is not None else int(cu_seq_lens_q.diff().max())
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out = flash(q, k, v, cu_seq_lens_q, cu_seq_lens_q, longest, longest, scale=scaling)
     else:
         bounds = cu_seq_lens_q.tolist()
