@@ -70,9 +70,10 @@ async def run_ours(
     config: TrainerConfig,
     server: str = "process",
     seed: int = 0,
+    track: bool = True,
 ) -> dict[str, Any]:
     """The product's loop through `lightning.stages` on an open `Run`: the trainer in its own process, every LLM
-    call through the proxy; MLflow logging and checkpoints as in `flows.train`."""
+    call through the proxy; MLflow logging (unless not `track`) and checkpoints as in `flows.train`."""
     workdir.mkdir(parents=True, exist_ok=True)
     for name, tasks in (("train", train_tasks), ("val", heldout_tasks)):
         (workdir / f"{name}.jsonl").write_text("".join(json.dumps(task) + "\n" for task in tasks))
@@ -103,7 +104,7 @@ async def run_ours(
         "of which the trainer's step": 0.0,
         "checkpoint + publish": 0.0,
     }
-    run = await Run.open(run_config)
+    run = await Run.open(run_config, track=track)
     try:
         while True:
             if train_clock - last_eval >= eval_every_s or train_clock >= seconds:
@@ -164,6 +165,7 @@ def main() -> None:
     parser.add_argument("--entropy", type=float, default=0.0, help="our trainer: entropy bonus coefficient")
     parser.add_argument("--max-tokens", type=int, default=MAX_NEW_TOKENS, help="tokens each answer may have")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each side, taking turns (seeds 0..N-1)")
+    parser.add_argument("--no-mlflow", action="store_true", help="our run without MLflow (Run.open(track=False))")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     load_before = os.getloadavg()[0]
@@ -189,7 +191,7 @@ def main() -> None:
                             micro_batch_size=256, kl_coef=args.kl, use_kl_loss=args.kl > 0, kl_kind="low_var_kl",
                             seed=seed, entropy_coef=args.entropy,
                         ),
-                        server=args.server, seed=seed,
+                        server=args.server, seed=seed, track=not args.no_mlflow,
                     )
                 )
             )  # fmt: skip
