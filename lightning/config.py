@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from lightning.agl_paths import missing
 from lightning.algorithm.config import TrainerConfig, VerlOptions
-from lightning.devices import DEVICE_HELP, DEVICE_SETTING
+from lightning.devices import DeviceSetting
 from lightning.serving import is_loopback
 from lightning.store.sql import DEFAULT_URL as DEFAULT_STORE_URL
 from lightning.types import LLM, PromptTemplate, RolloutConfig
@@ -49,7 +49,7 @@ class InferenceConfig(BaseModel):
     """The model name rollouts ask the proxy for (the LLM resource's `model`)."""
     max_batch_size: int = Field(default=64, ge=1)
     """Embedded server: sequences decoded together."""
-    device: str = "auto"
+    device: DeviceSetting = "auto"
     """Embedded server: where it runs: auto (cuda when torch sees a GPU, else cpu), cpu, cuda or cuda:N."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """The served weights' dtype, whatever the checkpoint holds (the trainer saves float32 unless
@@ -70,13 +70,6 @@ class InferenceConfig(BaseModel):
     """How new weights reach vLLM after each update. reload: the servers re-read the checkpoint in place. sleep: the
     servers share GPUs with the trainer (colocated), so they sleep (weights and KV cache released) during the PPO step
     and wake up on the new checkpoint. Either way the proxy holds new calls and drains the ones in flight first."""
-
-    @field_validator("device")
-    @classmethod
-    def _device(cls, value: str) -> str:
-        if not DEVICE_SETTING.match(value):
-            raise ValueError(DEVICE_HELP)
-        return value
 
     @model_validator(mode="after")
     def _endpoint_for_external(self) -> InferenceConfig:

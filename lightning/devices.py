@@ -4,13 +4,25 @@
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
+
+from pydantic import AfterValidator
 
 if TYPE_CHECKING:
     import torch
 
 DEVICE_SETTING = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 DEVICE_HELP = "give auto (cuda when torch sees a GPU, else cpu), cpu, cuda or cuda:N"
+
+
+def _device_setting(value: str) -> str:
+    if not DEVICE_SETTING.match(value):
+        raise ValueError(DEVICE_HELP)
+    return value
+
+
+DeviceSetting = Annotated[str, AfterValidator(_device_setting)]
+"""A config field naming a device (checked by form here, against the machine by `resolve_device`)."""
 
 
 def resolve_device(setting: str | None, field: str) -> torch.device:

@@ -8,7 +8,6 @@ budget; gradient checkpointing; fused AdamW; bf16 weights with float32 master we
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,24 +18,12 @@ from lightning.algorithm.batch import TrainingBatch
 from lightning.algorithm.losses import log_probs_from_hidden, token_log_probs
 from lightning.algorithm.packing import packed_inputs, response_positions
 from lightning.algorithm.trainer import TorchTrainer, TrainerConfig, load_policy, loss_normalizers
-from lightning.models import build_tiny_model
 from lightning.types import Triplet
 
 BASE = {"lr": 1e-3, "micro_batch_size": 2, "use_kl_loss": True, "kl_coef": 0.1, "entropy_coef": 0.01}
 """KL loss and an entropy bonus: every term of the loss carries gradient through the paths compared."""
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py, as tiny_dir
 
 
 def mixed_batch(seed: int = 0, rows: int = 6, log_probs: bool = False) -> TrainingBatch:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from lightning.devices import DEVICE_HELP, DEVICE_SETTING
+from lightning.devices import DeviceSetting
 
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLKind = Literal["k1", "low_var_kl"]
@@ -90,7 +90,7 @@ class TrainerConfig(BaseModel):
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass: far less activation memory, about a third
     more compute."""
-    device: str = "auto"
+    device: DeviceSetting = "auto"
     """Where the torch trainer runs: auto (cuda when torch sees a GPU, else cpu), cpu, cuda or cuda:N."""
     bf16: bool = True
     """bf16 autocast for forward passes on CUDA; weights and optimizer stay float32. Ignored on CPU."""
@@ -107,13 +107,6 @@ class TrainerConfig(BaseModel):
     """A sampled token whose engine and trainer log-probs differ by more than this counts in `mismatch_frac`."""
     seed: int = 0
     """Seeds the trainer (mini-batch order, dropout)."""
-
-    @field_validator("device")
-    @classmethod
-    def _device(cls, value: str) -> str:
-        if not DEVICE_SETTING.match(value):
-            raise ValueError(DEVICE_HELP)
-        return value
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainerConfig:
