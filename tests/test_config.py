@@ -182,11 +182,6 @@ def test_the_cli_prints_defaults_and_checks_files(tmp_path: Path) -> None:
         ({"model": "/nonexistent/model"}, "model: /nonexistent/model is not a Hugging Face model directory"),
         ({"store_url": "mysql://root@localhost/x"}, "store_url: give sqlite:///path.db, postgresql://"),
         ({"store_url": "postgresql://u:${NO_SUCH_VARIABLE}@h/db"}, "store_url: ${NO_SUCH_VARIABLE} names the"),
-        pytest.param(
-            {"algorithm": {"device": "cuda"}},
-            "algorithm.device: cuda asked for, but torch sees no GPU here",
-            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU"),
-        ),
     ],
 )
 def test_a_run_that_cannot_start_says_why_before_anything_starts(
