@@ -426,10 +426,21 @@ class TrainConfig(BaseModel):
             raise ValueError(f"store_url: {problem}")
         if self.inference.weight_sync == "sleep" and self.inference.backend != "vllm":
             raise ValueError("inference.weight_sync: 'sleep' needs inference.backend 'vllm'")
-        if self.trainer_backend == "verl" and self.algorithm.device != "auto":
-            raise ValueError(
-                "algorithm.device: the verl backend places its workers on the Ray cluster's GPUs itself; leave it auto"
-            )
+        if self.trainer_backend == "verl":
+            if self.algorithm.device != "auto":
+                raise ValueError(
+                    "algorithm.device: the verl backend places its workers on the Ray cluster's GPUs itself; leave "
+                    "it auto"
+                )
+            torch_only = {
+                "pack_sequences": "verl.use_remove_padding", "gradient_checkpointing": "verl.gradient_checkpointing",
+                "micro_batch_tokens": "verl.overrides (actor_rollout_ref.actor.ppo_max_token_len_per_gpu)",
+                "logit_chunk_tokens": None, "bf16_weights": None,
+            }  # fmt: skip
+            for name, instead in torch_only.items():
+                if getattr(self.algorithm, name) not in (None, False):
+                    fix = f"verl's own is {instead}" if instead else "verl has no such option"
+                    raise ValueError(f"algorithm.{name}: an option of the torch trainer; {fix}")
         return self
 
     @property

@@ -95,6 +95,8 @@ def test_device_and_dtype_settings_say_what_they_take() -> None:
         load_config({"inference": {"backend": "vllm", "device": "cuda"}})
     with pytest.raises(ConfigError, match="algorithm.device: the verl backend places its workers"):
         load_config({"trainer_backend": "verl", "algorithm": {"device": "cuda"}})
+    with pytest.raises(ConfigError, match="algorithm.pack_sequences: an option of the torch trainer; verl's own is "):
+        load_config({"trainer_backend": "verl", "algorithm": {"pack_sequences": True}})
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
