@@ -193,6 +193,14 @@ def test_the_lean_forward_keeps_no_full_logits_for_the_backward_pass(tiny_dir: P
     assert logit_rows(saved_for_backward(lean, batch), vocab) == 0  # each chunk's logits are recomputed
 
 
+def test_a_model_that_transforms_its_logits_is_refused_the_lean_forward(tiny_dir: Path) -> None:
+    model = load_policy(tiny_dir)[0]
+    model.config.final_logit_softcapping = 30.0  # as Gemma 2's: the logits are not the output layer's alone
+    with pytest.raises(ValueError, match=r"this model \(LlamaForCausalLM\) transforms its logits"):
+        TorchTrainer(model, TrainerConfig(logit_chunk_tokens=8), device="cpu")
+    TorchTrainer(model, TrainerConfig(), device="cpu")  # the plain forward applies the model's own
+
+
 def test_split_by_tokens_by_hand() -> None:
     batch = mixed_batch(rows=5)
     assert batch["attention_mask"].sum(dim=1).tolist() == [3, 11, 7, 8, 11]  # prompt + response of each row
