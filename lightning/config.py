@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from lightning.agl_paths import missing
 from lightning.algorithm.config import TrainerConfig, VerlOptions
+from lightning.devices import DeviceSetting
 from lightning.serving import is_loopback
 from lightning.store.sql import DEFAULT_URL as DEFAULT_STORE_URL
 from lightning.types import LLM, PromptTemplate, RolloutConfig
@@ -48,6 +49,12 @@ class InferenceConfig(BaseModel):
     """The model name rollouts ask the proxy for (the LLM resource's `model`)."""
     max_batch_size: int = Field(default=64, ge=1)
     """Embedded server: sequences decoded together."""
+    device: DeviceSetting = "auto"
+    """Embedded server: where it runs: auto (cuda when torch sees a GPU, else cpu), cpu, cuda or cuda:N."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """The served weights' dtype, whatever the checkpoint holds (the trainer saves float32 unless
+    algorithm.bf16_weights). Embedded server: auto is bfloat16 on a GPU that has it (half the memory, the trainer's
+    bf16 forward's numerics), float32 on a CPU. vllm backend: vLLM's --dtype (auto: vLLM's own choice)."""
     in_process: bool = False
     """Embedded server: run it on a thread of the flow's process instead of a process of its own."""
     vllm: dict[str, Any] = Field(default_factory=dict)
@@ -69,6 +76,11 @@ class InferenceConfig(BaseModel):
         if self.backend == "external" and not self.endpoint:
             raise ValueError(
                 "backend 'external' needs `endpoint`: the base URL of the server, e.g. http://host:8000/v1"
+            )
+        if self.backend != "embedded" and self.device != "auto":
+            raise ValueError(
+                "device: only the embedded server takes a device; vLLM takes its GPUs from CUDA_VISIBLE_DEVICES "
+                "(gpus_per_replica), an external endpoint is where it is. Leave device auto"
             )
         return self
 
@@ -416,6 +428,21 @@ class TrainConfig(BaseModel):
             raise ValueError(f"store_url: {problem}")
         if self.inference.weight_sync == "sleep" and self.inference.backend != "vllm":
             raise ValueError("inference.weight_sync: 'sleep' needs inference.backend 'vllm'")
+        if self.trainer_backend == "verl":
+            if self.algorithm.device != "auto":
+                raise ValueError(
+                    "algorithm.device: the verl backend places its workers on the Ray cluster's GPUs itself; leave "
+                    "it auto"
+                )
+            torch_only = {
+                "pack_sequences": "verl.use_remove_padding", "gradient_checkpointing": "verl.gradient_checkpointing",
+                "micro_batch_tokens": "verl.overrides (actor_rollout_ref.actor.ppo_max_token_len_per_gpu)",
+                "logit_chunk_tokens": None, "bf16_weights": None,
+            }  # fmt: skip
+            for name, instead in torch_only.items():
+                if getattr(self.algorithm, name) not in (None, False):
+                    fix = f"verl's own is {instead}" if instead else "verl has no such option"
+                    raise ValueError(f"algorithm.{name}: an option of the torch trainer; {fix}")
         return self
 
     @property

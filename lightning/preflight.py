@@ -1,6 +1,7 @@
 """What can be checked of a training run in seconds, before anything starts: the datasets load, the agent and
 the demonstrations import, the model directory has a config and a tokenizer, the store answers, the URLs'
-secrets are set. `lightning config check` and the flows run it first; each problem is one line."""
+secrets are set, a GPU named by algorithm.device or inference.device is there. `lightning config check` and the
+flows run it first; each problem is one line."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 from lightning.config import ConfigError, TrainConfig, load_agent, load_entry_point, load_tasks
 from lightning.credentials import MissingSecret, expand
+from lightning.devices import resolve_device
 
 STORE_TIMEOUT = 5.0
 
@@ -34,7 +36,19 @@ def problems(config: TrainConfig) -> list[str]:
         _check(found, field, lambda field=field: expand(getattr(config, field)))
     if not any(line.startswith("store_url:") for line in found):
         _check(found, "store_url", lambda: _store_problem(config.store_url))
+    for field, setting in _devices(config):
+        _check(found, field, lambda field=field, setting=setting: resolve_device(setting, field))
     return found
+
+
+def _devices(config: TrainConfig) -> list[tuple[str, str]]:
+    """The device settings this run's own processes take, where one names a device (auto always resolves)."""
+    devices = []
+    if config.trainer_backend == "torch":
+        devices.append(("algorithm.device", config.algorithm.device))
+    if config.inference.backend == "embedded" and not (config.inference.endpoint or config.proxy_endpoint):
+        devices.append(("inference.device", config.inference.device))
+    return [(field, setting) for field, setting in devices if setting != "auto"]
 
 
 def check(config: TrainConfig) -> None:

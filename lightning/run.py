@@ -303,13 +303,19 @@ class Run(BaseModel):
     ) -> Run:
         """Bring the run up in this process: the store, the serving parts on the latest weights (or on the
         checkpoint `weights`) and, with `train`, the trainer process and the MLflow run (`track`: the MLflow run
-        alone, or not; default: with `train`), tagged with `mlflow_tags` besides its source commit and user (the
-        flows add their flow run's URL). `queue`: the store queue of its rollouts (default: the run's name).
-        Rollouts an earlier process left running in that queue are requeued: from now on this process owns it.
-        First, what can be checked in seconds is (`preflight`): a missing dataset or an agent that does not import
-        is one clear error, before any server starts."""
+        alone, or not; default: with `train`; a run that trains untracked keeps its metrics in its checkpoints' history
+        only), tagged with `mlflow_tags` besides its source commit and user (the flows add their flow run's URL).
+        `queue`: the store queue of its rollouts (default: the run's name). Rollouts an earlier process left running
+        in that queue are requeued: from now on this process owns it. First, what can be checked in seconds is
+        (`preflight`): a missing dataset or an agent that does not import is one clear error, before any server
+        starts."""
         from lightning import preflight
 
+        if track is False and config.checkpoint.register_model:
+            raise ValueError(
+                "checkpoint.register_model registers the final model in MLflow, and this run is opened with "
+                "track=False (no MLflow run); set checkpoint.register_model to null, or open it tracked"
+            )
         await asyncio.to_thread(preflight.check, config)
         config.run_dir.mkdir(parents=True, exist_ok=True)
         dump_stacks_on_signal(config.run_dir / "stacks", "flow")
@@ -541,11 +547,17 @@ def _start_serving(config: TrainConfig, parts: _Parts, serving_dir: Path) -> End
         in_memory = config.store_url in ("sqlite://", "sqlite:///:memory:")  # only this process sees that store
         parts.stack = LocalStack(
             parts.store, serving_dir, model_name=name, max_batch_size=inference.max_batch_size,
-            batch_invariant=config.deterministic, server="thread" if inference.in_process else "process",
+            batch_invariant=config.deterministic, device=inference.device, dtype=inference.dtype,
+            server="thread" if inference.in_process else "process",
             proxy="thread" if config.proxy_in_process or in_memory else "process", store_url=config.store_url,
             log_dir=config.run_dir / "logs", stacks_dir=config.run_dir / "stacks",
         )  # fmt: skip
         parts.closers.append(parts.stack.close)
+        served = parts.stack.serving()
+        logger.info(
+            "run %s: the embedded inference server at %s serves %s on %s in %s", config.run_name,
+            parts.stack.inference_url, served["path"], served["device"], served["dtype"],
+        )  # fmt: skip
         parts.proxy_token = parts.stack.proxy_token
         parts.inference_headers = parts.stack.inference_headers
         return Endpoints(proxy_url=parts.stack.proxy_url, model_name=name, inference_urls=[parts.stack.inference_url])
@@ -591,6 +603,8 @@ def _start_vllm(config: TrainConfig, serving_dir: Path) -> list[Any]:
             options["env"] = {**options.get("env", {}), "CUDA_VISIBLE_DEVICES": devices}
         if inference.weight_sync == "sleep":
             options["enable_sleep_mode"] = True
+        if inference.dtype != "auto":
+            options.setdefault("dtype", inference.dtype)
         if config.deterministic:  # vLLM's batch-invariant kernels (GPU): a sequence's numerics ignore its batch
             options["env"] = {**options.get("env", {}), "VLLM_BATCH_INVARIANT": "1"}
         options.setdefault("api_key", secrets.token_urlsafe(24))  # a random key of the run's unless one is given

@@ -127,6 +127,8 @@ class LocalStack:
         model_name: str = "policy",
         max_batch_size: int = 64,
         batch_invariant: bool = False,
+        device: str = "auto",
+        dtype: str = "auto",
         server: str = "thread",
         proxy: str = "thread",
         store_url: str | None = None,
@@ -154,11 +156,14 @@ class LocalStack:
         diagnosis = {"LIGHTNING_STACKS_DIR": str(stacks_dir)} if stacks_dir is not None else {}
         try:
             if server == "thread":
-                self.inference_url = self._start_thread(model_dir, model_name, max_batch_size, batch_invariant)
+                self.inference_url = self._start_thread(
+                    model_dir, model_name, max_batch_size, batch_invariant, device, dtype
+                )
             else:
                 port = free_port()
                 command = [sys.executable, "-m", "lightning.inference", "--model", str(model_dir), "--port", str(port)]
                 command += ["--served-model-name", model_name, "--max-batch-size", str(max_batch_size)]
+                command += ["--device", device, "--dtype", dtype]
                 command += ["--threads", "1"] + (["--batch-invariant"] if batch_invariant else [])
                 env = {"LIGHTNING_INFERENCE_API_KEY": self.inference_key, **diagnosis}
                 log = log_dir / "inference.log"
@@ -213,13 +218,21 @@ class LocalStack:
                 restarted.append(child)
         return restarted
 
-    def _start_thread(self, model_dir: Path, model_name: str, max_batch_size: int, batch_invariant: bool) -> str:
+    def serving(self) -> dict[str, Any]:
+        """What the inference server serves: its weights' version and directory, device and dtype."""
+        response = httpx.get(f"{self.inference_url}/admin/version", headers=self.inference_headers, timeout=30)
+        response.raise_for_status()
+        return response.json()
+
+    def _start_thread(
+        self, model_dir: Path, model_name: str, max_batch_size: int, batch_invariant: bool, device: str, dtype: str
+    ) -> str:
         from lightning.inference import create_inference_app
         from lightning.serving import ThreadedServer
 
         self.inference_app = create_inference_app(
             model_dir, served_model_name=model_name, max_batch_size=max_batch_size, api_key=self.inference_key,
-            batch_invariant=batch_invariant,
+            batch_invariant=batch_invariant, device=device, dtype=dtype,
         )  # fmt: skip
         self._inference = ThreadedServer(self.inference_app)
         return self._inference.start()

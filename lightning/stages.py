@@ -419,9 +419,10 @@ async def checkpoint(run: Run, iteration: int, row: dict[str, Any]) -> dict[str,
     history = [earlier for earlier in run.history if earlier["iteration"] < iteration] + [row]
     path = await _publish(run, step, {"run_name": run.name, "iteration": iteration, "history": history})
     run.history[:] = history
-    if config.checkpoint.log_to_mlflow and (step % config.checkpoint.log_every == 0 or step == config.iterations):
-        await asyncio.to_thread(run.tracker.log_checkpoint, path, step)
-    await asyncio.to_thread(run.tracker.log_metrics, row, iteration)
+    if run.tracker is not None:  # a run opened with track=False keeps its history in its checkpoints alone
+        if config.checkpoint.log_to_mlflow and (step % config.checkpoint.log_every == 0 or step == config.iterations):
+            await asyncio.to_thread(run.tracker.log_checkpoint, path, step)
+        await asyncio.to_thread(run.tracker.log_metrics, row, iteration)
     run.made_progress(f"checkpoint {step}")
     return {"checkpoint": str(path), "step": step}
 
@@ -450,7 +451,8 @@ async def warm_start(run: Run) -> dict[str, Any]:
     await asyncio.to_thread(run.trainer.reset_optimizer, timeout=config.timeouts.ppo_step)
     done = {"demonstrations": len(batch), "steps": config.warm_start.steps, **metrics}
     saved = await _publish(run, 0, {"run_name": run.name, "warm_start": done, "history": []})
-    await asyncio.to_thread(run.tracker.log_metrics, {"warm_start": metrics}, 0)
+    if run.tracker is not None:
+        await asyncio.to_thread(run.tracker.log_metrics, {"warm_start": metrics}, 0)
     return {**done, "checkpoint": saved}
 
 
@@ -655,7 +657,7 @@ def finish(
 
     final = latest_checkpoint(run.checkpoints_dir)
     version = None
-    if run.config.checkpoint.register_model and final is not None:
+    if run.config.checkpoint.register_model and final is not None and run.tracker is not None:
         reward = after["reward_mean"]
         version = run.tracker.register_model(
             final, run.config.checkpoint.register_model,
@@ -670,7 +672,7 @@ def finish(
         "reward_before": before["reward_mean"],
         "reward_after": after["reward_mean"],
         "checkpoint": str(final) if final else None,
-        "mlflow_run_id": run.tracker.run_id,
+        "mlflow_run_id": None if run.tracker is None else run.tracker.run_id,
         "tracking_uri": run.config.tracking_uri,
         "registered_model": (
             None if version is None else {"name": run.config.checkpoint.register_model, "version": version}

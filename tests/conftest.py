@@ -1,5 +1,6 @@
 """Store fixtures: one `store` per backend (SQLite file, SQLite in memory, PostgreSQL, and HTTP:
-HttpLightningStore talking to a real server on 127.0.0.1 that holds a SQLite file).
+HttpLightningStore talking to a real server on 127.0.0.1 that holds a SQLite file). And, for the trainer's tests, the
+tiny model (`tiny_dir`) and one torch thread (`one_torch_thread`).
 
 PostgreSQL tests run against the server named by LIGHTNING_TEST_PG_URL (default
 postgresql://postgres@127.0.0.1:5432/test); each test gets a fresh schema, dropped afterwards.
@@ -283,3 +284,27 @@ async def open_store() -> AsyncIterator[Callable[..., Any]]:
     finally:
         for s in reversed(opened):
             await s.close()
+
+
+# --- the trainer's tests ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random-init model (seed 0), built once per test module."""
+    from lightning.models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """The tiny model is too small to gain from threads, and two threads on two busy cores spin-wait: one thread
+    keeps a module of trainer tests at seconds instead of tens of seconds on a loaded machine. A module takes it with
+    `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -30,8 +30,9 @@ from lightning.algorithm.losses import (
 )
 from lightning.algorithm.trainer import TorchTrainer, TrainerConfig, loss_normalizers, lr_multiplier
 from lightning.checkpoint import capture_rng_state, restore_rng_state
-from lightning.models import build_tiny_model
 from lightning.types import Triplet
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py, as tiny_dir
 
 
 def assert_close(actual: torch.Tensor, expected: list, atol: float = 1e-5) -> None:
@@ -351,21 +352,6 @@ def test_advantages_match_verl() -> None:
 
 
 # --- the trainer on the tiny model ------------------------------------------------------------
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The tiny model is too small to gain from threads, and two threads on two busy cores spin-wait:
-    one thread keeps this module at seconds instead of tens of seconds on a loaded machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
 
 
 def tiny_batch(seed: int, rows: int = 4) -> TrainingBatch:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from lightning.config import ConfigError, TrainConfig, load_agent, load_config, load_tasks, with_overrides
@@ -76,6 +77,46 @@ def test_file_problems_are_config_errors(tmp_path: Path) -> None:
 def test_external_inference_needs_an_endpoint() -> None:
     with pytest.raises(ConfigError, match="backend 'external' needs `endpoint`"):
         load_config({"inference": {"backend": "external"}})
+
+
+def test_device_and_dtype_settings_say_what_they_take() -> None:
+    config = load_config({"algorithm": {"device": "cuda:1"}, "inference": {"device": "cpu", "dtype": "bfloat16"}})
+    assert (config.algorithm.device, config.inference.device, config.inference.dtype) == ("cuda:1", "cpu", "bfloat16")
+    assert (TrainConfig().algorithm.device, TrainConfig().inference.device, TrainConfig().inference.dtype) == (
+        "auto", "auto", "auto",
+    )  # fmt: skip
+    with pytest.raises(ConfigError) as error:
+        load_config({"algorithm": {"device": "gpu"}, "inference": {"device": "cuda0", "dtype": "bf16"}})
+    message = str(error.value)
+    assert "algorithm.device: give auto (cuda when torch sees a GPU, else cpu), cpu, cuda or cuda:N" in message
+    assert "inference.device: give auto" in message
+    assert "inference.dtype: Input should be 'auto', 'float32', 'bfloat16' or 'float16'" in message
+    with pytest.raises(ConfigError, match="inference: device: only the embedded server takes a device"):
+        load_config({"inference": {"backend": "vllm", "device": "cuda"}})
+    with pytest.raises(ConfigError, match="algorithm.device: the verl backend places its workers"):
+        load_config({"trainer_backend": "verl", "algorithm": {"device": "cuda"}})
+    with pytest.raises(ConfigError, match="algorithm.pack_sequences: an option of the torch trainer; verl's own is "):
+        load_config({"trainer_backend": "verl", "algorithm": {"pack_sequences": True}})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_config_check_names_a_device_that_is_not_there(tmp_path: Path) -> None:
+    from lightning import preflight
+
+    config = load_config(
+        {"algorithm": {"device": "cuda"}, "inference": {"device": "cuda:0"}, "store_url": f"sqlite:///{tmp_path}/s.db"}
+    )
+    found = preflight.problems(config)
+    assert [line.split(":")[0] for line in found] == ["algorithm.device", "inference.device"]
+    assert found[0].endswith("set algorithm.device: cpu, or auto") and "torch sees no GPU here" in found[1]
+    assert (
+        preflight.problems(
+            config.model_copy(
+                update={"inference": config.inference.model_copy(update={"endpoint": "http://127.0.0.1:9/v1"})}
+            )
+        )
+        == found[:1]
+    )  # fmt: skip  (a server not ours: no device)
 
 
 def test_datasets_from_jsonl_parquet_and_entry_points(tmp_path: Path) -> None:

@@ -401,7 +401,8 @@ def test_reload_swaps_weights_and_version(model_dir: Path, tmp_path: Path, token
             return extra(response.choices[0], "token_ids")
 
         before = generate()
-        assert httpx.get(f"{base_url}/admin/version").json() == {"version": 0, "path": str(model_dir)}
+        served = {"version": 0, "path": str(model_dir), "device": "cpu", "dtype": "float32"}
+        assert httpx.get(f"{base_url}/admin/version").json() == served
         reloaded = httpx.post(f"{base_url}/admin/reload", json={"path": str(other_dir), "version": 7})
         assert reloaded.status_code == 200, reloaded.text
         assert reloaded.json() == {"version": 7, "path": str(other_dir)}
@@ -530,3 +531,19 @@ async def test_batch_invariant_engine_gives_a_sequence_the_same_numbers_whatever
     finally:
         engine.stop()
     assert crowded == alone
+
+
+def test_the_served_dtype_is_a_setting_and_the_server_says_which(model_dir: Path, tmp_path: Path) -> None:
+    """auto holds the weights in float32 on a CPU (bfloat16 on a GPU); an explicit dtype holds them in that, whatever
+    the checkpoint's, through reloads too; /admin/version says which."""
+    assert InferenceEngine(model_dir).dtype == torch.float32
+    app = create_inference_app(model_dir, dtype="bfloat16", device="cpu")
+    engine = app.state.engine
+    assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}
+    with serving(app) as base_url:
+        assert httpx.get(f"{base_url}/admin/version").json()["dtype"] == "bfloat16"
+        other_dir = build_tiny_model(tmp_path / "other", seed=1)
+        assert httpx.post(f"{base_url}/admin/reload", json={"path": str(other_dir)}).status_code == 200
+        assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}
+        answer = httpx.post(f"{base_url}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}).json()
+        assert answer["usage"]["completion_tokens"] == 2

@@ -75,6 +75,32 @@ async def test_a_run_sent_to_another_process_arrives_as_its_config_and_endpoints
         run.store  # noqa: B018
 
 
+@pytest.mark.slow
+async def test_a_run_opened_without_mlflow_trains_and_checkpoints(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """track=False: no MLflow run (a GPU machine without MLflow installed, a benchmark); the iteration's row goes to
+    the checkpoint's history alone. The run's log says in which device and dtype the inference server serves."""
+    config = small_config(tmp_path, algorithm={"lr": 1e-3, "kl_coef": 0.0}, max_response_length=4)
+    with caplog.at_level("INFO", logger="lightning.run"):
+        run = await Run.open(config, track=False)
+    try:
+        assert run.tracker is None
+        assert f"serves {run.model_dir} on cpu in float32" in caplog.text
+        ids, summary = await stages.collect_rollouts(run, 0)
+        batch = await stages.adapt_spans(run, 0, ids)
+        metrics = await stages.ppo_step(run, 0, batch["batch_path"])
+        row = stages.iteration_row(0, summary, batch, metrics, rollout_seconds=1.0)
+        saved = await stages.checkpoint(run, 0, row)
+        history = list(run.history)
+    finally:
+        await run.close()
+    assert saved["step"] == 1 and [entry["iteration"] for entry in history] == [0]
+    assert not (tmp_path / "mlflow.db").exists()
+    with pytest.raises(ValueError, match="checkpoint.register_model registers the final model in MLflow"):
+        await Run.open(small_config(tmp_path, checkpoint={"register_model": "m"}), track=False)
+
+
 def _rollouts(seconds: float) -> Any:
     from lightning.config import StageTimeouts
 

@@ -27,21 +27,9 @@ from lightning.algorithm.verl_backend import (  # noqa: E402
     verl_config,
     verl_overrides,
 )
-from lightning.models import build_tiny_model  # noqa: E402
 from lightning.types import Triplet  # noqa: E402
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py, as tiny_dir
 
 
 def grouped_batch(seed: int = 0, rows: int = 6) -> TrainingBatch:
@@ -182,7 +170,7 @@ def test_actor_loss_agrees_with_verls_ppo_loss(tiny_dir: Path, loss_agg: str) ->
     trainer.step(grouped_batch(seed=5))  # the current policy moves away from old_log_probs: ratios != 1
     batch = old_batch
     with torch.no_grad():
-        ours, _ = trainer.micro_loss(batch, loss_normalizers(batch["response_mask"]))
+        ours, _, _ = trainer.micro_loss(batch, loss_normalizers(batch["response_mask"]))
 
     proto = batch_to_dataproto(batch)
     for key in ("old_log_probs", "ref_log_prob", "advantages"):

@@ -186,6 +186,21 @@ class TrainingBatch:
             raise ValueError(f"split size must be at least 1, got {size}")
         return [self.select(range(start, min(start + size, len(self)))) for start in range(0, len(self), size)]
 
+    def split_by_tokens(self, max_tokens: int) -> list[TrainingBatch]:
+        """Consecutive chunks whose real (prompt + response) tokens add up to at most `max_tokens`; a row longer than
+        that is a chunk of its own."""
+        if max_tokens < 1:
+            raise ValueError(f"token budget must be at least 1, got {max_tokens}")
+        chunks: list[list[int]] = []
+        used = max_tokens  # the first row starts a chunk
+        for row, length in enumerate(self.tensors["attention_mask"].sum(dim=1).tolist()):
+            if used + length > max_tokens:
+                chunks.append([])
+                used = 0
+            chunks[-1].append(row)
+            used += length
+        return [self.select(rows) for rows in chunks]
+
     # --- persistence --------------------------------------------------------------------------
 
     def save(self, path: str | Path) -> Path:

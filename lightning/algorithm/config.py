@@ -7,6 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from lightning.devices import DeviceSetting
+
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLKind = Literal["k1", "low_var_kl"]
 AdvantageKind = Literal["grpo", "grpo_no_std", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
@@ -68,6 +70,10 @@ class TrainerConfig(BaseModel):
     budget, e.g. the run's max_response_length); None: the batch's padded response length."""
     micro_batch_size: int = Field(default=4, ge=1)
     """Rows per forward/backward; only memory depends on it, not the update."""
+    micro_batch_tokens: int | None = Field(default=None, ge=1)
+    """Micro-batches by a token budget instead of micro_batch_size rows: consecutive rows while their real (prompt +
+    response) tokens add up to at most this; a longer row goes alone. Best with pack_sequences (padded rows cost the
+    batch's full width each)."""
     mini_batch_size: int | None = Field(default=None, ge=1)
     """Rows per optimizer step; None: the whole batch, one optimizer step per epoch."""
     ppo_epochs: int = Field(default=1, ge=1)
@@ -76,8 +82,26 @@ class TrainerConfig(BaseModel):
     """Gradients are clipped to this global norm."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (subtracted from the loss); 0: none."""
+    pack_sequences: bool = False
+    """Run each micro-batch's rows as one sequence without padding: position ids restart at each row and attention
+    stays within it (torch's varlen flash attention on CUDA in bf16/fp16, SDPA row by row otherwise). The same loss
+    and gradients as padded rows, without the work on padding."""
+    logit_chunk_tokens: int | None = Field(default=None, ge=1)
+    """Log-probs and entropies from the last hidden states, this many response tokens at a time, each chunk's logits
+    recomputed in the backward pass: the float32 [tokens x vocab] logits never exist whole (None: all at once)."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass: far less activation memory, about a third
+    more compute."""
+    device: DeviceSetting = "auto"
+    """Where the torch trainer runs: auto (cuda when torch sees a GPU, else cpu), cpu, cuda or cuda:N."""
     bf16: bool = True
     """bf16 autocast for forward passes on CUDA; weights and optimizer stay float32. Ignored on CPU."""
+    bf16_weights: bool = False
+    """Hold the model in bfloat16 while AdamW updates a float32 master copy, cast back after each step: forward and
+    backward run in bf16 throughout (no per-op casts of the weights, bf16 activations; gradients accumulate over
+    micro-batches in bf16), and updates below bf16's spacing still add up in the master copy. Weights, master copy and
+    gradients take about what float32 weights and gradients do. Checkpoints hold the bf16 weights (what the inference
+    server serves); the master copy travels in the trainer state."""
     old_log_probs: Literal["trainer", "sampler"] = "trainer"
     """The PPO ratio's denominator: the trainer's own log-probs of the sampled tokens before the update (verl's
     default), or the inference engine's (`sampler`, when every row has them; the trainer's otherwise)."""

@@ -6,6 +6,7 @@ Every function is pure; `response_mask` (1 on generated tokens) says which token
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 
 from lightning.algorithm.config import KLKind, LossAggMode
 
@@ -27,6 +28,34 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     logits = logits.float()
     probs = torch.softmax(logits, dim=-1)
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+
+
+def log_probs_from_hidden(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    chunk_tokens: int | None = None,
+    entropy_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """token_log_probs and entropy_from_logits of the logits z = hidden @ weight.T + bias, for [N, H] hidden states
+    and [N] labels, `chunk_tokens` rows at a time (None: all at once). With gradients on and chunks, each chunk's
+    logits are recomputed in the backward pass instead of kept, so at most one chunk's [chunk_tokens x vocab] float32
+    logits exist at any time: N x vocab never does. The entropy carries gradient only with `entropy_grad`."""
+
+    def chunk(h: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = torch.nn.functional.linear(h, weight, bias)
+        return token_log_probs(logits, y), entropy_from_logits(logits if entropy_grad else logits.detach())
+
+    if chunk_tokens is None or len(hidden) <= chunk_tokens:
+        return chunk(hidden, labels)
+    recompute = torch.is_grad_enabled()
+    parts = [
+        torch.utils.checkpoint.checkpoint(chunk, h, y, use_reentrant=False) if recompute else chunk(h, y)
+        for h, y in zip(hidden.split(chunk_tokens), labels.split(chunk_tokens), strict=True)
+    ]
+    return torch.cat([log_probs for log_probs, _ in parts]), torch.cat([entropy for _, entropy in parts])
 
 
 def aggregate(

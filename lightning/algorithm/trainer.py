@@ -2,12 +2,16 @@
 
 One `step(batch)` is verl's actor update for one training batch, on one device:
 
-    old_log_probs   from the current policy (no grad); the sampler's if old_log_probs="sampler" and the batch has them
+    old_log_probs   from the current policy (no grad); the sampler's if old_log_probs="sampler" and the batch has them;
+                    when the batch is used once (one epoch, one mini-batch), the update's own forward, detached
     mismatch        |sampler's - trainer's log-prob| on the sampled tokens, when the batch has the sampler's
     ref_log_prob    from a frozen copy of the initial policy, when KL is used
     advantages      from token_level_scores (minus kl_coef * KL first, with kl_in_reward)
     ppo_epochs x mini-batches: micro-batches accumulate gradients, then clip_grad_norm and one AdamW step
     the LR scheduler steps once per `step`
+
+AdamW is torch's fused kernel on CUDA. The lean forward (`lightning.algorithm.packing`), token-budget micro-batches,
+gradient checkpointing and bf16 weights with float32 master weights are options of TrainerConfig.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ from lightning.algorithm.losses import (
     masked_mean,
     token_log_probs,
 )
+from lightning.algorithm.packing import check_hidden_state_path, hidden_state_log_probs, use_varlen_attention
+from lightning.devices import resolve_device
 from lightning.models.files import no_progress_bars
 
 
@@ -107,15 +113,24 @@ class TorchTrainer:
         """`reference`: the KL anchor, by default a frozen copy of the policy as loaded. When resuming from a
         checkpoint, pass the initial model here, or the KL term will anchor to the checkpoint instead."""
         self.config = config or TrainerConfig()
-        self.device = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = torch.device(device) if device else resolve_device(self.config.device, "algorithm.device")
         seed_everything(self.config.seed)
         self.model, self.tokenizer = load_policy(model_dir_or_model)
+        self.dtype = torch.bfloat16 if self.config.bf16_weights else torch.float32
         # Eval mode all along: with dropout off the first PPO pass sees ratio == 1 exactly.
-        self.model.to(self.device).eval()
+        self.model.to(self.device, self.dtype).eval()
         self.reference = None
         if self.config.uses_reference:
             anchor = self.model if reference is None else load_policy(reference)[0]
-            self.reference = frozen_copy(anchor).to(self.device)
+            self.reference = frozen_copy(anchor).to(self.device, self.dtype)
+        for model in filter(None, (self.model, self.reference)):
+            if self.config.pack_sequences or self.config.logit_chunk_tokens:
+                check_hidden_state_path(model)
+            if self.config.pack_sequences:
+                use_varlen_attention(model)
+        if self.config.gradient_checkpointing:
+            enable_gradient_checkpointing(self.model)
+        self.master_weights = MasterWeights(self.model) if self.config.bf16_weights else None
         self.reset_optimizer()
 
     def reset_optimizer(self) -> None:
@@ -124,10 +139,11 @@ class TorchTrainer:
         if self.config.lr_schedule == "cosine" and self.config.total_steps is None:
             raise ValueError("algorithm.lr_schedule 'cosine' needs algorithm.total_steps: the schedule's length")
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            self.trained_parameters(),
             lr=self.config.lr,
             betas=self.config.betas,
             weight_decay=self.config.weight_decay,
+            fused=self.device.type == "cuda" or None,  # None: torch's default (foreach)
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
@@ -141,6 +157,25 @@ class TorchTrainer:
         )
         self.step_count = 0
 
+    def trained_parameters(self) -> list[torch.nn.Parameter]:
+        """What AdamW updates: the model's parameters, or their float32 master copies with bf16_weights."""
+        return self.master_weights.params if self.master_weights else list(self.model.parameters())
+
+    def micro_batches(self, batch: TrainingBatch) -> list[TrainingBatch]:
+        """micro_batch_tokens' token budget, or micro_batch_size rows."""
+        if self.config.micro_batch_tokens:
+            return batch.split_by_tokens(self.config.micro_batch_tokens)
+        return batch.split(self.config.micro_batch_size)
+
+    def single_pass(self, batch: TrainingBatch) -> bool:
+        """Every row is used once, by the update's one optimizer step (one epoch over one mini-batch), and no KL sits in
+        the reward (which needs the old log-probs before the advantages). The update's own forward then runs on the
+        weights the old log-probs would come from, so it gives them, detached: the no-grad forward before it would
+        compute the same numbers (TRL skips it in this case too)."""
+        config = self.config
+        one_mini_batch = config.mini_batch_size is None or config.mini_batch_size >= len(batch)
+        return config.ppo_epochs == 1 and one_mini_batch and not config.kl_in_reward
+
     # --- one training step --------------------------------------------------------------------
 
     def step(self, batch: TrainingBatch) -> dict[str, float]:
@@ -149,8 +184,10 @@ class TorchTrainer:
             raise ValueError("cannot train on an empty batch")
         start = time.perf_counter()
         lr = self.scheduler.get_last_lr()[0]
-        batch, prepare_metrics = self.prepare(batch.to(self.device))
-        update_metrics = self.update(batch)
+        batch = batch.to(self.device)
+        single_pass = self.single_pass(batch)
+        batch, prepare_metrics = self.prepare(batch, old_from_update=single_pass)
+        update_metrics = self.update(batch, old_from_update=single_pass)
         self.scheduler.step()
         self.step_count += 1
         step_time = time.perf_counter() - start
@@ -173,22 +210,22 @@ class TorchTrainer:
         if lr is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-        self.optimizer.zero_grad(set_to_none=True)
+        self.zero_grad()
         total = 0.0
-        for micro in batch.split(self.config.micro_batch_size):
+        for micro in self.micro_batches(batch):
             log_probs, _ = self.forward(self.model, micro)
             loss = -(log_probs * micro["response_mask"]).sum() / tokens  # token-mean negative log-likelihood
             loss.backward()
             total += loss.item()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm, _ = self.optimizer_step()
         self.scheduler.step()
         self.step_count += 1
         return {"sft_loss": total, "grad_norm": float(grad_norm), "step": float(self.step_count)}
 
-    def prepare(self, batch: TrainingBatch) -> tuple[TrainingBatch, dict[str, float]]:
-        """Add old_log_probs, ref_log_prob (with KL), token_level_rewards and advantages to the batch."""
+    def prepare(self, batch: TrainingBatch, old_from_update: bool = False) -> tuple[TrainingBatch, dict[str, float]]:
+        """Add old_log_probs, ref_log_prob (with KL), token_level_rewards and advantages to the batch. With
+        `old_from_update` (a `single_pass` batch) the trainer's old log-probs, and the metrics drawn from them, are
+        left to the update's forward."""
         config = self.config
         mask = batch["response_mask"].float()
         extra: dict[str, torch.Tensor] = {}
@@ -196,37 +233,57 @@ class TorchTrainer:
         sampled = batch["rollout_log_probs"].float() if "rollout_log_probs" in batch else None
         if sampled is not None and config.old_log_probs == "sampler":
             extra["old_log_probs"] = sampled
-        else:
+        elif not old_from_update:
             extra["old_log_probs"] = self.log_probs(self.model, batch)
-        if sampled is not None:  # the engine's log-probs against ours, on the same weights
-            trainer = extra["old_log_probs"] if config.old_log_probs == "trainer" else self.log_probs(self.model, batch)
-            metrics.update(mismatch_metrics(sampled, trainer, mask, config.mismatch_threshold))
-        rewards = batch["token_level_scores"]
         if self.reference is not None:
             extra["ref_log_prob"] = self.log_probs(self.reference, batch)
-            old_kl = kl_penalty(extra["old_log_probs"], extra["ref_log_prob"], config.kl_kind)
-            metrics["kl"] = float(aggregate(old_kl, mask, config.loss_agg))
-            if config.kl_in_reward:
-                rewards = kl_penalized_scores(
-                    rewards, extra["old_log_probs"], extra["ref_log_prob"], mask, config.kl_coef, config.kl_kind
-                )
+        if not old_from_update:
+            ours = extra["old_log_probs"] if sampled is None or config.old_log_probs == "trainer" else None
+            ours = self.log_probs(self.model, batch) if ours is None else ours
+            metrics = self.old_policy_metrics(batch.with_tensors(extra), extra["old_log_probs"], ours)
+        rewards = batch["token_level_scores"]
+        if config.kl_in_reward:  # never with old_from_update: the rewards need the old log-probs now
+            rewards = kl_penalized_scores(
+                rewards, extra["old_log_probs"], extra["ref_log_prob"], mask, config.kl_coef, config.kl_kind
+            )
         extra["token_level_rewards"] = rewards
         extra["advantages"] = compute_advantages(config, rewards, mask, batch.uid)
         return batch.with_tensors(extra), metrics
 
+    def old_policy_metrics(self, batch: TrainingBatch, old: torch.Tensor, ours: torch.Tensor) -> dict[str, float]:
+        """`kl` of the old policy (the ratio's denominator, `old`) to the reference, when there is one; the mismatch of
+        the sampler's log-probs against `ours` (the trainer's before the update), when the batch has the sampler's."""
+        mask = batch["response_mask"].float()
+        metrics: dict[str, float] = {}
+        if "rollout_log_probs" in batch:  # the engine's log-probs against ours, on the same weights
+            sampled = batch["rollout_log_probs"].float()
+            metrics.update(mismatch_metrics(sampled, ours, mask, self.config.mismatch_threshold))
+        if "ref_log_prob" in batch:
+            old_kl = kl_penalty(old, batch["ref_log_prob"], self.config.kl_kind)
+            metrics["kl"] = float(aggregate(old_kl, mask, self.config.loss_agg))
+        return metrics
+
     @torch.no_grad()
     def log_probs(self, model: torch.nn.Module, batch: TrainingBatch) -> torch.Tensor:
         """[B, R] log-probs of the response tokens under `model`, micro-batch by micro-batch."""
-        chunks = [self.forward(model, micro)[0] for micro in batch.split(self.config.micro_batch_size)]
+        chunks = [self.forward(model, micro)[0] for micro in self.micro_batches(batch)]
         return torch.cat(chunks, dim=0)
 
     def forward(self, model: torch.nn.Module, batch: TrainingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, R] response-token log-probs and entropies (entropy carries gradient only if entropy_coef)."""
+        """[B, R] response-token log-probs and entropies (entropy carries gradient only if entropy_coef). With
+        pack_sequences or logit_chunk_tokens, the lean forward: 0 on padding, the rest equal within float rounding."""
         if batch.prompt_length == 0:
             raise ValueError("every row needs at least one prompt token to predict its first response token from")
+        config = self.config
         response_length = batch["responses"].shape[1]
-        autocast = self.config.bf16 and self.device.type == "cuda"
+        autocast = config.bf16 and self.device.type == "cuda"
         with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=autocast):
+            if config.pack_sequences or config.logit_chunk_tokens:
+                return hidden_state_log_probs(
+                    model, batch["input_ids"], batch["attention_mask"], batch["position_ids"], batch["responses"],
+                    pack=config.pack_sequences, chunk_tokens=config.logit_chunk_tokens,
+                    entropy_grad=bool(config.entropy_coef),
+                )  # fmt: skip
             logits = model(
                 input_ids=batch["input_ids"],
                 attention_mask=batch["attention_mask"],
@@ -240,43 +297,67 @@ class TorchTrainer:
         entropy = entropy_from_logits(response_logits if self.config.entropy_coef else response_logits.detach())
         return log_probs, entropy
 
-    def update(self, batch: TrainingBatch) -> dict[str, float]:
-        """ppo_epochs passes over mini-batches; one optimizer step per mini-batch. Returns mean metrics."""
+    def update(self, batch: TrainingBatch, old_from_update: bool = False) -> dict[str, float]:
+        """ppo_epochs passes over mini-batches; one optimizer step per mini-batch. Returns mean metrics. With
+        `old_from_update` (a `single_pass` batch), the forward's log-probs are the old ones too."""
         config = self.config
         totals: dict[str, float] = defaultdict(float)
         optimizer_steps = 0
+        before_update: list[torch.Tensor] = []
         for _ in range(config.ppo_epochs):
             for mini in batch.split(config.mini_batch_size or len(batch)):
-                self.optimizer.zero_grad(set_to_none=True)
+                self.zero_grad()
                 normalizers = loss_normalizers(mini["response_mask"], config.loss_scale_factor)
-                for micro in mini.split(config.micro_batch_size):
-                    loss, contributions = self.micro_loss(micro, normalizers)
+                for micro in self.micro_batches(mini):
+                    loss, contributions, log_probs = self.micro_loss(micro, normalizers)
                     loss.backward()
                     for name, value in contributions.items():
                         totals[name] += value
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.max_grad_norm)
-                # As verl: a non-finite gradient skips the optimizer step instead of poisoning the weights.
-                if torch.isfinite(grad_norm):
-                    self.optimizer.step()
-                else:
-                    totals["nonfinite_grad_steps"] += 1
-                self.optimizer.zero_grad(set_to_none=True)
-                totals["grad_norm"] += float(grad_norm)
+                    if old_from_update:
+                        before_update.append(log_probs)
+                grad_norm, stepped = self.optimizer_step()
+                totals["nonfinite_grad_steps"] += not stepped
+                totals["grad_norm"] += grad_norm
                 optimizer_steps += 1
         metrics = {name: value / optimizer_steps for name, value in totals.items()}
         metrics["nonfinite_grad_steps"] = totals["nonfinite_grad_steps"]
+        if old_from_update:
+            ours = torch.cat(before_update)
+            metrics.update(self.old_policy_metrics(batch, batch.tensors.get("old_log_probs", ours), ours))
         return metrics
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.master_weights:
+            self.model.zero_grad(set_to_none=True)
+
+    def optimizer_step(self) -> tuple[float, bool]:
+        """Clip the accumulated gradient, take one AdamW step, clear the gradients; the gradient's norm and whether
+        the step was taken (as verl: a non-finite gradient skips the step instead of poisoning the weights)."""
+        if self.master_weights:
+            self.master_weights.take_gradients()
+        parameters = self.trained_parameters()
+        grad_norm = torch.nn.utils.clip_grad_norm_(parameters, self.config.max_grad_norm)
+        stepped = bool(torch.isfinite(grad_norm))
+        if stepped:
+            self.optimizer.step()
+            if self.master_weights:
+                self.master_weights.copy_to_model()
+        self.zero_grad()
+        return float(grad_norm), stepped
 
     def micro_loss(
         self, micro: TrainingBatch, normalizers: dict[str, torch.Tensor]
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        """This micro-batch's share of the mini-batch loss, and its share of each metric (shares add up)."""
+    ) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
+        """This micro-batch's share of the mini-batch loss, its share of each metric (shares add up), and its
+        log-probs, detached. Without old_log_probs in the batch, those log-probs are the old ones (ratio 1)."""
         config = self.config
         mask = micro["response_mask"].float()
         log_probs, entropy = self.forward(self.model, micro)
+        old_log_probs = micro.tensors.get("old_log_probs", log_probs.detach())
         pg_loss, pg_metrics = clipped_policy_loss(
             log_probs,
-            micro["old_log_probs"],
+            old_log_probs,
             micro["advantages"],
             mask,
             clip_low=config.clip_low,
@@ -297,23 +378,33 @@ class TorchTrainer:
             loss = loss + config.kl_coef * kl_loss
             contributions["kl_loss"] = kl_loss
         contributions["loss"] = loss
-        return loss, {name: float(value.detach()) for name, value in contributions.items()}
+        return loss, {name: float(value.detach()) for name, value in contributions.items()}, log_probs.detach()
 
     # --- checkpoint state ---------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """Optimizer, scheduler and step count; `torch.load(weights_only=True)` reads it back. The RNG states are
         the checkpoint's to save (`lightning.checkpoint`), with the weights."""
-        return {
+        state = {
             "step": self.step_count,
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "config": self.config.model_dump(mode="json"),
         }
+        if self.master_weights:  # the checkpoint's weights are their bf16 rounding
+            state["master_weights"] = [p.detach().clone() for p in self.master_weights.params]
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume the optimizer, scheduler and step count. `lightning.checkpoint.resume_trainer` also restores the
         RNG states saved with them: then the next `step` is bit-exact on CPU."""
+        if self.master_weights:
+            if "master_weights" not in state:
+                raise ValueError(
+                    "bf16_weights: this trainer state has no float32 master weights (it was saved without "
+                    "bf16_weights); resume with bf16_weights false, or start a new run"
+                )
+            self.master_weights.load(state["master_weights"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step_count = int(state["step"])
@@ -329,6 +420,52 @@ def load_policy(model_dir_or_model: str | Path | torch.nn.Module) -> tuple[torch
     with no_progress_bars():
         model = AutoModelForCausalLM.from_pretrained(model_dir_or_model, dtype=torch.float32)
     return model, AutoTokenizer.from_pretrained(model_dir_or_model)
+
+
+class MasterWeights:
+    """Float32 master copies of a bf16 model's parameters: gradients computed in bf16 are taken over as float32, AdamW
+    updates the copies, and the model gets them back rounded to bf16. An update far below a weight's bf16 spacing
+    (2^-8 of it) still accumulates in the copy, where the bf16 weight alone would drop it."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model_params = [p for p in model.parameters() if p.requires_grad]
+        self.params = [torch.nn.Parameter(p.detach().float().clone()) for p in self.model_params]
+
+    def take_gradients(self) -> None:
+        """The model's bf16 gradients as the master copies' float32 ones (the bf16 ones are let go)."""
+        for master, param in zip(self.params, self.model_params, strict=True):
+            master.grad = None if param.grad is None else param.grad.float()
+            param.grad = None
+
+    @torch.no_grad()
+    def copy_to_model(self) -> None:
+        for master, param in zip(self.params, self.model_params, strict=True):
+            param.copy_(master)
+
+    @torch.no_grad()
+    def load(self, tensors: list[torch.Tensor]) -> None:
+        if len(tensors) != len(self.params):
+            raise ValueError(f"{len(tensors)} master weights saved for a model of {len(self.params)} parameters")
+        for master, saved in zip(self.params, tensors, strict=True):
+            master.copy_(saved)
+        self.copy_to_model()
+
+
+def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    """Transformers' activation checkpointing of each decoder layer (non-reentrant). Transformers checkpoints a layer
+    only while it is in training mode, and the trainer keeps the model in eval mode (no dropout); so the layers alone
+    are flagged as training, not their submodules: dropout stays off, the forward's numbers do not change."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    if hasattr(model, "activation_checkpointing_enable"):  # the newer name (transformers 5.24 has it, 5.17 not)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    layers = [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
+    if not layers:
+        raise ValueError(f"gradient_checkpointing: {type(model).__name__} has no layer transformers can checkpoint")
+    for layer in layers:
+        layer.training = True
 
 
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:

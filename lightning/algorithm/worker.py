@@ -241,9 +241,11 @@ def _load_trainer(
 
     from lightning.algorithm.trainer import TorchTrainer, TrainerConfig
     from lightning.checkpoint import latest_checkpoint, load_checkpoint, resume_trainer
+    from lightning.devices import resolve_device
 
-    torch.set_num_threads(threads or default_threads(os.cpu_count() or 1, torch.cuda.is_available()))
     trainer_config = TrainerConfig.model_validate(config)
+    on_gpu = resolve_device(trainer_config.device, "algorithm.device").type == "cuda"
+    torch.set_num_threads(threads or default_threads(os.cpu_count() or 1, on_gpu))
     latest = latest_checkpoint(checkpoint_root)
     if latest is None:
         return TorchTrainer(model_dir, trainer_config), None

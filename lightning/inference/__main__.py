@@ -8,6 +8,7 @@ import os
 import torch
 import uvicorn
 
+from lightning.devices import dtype_name
 from lightning.diagnose import dump_stacks_on_signal
 from lightning.inference.server import create_inference_app
 from lightning.lifeline import exit_with_parent
@@ -22,7 +23,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--served-model-name", default=None, help="the model name clients send (default: dir name)")
     parser.add_argument("--api-key", default=os.environ.get("LIGHTNING_INFERENCE_API_KEY"))
     parser.add_argument("--max-batch-size", type=int, default=32)
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N (default: cuda when available)")
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+        help="the weights' dtype (auto: bfloat16 on a GPU that has it, float32 on a CPU)",
+    )  # fmt: skip
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores but one)")
     parser.add_argument(
         "--batch-invariant", action="store_true", help="each sequence decodes alone: the same tokens whatever the load"
@@ -41,10 +46,13 @@ def main(argv: list[str] | None = None) -> None:
         args.model,
         served_model_name=args.served_model_name,
         device=args.device,
+        dtype=args.dtype,
         max_batch_size=args.max_batch_size,
         api_key=args.api_key,
         batch_invariant=args.batch_invariant,
     )
+    engine = app.state.engine
+    print(f"serving {engine.model_path} on {engine.device} in {dtype_name(engine.dtype)}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
 
 

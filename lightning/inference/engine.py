@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.cache_utils import DynamicLayer
 
+from lightning.devices import dtype_name, resolve_device, serving_dtype
 from lightning.models.files import no_progress_bars
 
 logger = logging.getLogger(__name__)
@@ -132,6 +133,9 @@ class InferenceEngine:
     `batch_invariant`: every sequence runs its own forward passes (a batch of one, its own KV cache), so its logits,
     and with a seeded request its tokens, are the same whatever else is decoding: what `deterministic: true` runs
     need. It costs the batching: each step runs the model once per sequence instead of once.
+
+    `device` and `dtype` are the `inference.device` and `inference.dtype` settings (`lightning.devices`): by default
+    the GPU when torch sees one, the weights in bfloat16 there and in float32 on a CPU, whatever the checkpoint holds.
     """
 
     def __init__(
@@ -139,10 +143,12 @@ class InferenceEngine:
         model_path: str | Path,
         *,
         device: str | None = None,
+        dtype: str = "auto",
         max_batch_size: int = 32,
         batch_invariant: bool = False,
     ):
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = resolve_device(device, "inference.device")
+        self.dtype = serving_dtype(dtype, self.device)
         self.max_batch_size = max_batch_size
         self.batch_invariant = batch_invariant
         self.model_path = str(model_path)
@@ -171,10 +177,9 @@ class InferenceEngine:
         self._stopping = False
 
     def _load_model(self, path: str | Path) -> Any:
-        # float32 on CPU: bfloat16 matmuls are slow there and their logprobs too coarse to compare with training.
-        dtype = torch.float32 if self.device.type == "cpu" else "auto"
         with no_progress_bars():
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
+        logger.info("loaded %s on %s in %s", path, self.device, dtype_name(self.dtype))
         return model.to(self.device).eval()
 
     def _eos_token_ids(self) -> set[int]:

@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from lightning.devices import dtype_name
 from lightning.inference.engine import InferenceEngine, Output, SamplingParams, TokenLogprob
 from lightning.inference.tools import ToolCall, ToolCallParser, split_tool_calls
 from lightning.serving import BearerAuth
@@ -103,6 +104,7 @@ def create_inference_app(
     *,
     served_model_name: str | None = None,
     device: str | None = None,
+    dtype: str = "auto",
     max_batch_size: int = 32,
     api_key: str | None = None,
     batch_invariant: bool = False,
@@ -112,7 +114,9 @@ def create_inference_app(
     The engine thread starts with the app's lifespan, or on the first request when served with lifespan off.
     With `api_key`, every route but /health (the API docs too) needs `Authorization: Bearer <api_key>`.
     """
-    engine = InferenceEngine(model_path, device=device, max_batch_size=max_batch_size, batch_invariant=batch_invariant)
+    engine = InferenceEngine(
+        model_path, device=device, dtype=dtype, max_batch_size=max_batch_size, batch_invariant=batch_invariant
+    )
     model_name = served_model_name or Path(model_path).resolve().name
 
     @contextlib.asynccontextmanager
@@ -168,7 +172,11 @@ def create_inference_app(
 
     @app.get("/admin/version")
     async def version() -> dict[str, Any]:
-        return {"version": engine.version, "path": engine.model_path}
+        """The weights served: their version and directory, and the device and dtype they are held in."""
+        return {
+            "version": engine.version, "path": engine.model_path, "device": str(engine.device),
+            "dtype": dtype_name(engine.dtype),
+        }  # fmt: skip
 
     @app.post("/admin/reload")
     async def reload(body: ReloadRequest) -> dict[str, Any]:
