@@ -41,6 +41,8 @@ EXPERIMENT_KIND = "mlflow.experimentKind"
 MODEL_TRAINING = "custom_model_development"
 """The experiment kind that MLflow 3's UI opens on runs (params, metrics, charts), not on GenAI's traces pages."""
 CONFIG_ARTIFACT = "config.yaml"
+ERROR_ARTIFACT = "error.txt"
+ERROR_TAG_CHARS = 500
 
 
 class MlflowTracker:
@@ -210,6 +212,12 @@ class MlflowTracker:
     def promote(self, name: str, version: int | str, alias: str = "champion") -> None:
         """Point registered model `name`'s `alias` at `version` (`models:/<name>@<alias>` then loads it)."""
         self.client.set_registered_model_alias(name, alias, str(version))
+
+    def log_failure(self, message: str) -> None:
+        """Why the run failed, where MLflow's UI shows it: the `error` tag (its first line) and `error.txt`."""
+        first = message.strip().splitlines()[0] if message.strip() else "(no message)"
+        self.client.set_tag(self._run(), "error", first[:ERROR_TAG_CHARS])
+        self.client.log_text(self._run(), message, ERROR_ARTIFACT)
 
     def end(self, status: str = "FINISHED") -> None:
         """Mark the run FINISHED, FAILED or KILLED (system metrics stop first)."""

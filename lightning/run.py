@@ -25,7 +25,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -299,6 +299,7 @@ class Run(BaseModel):
         queue: str | None = None,
         mlflow_tags: dict[str, str] | None = None,
         track: bool | None = None,
+        report: Callable[[str], None] | None = None,
     ) -> Run:
         """Bring the run up in this process: the store, the serving parts on the latest weights (or on the
         checkpoint `weights`) and, with `train`, the trainer process and the MLflow run (`track`: the MLflow run
@@ -306,7 +307,9 @@ class Run(BaseModel):
         flows add their flow run's URL). `queue`: the store queue of its rollouts (default: the run's name).
         Rollouts an earlier process left running in that queue are requeued: from now on this process owns it.
         First, what can be checked in seconds is (`preflight`): a missing dataset or an agent that does not import
-        is one clear error, before any server starts."""
+        is one clear error, before any server starts. Starting the servers takes at most `timeouts.startup`; `report`
+        (a flow's logger) gets a line every few seconds while one is still starting. A run that fails to open
+        ends its MLflow run FAILED, with the error."""
         from lightning import preflight
 
         await asyncio.to_thread(preflight.check, config)
@@ -325,6 +328,10 @@ class Run(BaseModel):
         endpoints = Endpoints(proxy_url="", model_name=config.inference.served_model_name)
         run = cls(config=config, endpoints=endpoints, queue=queue or config.run_name)
         run._parts = parts
+        # The MLflow run first, beside the rest: a run that fails to open still leaves one, FAILED, saying why.
+        tracking = None
+        if train if track is None else track:
+            tracking = asyncio.create_task(asyncio.to_thread(_start_tracker, config, mlflow_tags))
         try:
             parts.history = recorded_history(config)
             await requeue_orphans(parts.store, run.queue)
@@ -332,16 +339,23 @@ class Run(BaseModel):
                 parts.trainer = _trainer(config, run.model_dir)
                 parts.closers.append(parts.trainer.close)
                 trainer_ready = asyncio.create_task(asyncio.to_thread(parts.trainer.start))
-            run.endpoints = await asyncio.to_thread(_start_serving, config, parts, serving_dir)
-            if train if track is None else track:
-                parts.tracker = await asyncio.to_thread(_start_tracker, config, parts.history, mlflow_tags)
+            run.endpoints = await asyncio.to_thread(_start_serving, config, parts, serving_dir, report)
+            if tracking is not None:
+                parts.tracker = await tracking
+                await asyncio.to_thread(_log_history, parts.tracker, parts.history)
             if train:
                 await asyncio.wait_for(trainer_ready, timeout=config.timeouts.startup)
             parts.weight_version = serving_step(config, weights)
             if not config.proxy_endpoint:  # every span from now on records the weights that produced it
                 await asyncio.to_thread(run.proxy_admin, "resume", {"weight_version": parts.weight_version})
             parts.supervisor = Supervisor(run, max_restarts=config.inference.max_restarts)
-        except BaseException:
+        except BaseException as exc:
+            if tracking is not None and parts.tracker is None:
+                with contextlib.suppress(BaseException):
+                    parts.tracker = await tracking
+            if parts.tracker is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(parts.tracker.log_failure, f"opening the run failed: {exc!r}")
             await run.close("FAILED")
             raise
         return run
@@ -529,7 +543,9 @@ def proxy_token() -> str | None:
     return os.environ.get("LIGHTNING_PROXY_TOKEN") or None
 
 
-def _start_serving(config: TrainConfig, parts: _Parts, serving_dir: Path) -> Endpoints:
+def _start_serving(
+    config: TrainConfig, parts: _Parts, serving_dir: Path, report: Callable[[str], None] | None = None
+) -> Endpoints:
     inference = config.inference
     name = inference.served_model_name
     if config.proxy_endpoint:
@@ -543,6 +559,7 @@ def _start_serving(config: TrainConfig, parts: _Parts, serving_dir: Path) -> End
             server="thread" if inference.in_process else "process",
             proxy="thread" if config.proxy_in_process or in_memory else "process", store_url=config.store_url,
             log_dir=config.run_dir / "logs", stacks_dir=config.run_dir / "stacks",
+            start_timeout=config.timeouts.startup, report=report,
         )  # fmt: skip
         parts.closers.append(parts.stack.close)
         parts.proxy_token = parts.stack.proxy_token
@@ -595,7 +612,7 @@ def _start_vllm(config: TrainConfig, serving_dir: Path) -> list[Any]:
         server.start()
         servers.append(server)
     for server in servers:
-        server.wait_ready()
+        server.wait_ready(config.timeouts.startup)
     return servers
 
 
@@ -612,14 +629,13 @@ def _trainer(config: TrainConfig, model_dir: Path) -> Any:
 
     return TrainerWorker(
         model_dir, config.algorithm, checkpoints_dir(config), threads=config.trainer_threads,
-        stacks_dir=config.run_dir / "stacks",
+        start_timeout=config.timeouts.startup, stacks_dir=config.run_dir / "stacks",
     )  # fmt: skip
 
 
-def _start_tracker(config: TrainConfig, history: list[dict[str, Any]], tags: dict[str, str] | None = None) -> Any:
+def _start_tracker(config: TrainConfig, tags: dict[str, str] | None = None) -> Any:
     """The run's MLflow run (found by the run's name in the experiment, or created): its tags (source commit, user,
-    `tags`), the config as params and as `config.yaml`, system metrics if asked, and every iteration of the history
-    logged: an iteration whose metrics did not reach MLflow before a crash is logged now."""
+    `tags`), the config as params and as `config.yaml`, system metrics if asked."""
     from lightning.metrics import MlflowTracker, run_tags
 
     tracker = MlflowTracker(
@@ -630,8 +646,13 @@ def _start_tracker(config: TrainConfig, history: list[dict[str, Any]], tags: dic
     settings = config.model_dump(mode="json")
     tracker.start({"config": settings})
     tracker.log_config(settings)
+    return tracker
+
+
+def _log_history(tracker: Any, history: list[dict[str, Any]]) -> None:
+    """Every iteration of the history logged: an iteration whose metrics did not reach MLflow before a crash is
+    logged now."""
     logged = tracker.logged_steps("reward") if history else set()
     for row in history:
         if row["iteration"] not in logged:
             tracker.log_metrics(row, row["iteration"])
-    return tracker

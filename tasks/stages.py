@@ -20,7 +20,7 @@ import os
 import socket
 from typing import Any, TypeVar
 
-from prefect import Task, get_client, task
+from prefect import Task, get_client, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import ObjectNotFound
 
@@ -40,6 +40,8 @@ STAGE = {"persist_result": True, "result_serializer": "json", "cache_key_fn": st
 TRANSIENT = {"retries": 2, "retry_delay_seconds": [2, 10], "retry_jitter_factor": 0.5}
 MARGIN_SECONDS = 60.0
 """Prefect's timeout comes this long after the library's own deadline for the stage."""
+LOCAL_UI_ENV = "LIGHTNING_PREFECT_UI_URL"
+"""Set by `python -m flows.*` on its temporary server (which has no UI): the UI that shows its flow runs."""
 GPU_TAG = "gpu"
 """The tag whose concurrency limit, where the server has one, lets one `ppo_step` at a time use the GPU."""
 
@@ -126,8 +128,12 @@ async def open_run(
     track: bool | None = None,
 ) -> Run:
     """Bring up the run's store, serving parts, trainer and MLflow run in this process (never cached: a retried
-    flow run is a new process and needs its own). The MLflow run is tagged with this flow run's id and URL."""
-    return await Run.open(config, train=train, weights=weights, queue=queue, track=track, mlflow_tags=flow_run_tags())
+    flow run is a new process and needs its own). The MLflow run is tagged with this flow run's id and URL; while a
+    server starts, the task's log says every few seconds how long it has waited and what the server last logged."""
+    return await Run.open(
+        config, train=train, weights=weights, queue=queue, track=track, mlflow_tags=flow_run_tags(),
+        report=get_run_logger().info,
+    )  # fmt: skip
 
 
 def flow_run_tags() -> dict[str, str]:
@@ -139,7 +145,7 @@ def flow_run_tags() -> dict[str, str]:
     if not flow_run_id:
         return {}
     tags = {"prefect.flow_run_id": str(flow_run_id)}
-    ui = PREFECT_UI_URL.value()
+    ui = os.environ.get(LOCAL_UI_ENV) or PREFECT_UI_URL.value()
     if ui:
         tags["prefect.flow_run_url"] = f"{str(ui).rstrip('/')}/runs/flow-run/{flow_run_id}"
     return tags

@@ -4,6 +4,7 @@ config and endpoints, and a wait that times out cancels its leftovers so no late
 from __future__ import annotations
 
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +129,49 @@ async def test_a_run_that_makes_no_progress_logs_the_stacks_of_its_processes(
         assert "lightning debug stacks" in caplog.text and "== inference-server" in caplog.text
     finally:
         await run.close()
+
+
+@pytest.mark.slow
+async def test_a_finished_rollout_is_progress(tmp_path: Path) -> None:
+    run = await Run.open(small_config(tmp_path), train=False)
+    try:
+        resources_id = await stages.update_resources(run, "train")
+        ids = await stages.enqueue_rollouts(run, 0, resources_id)
+        run.made_progress("nothing since")
+        await stages.run_runners(run, ids)
+        assert run._parts.progress_note == "a rollout"  # what the stall warning waits for
+    finally:
+        await run.close()
+
+
+@pytest.mark.slow
+async def test_a_server_that_does_not_start_in_time_fails_naming_it_and_what_it_logged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Start-up is bounded by `timeouts.startup`, each wait reported as it goes; the error names the process, its pid
+    and the end of its log; the MLflow run is left FAILED, saying why."""
+    from mlflow import MlflowClient
+
+    import lightning.stack
+
+    monkeypatch.setattr(lightning.stack, "REPORT_EVERY", 1.0)
+    config = small_config(tmp_path, timeouts={"startup": 4})
+    reported: list[str] = []
+    with pytest.raises(TimeoutError) as failed:
+        await Run.open(config, train=False, track=True, report=reported.append)
+    message = str(failed.value)
+    assert re.search(r"^the inference server \(pid \d+\) did not answer on http://127\.0\.0\.1:\d+ after 4 s", message)
+    assert "timeouts.startup (4 s; raise it on a slow or loaded machine)" in message
+    log = config.run_dir / "logs" / "inference.log"
+    assert f"the end of its log {log}:" in message and "starting inference server on http://127.0.0.1:" in message
+    assert message.rstrip().endswith(log.read_text().strip().splitlines()[-1].strip()), (message, log.read_text())
+    assert reported and all("waiting for the inference server (pid " in line for line in reported), reported
+    assert "s so far (timeouts.startup: 4 s); its log's last line: " in reported[-1]
+
+    client = MlflowClient(config.tracking_uri)
+    (mlflow_run,) = client.search_runs([client.get_experiment_by_name(config.experiment).experiment_id])
+    assert mlflow_run.info.status == "FAILED"
+    assert mlflow_run.data.tags["error"].startswith("opening the run failed: TimeoutError('the inference server")
 
 
 async def _until(condition: Any, what: str, timeout: float = 60.0) -> None:

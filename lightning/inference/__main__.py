@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
-
-import torch
-import uvicorn
+import sys
 
 from lightning.diagnose import dump_stacks_on_signal
-from lightning.inference.server import create_inference_app
 from lightning.lifeline import exit_with_parent
 from lightning.serving import is_loopback
 
@@ -32,6 +29,14 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(
             f"--host {args.host} is reachable from other machines; give --api-key (or LIGHTNING_INFERENCE_API_KEY)"
         )
+    # What it is doing while it starts (a minute on a loaded machine): the lines a run quotes if it is too slow.
+    _say(f"pid {os.getpid()}: importing torch and transformers")
+    import torch
+    import uvicorn
+
+    from lightning.inference.server import create_inference_app
+
+    _say(f"loading the model {args.model}")
     # One core is left to the HTTP event loop, which tokenizes prompts and streams responses.
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) - 1))
     app = create_inference_app(
@@ -41,7 +46,12 @@ def main(argv: list[str] | None = None) -> None:
         max_batch_size=args.max_batch_size,
         api_key=args.api_key,
     )
+    _say(f"starting the HTTP server on http://{args.host}:{args.port}")
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+
+
+def _say(line: str) -> None:
+    print(f"lightning.inference: {line}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
