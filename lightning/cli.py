@@ -210,7 +210,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Send SIGUSR1 to every live process of the run (the flow's, the inference server, the LLM proxy, "
         "the trainer); each writes its stacks to <run_dir>/stacks/, which this prints.",
     )
-    stacks.add_argument("run", help="the run's name (under --output-dir) or its directory")
+    # (dest run_name: `run` is the function each command sets to run it)
+    stacks.add_argument("run_name", metavar="RUN", help="the run's name (under --output-dir) or its directory")
     stacks.add_argument("--output-dir", default=".lightning/runs", help="where runs live (default: %(default)s)")
     stacks.set_defaults(run=_debug_stacks, help_parser=stacks)
     compare = debug_commands.add_parser(
@@ -266,10 +267,13 @@ def _parser() -> argparse.ArgumentParser:
         help="point a registered model's alias (default `champion`) at a version",
         description="Point registered model NAME's alias at VERSION: `models:/NAME@champion` then loads it "
         "(mlflow.artifacts.download_artifacts gives the Hugging Face directory). A run registers its final model "
-        "when checkpoint.register_model names one, with its held-out reward as the version's `val_reward` tag.",
+        "when checkpoint.register_model names one, with its held-out reward as the version's `val_reward` tag; "
+        "`best` promotes the version with the highest, `latest` the newest (it says so if another one is better).",
     )
     promote.add_argument("name", help="the registered model (checkpoint.register_model)")
-    promote.add_argument("version", help="the version to promote, or `latest`")
+    promote.add_argument(
+        "version", help="the version to promote: a number, `latest` (the newest) or `best` (the highest val_reward)"
+    )
     promote.add_argument("--alias", default="champion", help="(default: %(default)s)")
     promote.add_argument(
         "--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI", MLFLOW_DEFAULT_URI),
@@ -294,16 +298,37 @@ def _mlflow_promote(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     from lightning.metrics import MlflowTracker
 
     tracker = MlflowTracker(args.tracking_uri)
-    version = args.version
-    if version == "latest":
-        versions = tracker.client.search_model_versions(f"name = '{args.name}'")
-        if not versions:
-            parser.error(f"no registered model {args.name!r} at {args.tracking_uri}")
-        version = str(max(int(v.version) for v in versions))
+    versions = tracker.client.search_model_versions(f"name = '{args.name}'")
+    if not versions:
+        parser.error(f"no registered model {args.name!r} at {args.tracking_uri}")
+    newest = max(versions, key=lambda v: int(v.version))
+    rewarded = [v for v in versions if _reward(v) is not None]
+    best = max(rewarded, key=lambda v: (_reward(v), int(v.version))) if rewarded else None
+    if args.version == "best" and best is None:
+        parser.error(f"no version of {args.name!r} has a val_reward tag: give a version number, or `latest`")
+    chosen = {"latest": newest, "best": best}.get(args.version)
+    version = str(chosen.version) if chosen is not None else args.version
     tracker.promote(args.name, version, args.alias)
     reward = tracker.client.get_model_version(args.name, version).tags.get("val_reward", "?")
     print(f"models:/{args.name}@{args.alias} -> version {version} (held-out reward {reward})")
+    promoted = _reward_of(reward)
+    if best is not None and str(best.version) != version and (promoted is None or _reward(best) > promoted):
+        print(
+            f"note: version {best.version} has a higher held-out reward ({best.tags['val_reward']}); "
+            f"`lightning mlflow promote {args.name} best` promotes it"
+        )
     return 0
+
+
+def _reward(version: object) -> float | None:
+    return _reward_of(getattr(version, "tags", {}).get("val_reward"))
+
+
+def _reward_of(text: str | None) -> float | None:
+    try:
+        return float(text) if text is not None else None
+    except ValueError:
+        return None
 
 
 def _debug_compare_logprobs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -318,9 +343,13 @@ def _debug_compare_logprobs(args: argparse.Namespace, parser: argparse.ArgumentP
         try:
             ids = list(args.rollout)
             if not ids:
-                rollouts = await store.query_rollouts(queue=args.queue, status_in=["succeeded"])
-                rollouts.sort(key=lambda rollout: rollout.end_time or 0.0)
-                ids = [rollout.rollout_id for rollout in rollouts[-args.limit :]]
+                newest = await store.query_rollouts(
+                    queue=args.queue, status_in=["succeeded"], sort_by="end_time", sort_order="desc", limit=args.limit
+                )
+                ids = [rollout.rollout_id for rollout in reversed(newest.items)]
+                if not ids:
+                    where = f"queue {args.queue!r} of " if args.queue else ""
+                    parser.error(f"no succeeded rollouts in {where}the store {args.store}")
             report = await compare_logprobs(store, args.model, ids)
         finally:
             await store.close()
@@ -333,7 +362,9 @@ def _debug_compare_logprobs(args: argparse.Namespace, parser: argparse.ArgumentP
 def _debug_stacks(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from lightning.diagnose import collect_stacks
 
-    run_dir = Path(args.run) if Path(args.run).is_dir() else Path(args.output_dir) / args.run
+    run_dir = Path(args.run_name) if Path(args.run_name).is_dir() else Path(args.output_dir) / args.run_name
+    if not run_dir.is_dir():
+        parser.error(f"no run {args.run_name!r}: neither a directory nor a run under --output-dir {args.output_dir}")
     print(collect_stacks(run_dir / "stacks"))
     return 0
 

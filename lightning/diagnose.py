@@ -50,6 +50,7 @@ def collect_stacks(directory: str | Path, wait: float = 1.5) -> str:
         if match is None:
             continue
         pid = int(match["pid"])
+        before = path.stat().st_size  # before the signal: an idle process dumps at once
         try:
             os.kill(pid, SIGNAL)
         except ProcessLookupError:
@@ -57,7 +58,7 @@ def collect_stacks(directory: str | Path, wait: float = 1.5) -> str:
         except PermissionError:
             sections.append(f"== {match['component']} (pid {pid}): not ours to signal")
             continue
-        sizes[path] = path.stat().st_size
+        sizes[path] = before
     time.sleep(wait)
     for path, before in sizes.items():
         match = _FILE.match(path.name)
