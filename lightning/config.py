@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any, Literal
 
@@ -420,7 +420,7 @@ def load_config(source: str | Path | dict[str, Any], **overrides: Any) -> TrainC
         where = str(path)
     for dotted, value in overrides.items():
         _set_dotted(data, dotted, value)
-    return validate_config(data, where)
+    return validate_config(data, where, overridden=overrides)
 
 
 def with_overrides(config: TrainConfig | dict[str, Any], overrides: dict[str, Any] | None) -> TrainConfig:
@@ -434,27 +434,34 @@ def with_overrides(config: TrainConfig | dict[str, Any], overrides: dict[str, An
     return load_config(base, **overrides)
 
 
-def validate_config(data: dict[str, Any] | TrainConfig, where: str = "the configuration") -> TrainConfig:
+def validate_config(
+    data: dict[str, Any] | TrainConfig, where: str = "the configuration", overridden: Collection[str] = ()
+) -> TrainConfig:
+    """`data` as a TrainConfig, or a ConfigError naming each bad field; one that an override in `overridden` set
+    (`--set`, a flow's `overrides`) is said to come from it, not from `where`."""
     if isinstance(data, TrainConfig):
         return data
     try:
         return TrainConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(f"{where} is not a valid TrainConfig:\n{describe_errors(exc)}") from None
+        given = f"{where} with its overrides" if overridden else where
+        raise ConfigError(f"{given} is not a valid TrainConfig:\n{describe_errors(exc, overridden)}") from None
 
 
-def describe_errors(exc: ValidationError) -> str:
-    """One line per problem: the dotted field, what is wrong, what was given."""
+def describe_errors(exc: ValidationError, overridden: Collection[str] = ()) -> str:
+    """One line per problem: the dotted field, what is wrong, what was given (and the override that gave it)."""
     lines = []
     for error in exc.errors():
         field = ".".join(str(part) for part in error["loc"]) or "(top level)"
+        override = next((name for name in overridden if f"{field}.".startswith(f"{name}.")), None)
         message = error["msg"].removeprefix("Value error, ")
         if error["type"] == "extra_forbidden":
             message = (
                 "unknown field; check its spelling against TrainConfig (`lightning config defaults` prints every field)"
             )
         given = "" if error["type"] in ("missing", "extra_forbidden") else f" (got {error.get('input')!r})"
-        lines.append(f"  {field}: {message}{given}")
+        source = f" (set by the override {override})" if override else ""
+        lines.append(f"  {field}: {message}{given}{source}")
     return "\n".join(lines)
 
 

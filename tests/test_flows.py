@@ -237,6 +237,10 @@ def test_the_command_line_reports_config_errors_without_a_traceback(tmp_path: Pa
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 2
-    assert "iterations: Input should be greater than or equal to 1" in done.stderr
-    assert "algorithm.lr: Input should be greater than or equal to 0" in done.stderr
+    assert f"{bad} with its overrides is not a valid TrainConfig" in done.stderr
+    assert "iterations: Input should be greater than or equal to 1 (got 0)\n" in done.stderr  # the file's
+    # A bad --set value is blamed on the --set, not the file.
+    assert "algorithm.lr: Input should be greater than or equal to 0 (got -1) (set by the override algorithm.lr)" in (
+        done.stderr
+    )
     assert "Traceback" not in done.stderr
