@@ -19,10 +19,8 @@ from flows.secret_blocks import URL_FIELDS, export_secret_blocks
 from lightning import preflight
 from lightning.config import ConfigError, load_config
 from lightning.credentials import references
+from lightning.metrics import LOCAL_PREFECT_UI, LOCAL_UI, is_server, ui_command
 from tasks.stages import LOCAL_UI_ENV
-
-LOCAL_PREFECT_UI = "http://127.0.0.1:4200"
-"""Where `make prefect-ui` serves Prefect's UI on the database of the temporary servers."""
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
@@ -238,8 +236,6 @@ def where_to_look(config: Any, summary: dict[str, Any]) -> str:
 
 def mlflow_ui(tracking_uri: str) -> str:
     """How to see the runs of `tracking_uri`: a server's address, or the command that serves a local store's UI."""
-    if tracking_uri.startswith(("http://", "https://")):
+    if is_server(tracking_uri):
         return f"open {tracking_uri}"
-    if tracking_uri == "sqlite:///.lightning/mlflow.db":
-        return "make mlflow-ui   then open http://127.0.0.1:5000"
-    return f".venv/bin/lightning mlflow ui --backend-store-uri {tracking_uri}   then open http://127.0.0.1:5000"
+    return f"{ui_command(tracking_uri)}   then open {LOCAL_UI}"

@@ -36,9 +36,18 @@ async def evaluation(run: Run, step: int) -> dict[str, Any]:
         return {"step": step, "rollouts": 0, "reward_mean": float("nan")}
     rollout_ids, summary = await collect_rollouts(run, step, "val")
     result = await timed(log_evaluation, run)(run, step, summary, rollout_ids)
-    label = "of the initial model (before the warm start)" if step < 0 else f"at step {step}"
-    get_run_logger().info("held-out reward %s: %.3f (%d tasks)", label, result["reward_mean"], result["rollouts"])
+    get_run_logger().info(
+        "held-out reward %s: %.3f (%d tasks)", evaluation_label(step), result["reward_mean"], result["rollouts"]
+    )
     return result
+
+
+def evaluation_label(step: int) -> str:
+    """What checkpoint `step` is, in the numbering of the iterations (from 0, as Prefect, the table and MLflow
+    count them): checkpoint 10 is the weights after iteration 9, whose row of the table holds its reward."""
+    if step < 0:
+        return "of the initial model (before the warm start)"
+    return f"of checkpoint {step} (after iteration {step - 1})" if step else "of checkpoint 0 (before training)"
 
 
 async def evaluate_at(run: Run, step: int) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from lightning.metrics import DEFAULT_TRACKING_URI, LOCAL_UI_HOST, LOCAL_UI_PORT
 from lightning.serving import is_loopback
 from lightning.store.sql import DEFAULT_URL
 
@@ -20,8 +21,6 @@ PROXY_TOKEN_ENV = "LIGHTNING_PROXY_TOKEN"
 STORE_URL_ENV = "LIGHTNING_STORE_URL"
 BACKEND_KEY_ENV = "LIGHTNING_BACKEND_API_KEY"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
-MLFLOW_DEFAULT_URI = "sqlite:///.lightning/mlflow.db"
-"""TrainConfig.tracking_uri's default."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -256,11 +255,11 @@ def _parser() -> argparse.ArgumentParser:
         "unless MLFLOW_SERVER_ENABLE_JOB_EXECUTION=true.",
     )
     ui.add_argument(
-        "--backend-store-uri", default=os.environ.get("MLFLOW_TRACKING_URI", MLFLOW_DEFAULT_URI),
+        "--backend-store-uri", default=os.environ.get("MLFLOW_TRACKING_URI", DEFAULT_TRACKING_URI),
         help="the tracking store (default: $MLFLOW_TRACKING_URI or %(default)s)",
     )  # fmt: skip
-    ui.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
-    ui.add_argument("--port", type=int, default=5000, help="(default: %(default)s)")
+    ui.add_argument("--host", default=LOCAL_UI_HOST, help="(default: %(default)s)")
+    ui.add_argument("--port", type=int, default=LOCAL_UI_PORT, help="(default: %(default)s)")
     ui.set_defaults(run=_mlflow_ui, help_parser=ui)
     promote = mlflow_commands.add_parser(
         "promote",
@@ -276,7 +275,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     promote.add_argument("--alias", default="champion", help="(default: %(default)s)")
     promote.add_argument(
-        "--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI", MLFLOW_DEFAULT_URI),
+        "--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI", DEFAULT_TRACKING_URI),
         help="the tracking store (default: $MLFLOW_TRACKING_URI or %(default)s)",
     )  # fmt: skip
     promote.set_defaults(run=_mlflow_promote, help_parser=promote)

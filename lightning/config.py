@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from lightning.algorithm.config import TrainerConfig, VerlOptions
+from lightning.metrics import DEFAULT_TRACKING_URI
 from lightning.serving import is_loopback
 from lightning.store.sql import DEFAULT_URL as DEFAULT_STORE_URL
 from lightning.types import PromptTemplate, RolloutConfig
@@ -252,7 +253,7 @@ class TrainConfig(BaseModel):
     runners its share of the interpreter lock)."""
     store_url: str = DEFAULT_STORE_URL
     """The store: sqlite:///path, postgresql://user@host/db, or http://host:port of a running store server."""
-    tracking_uri: str = "sqlite:///.lightning/mlflow.db"
+    tracking_uri: str = DEFAULT_TRACKING_URI
     """MLflow: a database URI, a directory, or a tracking server's http URL."""
     experiment: str = "lightning"
     """The MLflow experiment the run goes in."""

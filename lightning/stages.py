@@ -131,10 +131,9 @@ async def run_runners(run: Run, rollout_ids: Sequence[str], index: int = 0, mode
     async with run.connect_store() as store:
         stop = asyncio.Event()
         tracer = Tracer(store)  # one exporter for the fleet, not a thread per runner
-        fleet = [
-            Runner(agent, store, tracer=tracer, worker_id=f"{run.queue}-runner{index}-{i}", queue=run.queue)
-            for i in range(config.runner_concurrency)
-        ]
+        progress = [_Progress(run)]  # each finished rollout counts against the run's stall warning
+        names = [f"{run.queue}-runner{index}-{i}" for i in range(config.runner_concurrency)]
+        fleet = [Runner(agent, store, tracer=tracer, worker_id=name, queue=run.queue, hooks=progress) for name in names]
         # One claim loop for the fleet (lightning.runner.fleet.run_fleet), not a poll per idle runner; its claims
         # bring the resources once.
         working = asyncio.create_task(run_fleet(fleet, store, stop_event=stop, queue=run.queue, idle_wait=0.05))
@@ -155,7 +154,8 @@ async def run_runners(run: Run, rollout_ids: Sequence[str], index: int = 0, mode
 
 
 class _Progress(Hook):
-    """Each rollout a runner finishes is progress (the run's stall warning waits for none)."""
+    """Each rollout a runner finishes is progress (the run's stall warning waits for none). Where the run is not
+    open (a runner task on a Ray worker) it does nothing: the flow's process sees the stages finish."""
 
     def __init__(self, run: Run) -> None:
         self.run = run
@@ -434,7 +434,8 @@ def iteration_row(
 
 
 def progress_line(run: Run, row: dict[str, Any], done: int, elapsed: float) -> str:
-    """`iteration 3/40 | reward 0.412 | loss ... | 9.8 s/it | ETA 6m02s`: this process's rate, the rest's ETA."""
+    """`iteration 3 (4/40) | reward 0.412 | loss ... | 9.8 s/it | ETA 6m02s`: the iteration numbered as Prefect,
+    the table and MLflow number it (from 0), how many are done, this process's rate, the rest's ETA."""
     iterations = run.config.iterations
     rate = elapsed / max(done, 1)
     left = iterations - row["iteration"] - 1
@@ -442,7 +443,7 @@ def progress_line(run: Run, row: dict[str, Any], done: int, elapsed: float) -> s
     kl = f" | kl {row['kl']:.4f}" if "kl" in row else ""
     mismatch = f" | mismatch {row['mismatch_mean']:.1e}" if "mismatch_mean" in row else ""
     return (
-        f"iteration {row['iteration'] + 1}/{iterations} | reward {row['reward']:.3f}{val} | "
+        f"iteration {row['iteration']} ({row['iteration'] + 1}/{iterations}) | reward {row['reward']:.3f}{val} | "
         f"pg_loss {row.get('pg_loss', float('nan')):.4f}{kl}{mismatch} | rollouts {row['rollouts_ok']} ok, "
         f"{row['rollouts_failed']} failed | {row['rollout_tokens_per_s']:.0f} tok/s | {rate:.1f} s/it | "
         f"ETA {_duration(rate * left)}"
@@ -455,15 +456,17 @@ def _duration(seconds: float) -> str:
 
 
 def mlflow_link(run: Run) -> str:
-    """Where to look in MLflow: the run's page on a tracking server (MlflowTracker.run_url), or the command that
-    opens the local UI (`lightning mlflow ui`, which keeps MLflow from reaching for the internet)."""
+    """Where to look in MLflow, as a Markdown link: the run's page on the tracking server, or on the local UI that
+    `make mlflow-ui` (`lightning mlflow ui`) serves for a local store."""
+    from lightning.metrics import LOCAL_UI, is_server, ui_command
+
     tracker = run.tracker
-    local_ui = f"`lightning mlflow ui --backend-store-uri {run.config.tracking_uri}`"
+    uri = run.config.tracking_uri
     if tracker is None:
-        return f"MLflow: {local_ui}"
-    if run.config.tracking_uri.startswith(("http://", "https://")):
-        return f"[MLflow run]({tracker.run_url})"
-    return f"MLflow run `{tracker.run_id}`: {local_ui}, then experiment `{tracker.experiment}`, run `{run.name}`"
+        return f"MLflow: {uri}" if is_server(uri) else f"MLflow: `{ui_command(uri)}`, then {LOCAL_UI}"
+    if is_server(uri):
+        return f"[MLflow run {run.name}]({tracker.run_url})"
+    return f"[MLflow run {run.name}]({tracker.run_url}) (served by `{ui_command(uri)}`)"
 
 
 SPARK = "▁▂▃▄▅▆▇█"

@@ -27,6 +27,7 @@ from prefect.exceptions import ObjectNotFound
 from lightning import stages
 from lightning.algorithm.worker import TrainerCrashed, UpdateLost
 from lightning.config import TrainConfig
+from lightning.metrics import PREFECT_FLOW_RUN_ID, PREFECT_FLOW_RUN_URL, SOURCE_NAME
 from lightning.run import Run
 from lightning.stages import Mode
 from tasks.caching import TRAIN_FLOW_RUN_ID, ppo_step_cache_key, stage_cache_key
@@ -144,10 +145,11 @@ def flow_run_tags() -> dict[str, str]:
     flow_run_id = TRAIN_FLOW_RUN_ID.get() or flow_run.root_flow_run_id or flow_run.id
     if not flow_run_id:
         return {}
-    tags = {"prefect.flow_run_id": str(flow_run_id)}
+    # The command a user runs for this flow (`python -m flows.train`): MLflow shows it as the run's source.
+    tags = {PREFECT_FLOW_RUN_ID: str(flow_run_id), SOURCE_NAME: f"flows.{flow_run.flow_name}"}
     ui = os.environ.get(LOCAL_UI_ENV) or PREFECT_UI_URL.value()
     if ui:
-        tags["prefect.flow_run_url"] = f"{str(ui).rstrip('/')}/runs/flow-run/{flow_run_id}"
+        tags[PREFECT_FLOW_RUN_URL] = f"{str(ui).rstrip('/')}/runs/flow-run/{flow_run_id}"
     return tags
 
 
