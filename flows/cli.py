@@ -144,7 +144,7 @@ def run_flow_cli(flow: Any, argv: list[str] | None, description: str | None) -> 
         config = load_config(args.config, **parse_overrides(args.set))
         if _names_secret_blocks(config):
             asyncio.run(export_secret_blocks(config))  # from the Prefect server that holds them
-        preflight.check(config)  # seconds, before Prefect or any server starts
+        preflight.check(config, optimiser=flow.name == "optimize_prompt")  # seconds, before anything starts
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

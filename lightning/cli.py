@@ -386,7 +386,7 @@ def _config_check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         sys.path.insert(0, os.getcwd())
     try:
         config = load_config(args.path)
-        preflight.check(config)
+        preflight.check(config, optimiser=config.apo is not None)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

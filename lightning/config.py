@@ -82,7 +82,9 @@ class CheckpointPolicy(BaseModel):
     log_to_mlflow: bool = True
     """Upload checkpoints to MLflow as artifacts (every `log_every` iterations and the last)."""
     register_model: str | None = None
-    """Register the final checkpoint in MLflow's model registry under this name."""
+    """Register the final checkpoint in MLflow's model registry under this name, as a new version, with its held-out
+    reward (`lightning mlflow promote NAME best` promotes the best). Every run that finishes with this set registers
+    one, a short trial run too: clear it (null) for runs that should not."""
 
 
 class MlflowTraces(BaseModel):

@@ -228,14 +228,19 @@ async def requeue_unsuccessful(run: Run, rollout_ids: Sequence[str]) -> int:
 async def rollouts_failed(run: Run, iteration: int, rollout_ids: Sequence[str], summary: dict[str, Any]) -> Exception:
     """The error of a rollout phase that stayed short of `min_success_fraction`: counts, how the attempts ended,
     and what the serving parts went through."""
+    from lightning.diagnose import agent_errors
+
     rollouts = await run.store.query_rollouts(rollout_id_in=list(rollout_ids))
     endings = Counter(r.attempt.status if isinstance(r, AttemptedRollout) else "no attempt" for r in rollouts)
+    errors = "".join(f"\n  {line}" for line in await agent_errors(run.store, rollout_ids))
     return RolloutsFailed(
         f"iteration {iteration}: {summary['succeeded']} of {summary['rollouts']} rollouts succeeded after "
         f"{run.config.rollout_retries} more round(s) for the others, short of min_success_fraction "
         f"{run.config.min_success_fraction:g}; latest attempts: {dict(endings)}; serving restarts so far: "
-        f"{run.restarts()}; the agent's errors are in the rollouts' spans (query_spans)"
-    )
+        f"{run.restarts()}; "
+        + (f"the agent raised (the first failed rollouts; the rest in their spans):{errors}" if errors else
+           "no agent error recorded (the attempts timed out or their runners went silent)")
+    )  # fmt: skip
 
 
 async def collect_rollouts(run: Run, iteration: int, mode: Mode = "train") -> tuple[list[str], dict[str, Any]]:

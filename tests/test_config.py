@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -143,6 +144,10 @@ def test_the_cli_prints_defaults_and_checks_files(tmp_path: Path) -> None:
         ({"model": "/nonexistent/model"}, "model: /nonexistent/model is not a Hugging Face model directory"),
         ({"store_url": "mysql://root@localhost/x"}, "store_url: give sqlite:///path.db, postgresql://"),
         ({"store_url": "postgresql://u:${NO_SUCH_VARIABLE}@h/db"}, "store_url: ${NO_SUCH_VARIABLE} names the"),
+        (
+            {"inference": {"backend": "external", "endpoint": "http://127.0.0.1:9/v1", "api_key_env": "NO_SUCH_KEY"}},
+            "inference.api_key_env: the environment variable NO_SUCH_KEY (the API key of http://127.0.0.1:9/v1)",
+        ),
     ],
 )
 def test_a_run_that_cannot_start_says_why_before_anything_starts(
@@ -163,3 +168,19 @@ def test_a_run_that_cannot_start_says_why_before_anything_starts(
         # Before anything starts: no Prefect server, no traceback (how fast is a machine's business, not a test's).
         assert "Traceback" not in done.stderr and "Prefect server" not in done.stderr, done.stderr
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("model"))  # nothing started
+
+
+def test_prompt_optimisation_names_its_missing_keys_before_anything_starts(tmp_path: Path) -> None:
+    """The README's APO example without OPENAI_API_KEY: the agent's endpoint and the optimiser both need it."""
+    env = {name: value for name, value in os.environ.items() if name != "OPENAI_API_KEY"}
+    where = ["--set", f"store_url=sqlite:///{tmp_path}/s.db", "--set", f"output_dir={tmp_path}/runs"]
+    commands = [
+        [sys.executable, "-m", "flows.optimize_prompt", "examples/room_booking/apo.yaml", *where],
+        [sys.executable, "-m", "lightning.cli", "config", "check", "examples/room_booking/apo.yaml"],
+    ]
+    for command in commands:
+        done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert "inference.api_key_env: the environment variable OPENAI_API_KEY" in done.stderr, done.stderr
+        assert "apo.api_key_env: the environment variable OPENAI_API_KEY (the optimiser's key)" in done.stderr
+        assert "Traceback" not in done.stderr and "Prefect server" not in done.stderr, done.stderr
