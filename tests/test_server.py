@@ -32,7 +32,6 @@ from lightning.store import (
     contract,
 )
 from lightning.store import client as client_module
-from lightning.store import server as server_module
 from lightning.store.client import HttpLightningStore
 from lightning.store.server import create_app
 from lightning.types import PaginatedResult, Span
@@ -237,7 +236,6 @@ async def test_client_works_from_many_threads_and_loops(sql_store: SqlLightningS
 
 
 async def test_long_waits_span_several_requests(sql_store: SqlLightningStore, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(server_module, "MAX_WAIT_SECONDS", 0.2)
     monkeypatch.setattr(client_module, "MAX_WAIT_SECONDS", 0.2)
     monkeypatch.setattr(contract, "MAX_WAIT_SECONDS", 0.2)
     with serving(create_app(sql_store)) as url:
@@ -419,3 +417,38 @@ async def test_a_body_over_the_cap_is_a_413(sql_store: SqlLightningStore) -> Non
         assert traces.status_code == 413
         assert (await http.post("/v1/store/enqueue_rollout", json={"input": "x" * 100})).status_code == 200
     assert len(await sql_store.query_rollouts()) == 1
+
+
+# --- waiting requests -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/store/dequeue_rollout", {"wait": 3600, "queue": "q"}),
+        ("/v1/agl/queues/rollouts/dequeue", {"wait": 3600, "queue": "q"}),  # agent-lightning's wire
+    ],
+)
+async def test_a_waiting_claim_whose_client_left_claims_nothing(
+    sql_store: SqlLightningStore, path: str, body: dict
+) -> None:
+    """On both wires: the wait is the contract's (capped per request), and a claim stops waiting once its client is
+    gone, so a rollout enqueued after it left stays in the queue for someone who is there."""
+    with serving(create_app(sql_store)) as url:
+        async with httpx.AsyncClient(base_url=url) as http:
+            with pytest.raises(httpx.ReadTimeout):
+                await http.post(path, json=body, timeout=1.0)  # the client gives up and closes the connection
+        await asyncio.sleep(2.5)  # the server's next look (every second) sees it gone
+        rollout = await sql_store.enqueue_rollout({"n": 1}, queue="q")
+        await asyncio.sleep(1.5)
+        assert (await sql_store.get_rollout_by_id(rollout.rollout_id)).status == "queuing"
+
+
+def test_every_waiting_request_is_capped_by_the_contract() -> None:
+    """Which requests wait, and for how long one HTTP request may, is said once, on the contract."""
+    waiting = {request.method for request in contract.REQUESTS if request.wait_field is not None}
+    assert waiting == {"dequeue_rollout", "dequeue_many_rollouts", "claim_rollouts", "wait_for_rollouts"}
+    assert {request.method for request in contract.REQUESTS if request.claims} == waiting - {"wait_for_rollouts"}
+    assert contract.DequeueRollouts(wait=3600).capped().wait == contract.MAX_WAIT_SECONDS
+    assert contract.WaitForRollouts(rollout_ids=["a"]).capped().timeout == contract.MAX_WAIT_SECONDS
+    assert contract.WaitForRollouts(rollout_ids=["a"], timeout=2).capped().timeout == 2
