@@ -218,16 +218,52 @@ class Run(BaseModel):
         """The step of the latest checkpoint: None before any (0 after a warm start, k after k iterations)."""
         return latest_step(self.config)
 
-    def serving(self, model_dir: Path, step: int) -> None:
-        """The inference servers now serve checkpoint `step` at `model_dir`: a restarted one starts on it."""
+    # --- weights: what the inference servers serve (the one place that changes it) -------------------------
+
+    async def load_weights(self, path: str | Path, step: int) -> None:
+        """Have every inference server of the run serve checkpoint `step` at `path`: the run's proxy paused and its
+        calls in flight drained around the swap, so no rollout mixes two weight versions; spans from then on record
+        version `step`. Embedded servers reload through `/admin/reload`, vLLM replicas in place (woken first if they
+        slept through the update); a server the supervisor restarts later starts on these weights, and it restarts
+        nothing meanwhile, so a swap is never cut in two."""
         parts = self._open_parts()
-        parts.weight_version = step
-        if parts.stack is not None:
-            parts.stack.loaded(model_dir)
+        config = self.config
+        async with self._serving_parts_held():
+            own_proxy = not config.proxy_endpoint
+            if own_proxy:
+                await asyncio.to_thread(self.proxy_admin, "pause", None, config.timeouts.checkpoint)
+            async with httpx.AsyncClient(timeout=config.timeouts.checkpoint, headers=parts.inference_headers) as http:
+                for server in self.endpoints.inference_urls:
+                    try:
+                        response = await http.post(f"{server}/admin/reload", json={"path": str(path), "version": step})
+                        response.raise_for_status()
+                    except httpx.HTTPError as exc:
+                        raise ServingError(
+                            f"inference server at {server}: loading checkpoint {path} failed: {exc!r}"
+                        ) from exc
+            parts.weight_version = step
+            if parts.stack is not None:
+                parts.stack.loaded(Path(path))
+            for server in parts.vllm:
+                if config.inference.weight_sync == "sleep" and await asyncio.to_thread(server.is_sleeping):
+                    await asyncio.to_thread(server.wake_up)
+                await asyncio.to_thread(server.reload_weights, str(path), str(step))
+            if own_proxy:
+                await asyncio.to_thread(self.proxy_admin, "resume", {"weight_version": step})
+
+    async def release_weights(self) -> None:
+        """Before an update: colocated vLLM replicas (weight_sync: sleep) release their GPU memory to the trainer,
+        new calls held at the proxy; `load_weights` wakes them on the new checkpoint. Otherwise nothing."""
+        config = self.config
+        if not (self.vllm_servers and config.inference.weight_sync == "sleep"):
+            return
+        await asyncio.to_thread(self.proxy_admin, "pause", None, config.timeouts.checkpoint)
+        for server in self.vllm_servers:
+            await asyncio.to_thread(server.sleep, 1)
 
     @contextlib.asynccontextmanager
-    async def serving_parts_held(self) -> AsyncIterator[None]:
-        """While held, the supervisor restarts nothing: a weight swap (pause, reload, resume) is never cut in two."""
+    async def _serving_parts_held(self) -> AsyncIterator[None]:
+        """While held, the supervisor restarts nothing."""
         lock = self._open_parts().serving_lock
         await asyncio.to_thread(lock.acquire)
         try:

@@ -22,11 +22,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-import httpx
-
 from lightning.agent import Hook
 from lightning.config import load_agent, load_entry_point
-from lightning.run import Run, ServingError, proxy_token
+from lightning.run import Run, proxy_token
 from lightning.store.base import LightningStore
 from lightning.types import AttemptedRollout, EnqueueRolloutRequest, ProxyLLM
 
@@ -287,12 +285,10 @@ async def adapt_spans(run: Run, iteration: int, rollout_ids: Sequence[str]) -> d
 
 async def ppo_step(run: Run, iteration: int, batch_path: str) -> dict[str, float]:
     """One policy update in the trainer process (or verl's workers), stopped if it passes `timeouts.ppo_step`.
-    Colocated vLLM (weight_sync: sleep) releases its GPU memory first; `checkpoint` wakes it on the new weights."""
+    Colocated vLLM (weight_sync: sleep) releases its GPU memory first; `checkpoint` wakes it on the new weights
+    (`Run.release_weights`, `Run.load_weights`)."""
     config = run.config
-    if run.vllm_servers and config.inference.weight_sync == "sleep":
-        await asyncio.to_thread(run.proxy_admin, "pause", None, config.timeouts.checkpoint)
-        for server in run.vllm_servers:
-            await asyncio.to_thread(server.sleep, 1)
+    await run.release_weights()
     metrics = await asyncio.to_thread(run.trainer.step, batch_path, timeout=config.timeouts.ppo_step)
     run.made_progress(f"ppo_step ({iteration})")
     return metrics
@@ -341,37 +337,14 @@ async def warm_start(run: Run) -> dict[str, Any]:
 
 
 async def _publish(run: Run, step: int, meta: dict[str, Any]) -> str:
-    """Save checkpoint `step` in the trainer and put it into every inference server, with the proxy paused and
-    drained around the swap so no rollout mixes two weight versions; spans from then on record version `step`."""
+    """Save checkpoint `step` in the trainer and have the run's inference servers serve it (`Run.load_weights`)."""
     config = run.config
     path = await asyncio.to_thread(
         run.trainer.save_checkpoint, step, meta=meta, keep_last=config.checkpoint.keep_last,
         timeout=config.timeouts.checkpoint,
     )  # fmt: skip
-    async with run.serving_parts_held():
-        await _swap_weights(run, step, path)
+    await run.load_weights(path, step)
     return path
-
-
-async def _swap_weights(run: Run, step: int, path: str) -> None:
-    config = run.config
-    own_proxy = not config.proxy_endpoint
-    if own_proxy:
-        await asyncio.to_thread(run.proxy_admin, "pause", None, config.timeouts.checkpoint)
-    async with httpx.AsyncClient(timeout=config.timeouts.checkpoint, headers=run.inference_headers) as client:
-        for server in run.endpoints.inference_urls:
-            try:
-                response = await client.post(f"{server}/admin/reload", json={"path": str(path), "version": step})
-                response.raise_for_status()
-            except httpx.HTTPError as exc:
-                raise ServingError(f"inference server at {server}: loading checkpoint {path} failed: {exc!r}") from exc
-    run.serving(path, step)
-    for server in run.vllm_servers:
-        if config.inference.weight_sync == "sleep" and await asyncio.to_thread(server.is_sleeping):
-            await asyncio.to_thread(server.wake_up)
-        await asyncio.to_thread(server.reload_weights, path, str(step))
-    if own_proxy:
-        await asyncio.to_thread(run.proxy_admin, "resume", {"weight_version": step})
 
 
 async def export_traces(run: Run, rollout_ids: Sequence[str], count: int | Literal["all"]) -> list[str]:
