@@ -19,8 +19,8 @@ from flows.secret_blocks import URL_FIELDS, export_secret_blocks
 from lightning import preflight
 from lightning.config import ConfigError, load_config
 from lightning.credentials import references
+from lightning.environment import PREFECT_UI
 from lightning.metrics import LOCAL_PREFECT_UI, LOCAL_UI, is_server, ui_command
-from tasks.stages import LOCAL_UI_ENV
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
@@ -76,7 +76,7 @@ def temporary_prefect_server(log_path: Path, start_timeout: float) -> Iterator[N
         # (MLflow's run tags and description) point where `make prefect-ui` shows the same database.
         with (
             temporary_settings({PREFECT_API_URL: server.url, PREFECT_UI_URL: ""}),
-            _environment(LOCAL_UI_ENV, LOCAL_PREFECT_UI),
+            _environment(PREFECT_UI, LOCAL_PREFECT_UI),
         ):
             yield
     finally:

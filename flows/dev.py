@@ -13,16 +13,13 @@ import time
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.runtime import flow_run
 
-from flows.params import effective_config, flow_run_name
+from flows.params import flow_prologue, flow_run_name
 from flows.rollouts import collect_rollouts
-from flows.secret_blocks import export_secret_blocks
 from lightning import apo
 from lightning.config import TrainConfig
 from lightning.diagnose import agent_errors
 from tasks import adapt_spans, open_run, timed
-from tasks.caching import TRAIN_FLOW_RUN_ID
 
 
 @flow(name="dev", flow_run_name=flow_run_name("-dev"))
@@ -33,9 +30,7 @@ async def dev(config: TrainConfig = TrainConfig(), overrides: dict[str, Any] | N
         config: The run to dry-run (its agent, dataset, model and sizes).
         overrides: Dotted fields of `config` changed for this run only, e.g. {"batch_size": 4}.
     """
-    config = effective_config(config, overrides)
-    TRAIN_FLOW_RUN_ID.set(str(flow_run.get_id()))
-    await export_secret_blocks(config)
+    config = await flow_prologue(config, overrides)
     iteration = int(time.time())  # each dry run enqueues fresh rollouts
     run = await timed(open_run, config)(config, train=False, queue=f"{config.run_name}.dev")
     try:

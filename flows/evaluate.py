@@ -11,18 +11,15 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
-from flows.params import effective_config, flow_run_name
+from flows.params import flow_prologue, flow_run_name
 from flows.rollouts import collect_rollouts, task_runner
-from flows.secret_blocks import export_secret_blocks
 from lightning.config import TrainConfig
 from lightning.run import Run, serving_step
 from tasks import log_evaluation, open_run, timed
-from tasks.caching import TRAIN_FLOW_RUN_ID
 
 
 def _evaluation_name() -> str:
     """`demo-evaluation-3`; the evaluation before a warm start (step -1) is `demo-evaluation-initial`."""
-    from prefect.runtime import flow_run
 
     run, step = flow_run.parameters["run"], flow_run.parameters["step"]
     return f"{run.name}-evaluation-{'initial' if step == -1 else step}"
@@ -69,9 +66,7 @@ async def evaluate(
         checkpoint: A checkpoint's step directory; default: the run's latest, or the initial model.
         overrides: Dotted fields of `config` changed for this run only, e.g. {"eval_sampling.max_tokens": 32}.
     """
-    config = effective_config(config, overrides)
-    TRAIN_FLOW_RUN_ID.set(str(flow_run.get_id()))
-    await export_secret_blocks(config)
+    config = await flow_prologue(config, overrides)
     step = serving_step(config, checkpoint)
     run = await timed(open_run, config)(config, train=False, weights=checkpoint, queue=f"{config.run_name}.evaluate")
     try:

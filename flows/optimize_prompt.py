@@ -21,13 +21,11 @@ from uuid import UUID
 
 from prefect import flow, get_run_logger, unmapped
 from prefect.artifacts import acreate_markdown_artifact
-from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.artifacts import artifact_key, publish_table
-from flows.params import effective_config, flow_run_name
+from flows.params import flow_prologue, flow_run_name
 from flows.rollouts import run_rollouts, task_runner
-from flows.secret_blocks import export_secret_blocks
 from lightning import apo, stages
 from lightning.apo import Candidate
 from lightning.config import TrainConfig
@@ -44,7 +42,6 @@ from tasks.apo import (
     score_candidates,
     select_beam,
 )
-from tasks.caching import TRAIN_FLOW_RUN_ID
 
 
 async def evaluate_candidates(run: Run, iteration: int, candidates: list[Candidate], mode: Mode) -> dict[str, Any]:
@@ -97,11 +94,9 @@ async def optimize_prompt(
             optimiser models, beam sizes), where results go (a deployment's is its default).
         overrides: Dotted fields of `config` changed for this run only, e.g. {"apo.beam_rounds": 2}.
     """
-    config = effective_config(config, overrides)
+    config = await flow_prologue(config, overrides)
     settings = apo.apo_config(config)  # a bad apo section fails here, before anything starts
     logger = get_run_logger()
-    TRAIN_FLOW_RUN_ID.set(str(flow_run.get_id()))
-    await export_secret_blocks(config)
     run = await timed(open_run, config)(config, train=False, queue=f"{config.run_name}.apo", track=True)
     status = "FAILED"
     try:

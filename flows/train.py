@@ -16,20 +16,17 @@ from uuid import UUID
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_markdown_artifact, acreate_progress_artifact, aupdate_progress_artifact
-from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.artifacts import artifact_key, publish_table
 from flows.evaluate import evaluate_at
-from flows.params import effective_config, flow_run_name
+from flows.params import flow_prologue, flow_run_name
 from flows.rollouts import collect_rollouts, task_runner
-from flows.secret_blocks import export_secret_blocks
 from lightning import raycluster, stages
 from lightning.algorithm.worker import UpdateLost
 from lightning.config import TrainConfig
 from lightning.run import Run
 from tasks import adapt_spans, checkpoint, gpu_limited, open_run, ppo_step, timed, warm_start
-from tasks.caching import TRAIN_FLOW_RUN_ID
 
 
 @flow(name="training_iteration", flow_run_name="{run.name}-iteration-{iteration}", task_runner=ThreadPoolTaskRunner())
@@ -72,10 +69,8 @@ async def train(
         config: The run: agent, datasets, model, algorithm, sizes, where results go (a deployment's is its default).
         overrides: Dotted fields of `config` changed for this run only, e.g. {"iterations": 3, "algorithm.lr": 1e-4}.
     """
-    config = effective_config(config, overrides)
+    config = await flow_prologue(config, overrides)
     logger = get_run_logger()
-    TRAIN_FLOW_RUN_ID.set(str(flow_run.get_id()))
-    await export_secret_blocks(config)
     # One Ray connection for the whole run: prefect-ray reuses it instead of a new job (new workers) per iteration.
     connected = config.task_runner == "ray" and raycluster.connect(config.ray_address)
     run = await timed(open_run, config)(config)

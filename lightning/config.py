@@ -20,7 +20,7 @@ from lightning.algorithm.config import TrainerConfig, VerlOptions
 from lightning.metrics import DEFAULT_TRACKING_URI
 from lightning.serving import is_loopback
 from lightning.store.sql import DEFAULT_URL as DEFAULT_STORE_URL
-from lightning.types import PromptTemplate, RolloutConfig
+from lightning.types import POLICY_MODEL_NAME, PromptTemplate, RolloutConfig
 
 ENTRY_POINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
@@ -42,7 +42,7 @@ class InferenceConfig(BaseModel):
     """A running server's base URL (".../v1") to use instead of starting one; required for `external`."""
     api_key_env: str | None = None
     """Name of the environment variable that holds the endpoint's API key (never the key itself)."""
-    served_model_name: str = "policy"
+    served_model_name: str = POLICY_MODEL_NAME
     """The model name rollouts ask the proxy for (the LLM resource's `model`)."""
     max_batch_size: int = Field(default=64, ge=1)
     """Embedded server: sequences decoded together."""

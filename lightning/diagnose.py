@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-STACKS_ENV = "LIGHTNING_STACKS_DIR"
-"""Set for a run's child processes: where they write their stacks."""
+from lightning.environment import STACKS_DIR as STACKS_ENV
+
 SIGNAL = signal.SIGUSR1
 _FILE = re.compile(r"^(?P<component>[\w.-]+)-(?P<pid>\d+)\.txt$")
 _open: list[IO[str]] = []  # faulthandler writes to these until the process ends

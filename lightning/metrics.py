@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from lightning.environment import MLFLOW_TRACKING_URI
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_DB = Path(".lightning") / "mlflow.db"
@@ -77,7 +79,7 @@ class MlflowTracker:
         tags: Mapping[str, str] | None = None,
         system_metrics: bool = False,
     ) -> None:
-        self.tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or _default_tracking_uri()
+        self.tracking_uri = tracking_uri or os.environ.get(MLFLOW_TRACKING_URI) or _default_tracking_uri()
         self.experiment = experiment
         self.run_name = run_name
         self.run_id = run_id

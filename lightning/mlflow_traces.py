@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from typing import Any, Literal
 
 from lightning import semconv
+from lightning.environment import MLFLOW_TRACKING_URI, litellm_offline
 from lightning.store.base import LightningStore
 from lightning.tracing import find_final_reward, get_reward_value
 from lightning.types import AttemptedRollout, Rollout, Span
@@ -52,7 +53,7 @@ _LEFT_IN_STORE = {
 }
 _GLOBAL_URI = threading.Lock()
 ASYNC_LOGGING = "MLFLOW_ENABLE_ASYNC_TRACE_LOGGING"
-TRACKING_URI = "MLFLOW_TRACKING_URI"
+TRACKING_URI = MLFLOW_TRACKING_URI
 
 
 def choose(rollout_ids: Sequence[str], count: int | Literal["all"]) -> list[str]:
@@ -157,7 +158,7 @@ def _global_tracking_uri(uri: str) -> Iterator[None]:
         saved = {name: os.environ.get(name) for name in (ASYNC_LOGGING, TRACKING_URI)}
         os.environ[ASYNC_LOGGING] = "false"  # read when the tracer is set up again, below
         # A local store prices LLM spans with LiteLLM, which would fetch its price list from the internet first.
-        os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+        litellm_offline()
         mlflow.set_tracking_uri(uri)
         # MLflow also puts the URI (a password read from ${VAR} included) in the environment, for child processes: a
         # serving process restarted meanwhile would inherit it. MLflow's tracer reads the URI it was given instead.

@@ -35,6 +35,7 @@ from pydantic import BaseModel, PrivateAttr
 
 from lightning.config import TrainConfig, load_tasks
 from lightning.diagnose import collect_stacks, dump_stacks_on_signal
+from lightning.environment import PROXY_TOKEN, VLLM_PYTHON
 from lightning.store import lifecycle
 from lightning.store.base import LightningStore
 
@@ -576,7 +577,7 @@ def open_run_store(config: TrainConfig) -> LightningStore:
 
 def proxy_token() -> str | None:
     """The bearer token of the run's own LLM proxy ($LIGHTNING_PROXY_TOKEN), needed when it listens beyond loopback."""
-    return os.environ.get("LIGHTNING_PROXY_TOKEN") or None
+    return os.environ.get(PROXY_TOKEN) or None
 
 
 def _start_serving(
@@ -625,15 +626,15 @@ def _vllm_key(server: Any) -> str | None:
 def _start_vllm(config: TrainConfig, serving_dir: Path) -> list[Any]:
     """`inference.replicas` vLLM servers on the policy, started together and waited for; replica i gets its own
     GPUs when `gpus_per_replica` is set."""
-    from lightning.inference.vllm import VLLM_PYTHON_ENV, VllmConfig, VllmServer
+    from lightning.inference.vllm import VllmConfig, VllmServer
     from lightning.serving import free_port
 
     inference = config.inference
     servers = []
     for replica in range(inference.replicas):
         options = dict(inference.vllm)
-        if "python" not in options and "executable" not in options and os.environ.get(VLLM_PYTHON_ENV):
-            options["python"] = os.environ[VLLM_PYTHON_ENV]
+        if "python" not in options and "executable" not in options and os.environ.get(VLLM_PYTHON):
+            options["python"] = os.environ[VLLM_PYTHON]
         if inference.gpus_per_replica:
             first = replica * inference.gpus_per_replica
             devices = ",".join(str(first + i) for i in range(inference.gpus_per_replica))

@@ -22,8 +22,9 @@ from typing import Any
 
 import httpx
 
+from lightning.environment import BACKEND_API_KEY, INFERENCE_API_KEY, PROXY_TOKEN, STACKS_DIR, STORE_URL
 from lightning.store.base import LightningStore
-from lightning.types import ProxyLLM
+from lightning.types import POLICY_MODEL_NAME, ProxyLLM
 
 HEALTH_TIMEOUT = 5.0
 STRIKES = 3
@@ -147,7 +148,7 @@ class LocalStack:
         store: LightningStore,
         model_dir: Path,
         *,
-        model_name: str = "policy",
+        model_name: str = POLICY_MODEL_NAME,
         max_batch_size: int = 64,
         server: str = "thread",
         proxy: str = "thread",
@@ -178,7 +179,7 @@ class LocalStack:
         self._starting_until = time.monotonic() + start_timeout
         self._report = report
         log_dir = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="lightning-stack-"))
-        diagnosis = {"LIGHTNING_STACKS_DIR": str(stacks_dir)} if stacks_dir is not None else {}
+        diagnosis = {STACKS_DIR: str(stacks_dir)} if stacks_dir is not None else {}
         try:
             if server == "thread":
                 self.inference_url = self._start_thread(model_dir, model_name, max_batch_size)
@@ -187,7 +188,7 @@ class LocalStack:
                 command = [sys.executable, "-m", "lightning.inference", "--model", str(model_dir), "--port", str(port)]
                 command += ["--served-model-name", model_name, "--max-batch-size", str(max_batch_size)]
                 command += ["--threads", "1"]
-                env = {"LIGHTNING_INFERENCE_API_KEY": self.inference_key, **diagnosis}
+                env = {INFERENCE_API_KEY: self.inference_key, **diagnosis}
                 log = log_dir / "inference.log"
                 self.inference_url = self._start_process("inference server", command, env, port, log)
             backend = f"{self.inference_url}/v1"
@@ -200,9 +201,9 @@ class LocalStack:
                 command = [sys.executable, "-m", "lightning.cli", "proxy", "serve", "--backend", backend]
                 command += ["--model-name", model_name, "--port", str(port)]
                 env = {
-                    "LIGHTNING_STORE_URL": str(store_url),
-                    "LIGHTNING_PROXY_TOKEN": self.proxy_token,
-                    "LIGHTNING_BACKEND_API_KEY": self.inference_key,
+                    STORE_URL: str(store_url),
+                    PROXY_TOKEN: self.proxy_token,
+                    BACKEND_API_KEY: self.inference_key,
                     **diagnosis,
                 }
                 self.proxy_url = self._start_process("LLM proxy", command, env, port, log_dir / "proxy.log")

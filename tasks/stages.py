@@ -29,12 +29,13 @@ from prefect.exceptions import ObjectNotFound
 from lightning import stages
 from lightning.algorithm.worker import TrainerCrashed, UpdateLost
 from lightning.config import TrainConfig
+from lightning.environment import FAULTS, PREFECT_UI
 from lightning.metrics import PREFECT_FLOW_RUN_ID, PREFECT_FLOW_RUN_URL, SOURCE_NAME
 from lightning.run import Run
 from lightning.stages import Mode
 from tasks.caching import TRAIN_FLOW_RUN_ID, ppo_step_cache_key, stage_cache_key
 
-FAULTS_ENV = "LIGHTNING_FAULTS"
+FAULTS_ENV = FAULTS
 """Fault drills: `stage@iteration[,stage@iteration...]` (e.g. `ppo_step@1`, `wait_for_rollouts@2`, `checkpoint@0`)
 makes that stage's task fail once per run (a marker file in the run directory remembers it), so that retrying the
 failed flow run goes through. Every task below takes part; for evaluations the iteration is the step evaluated."""
@@ -43,8 +44,6 @@ STAGE = {"persist_result": True, "result_serializer": "json", "cache_key_fn": st
 TRANSIENT = {"retries": 2, "retry_delay_seconds": [2, 10], "retry_jitter_factor": 0.5}
 MARGIN_SECONDS = 60.0
 """Prefect's timeout comes this long after the library's own deadline for the stage."""
-LOCAL_UI_ENV = "LIGHTNING_PREFECT_UI_URL"
-"""Set by `python -m flows.*` on its temporary server (which has no UI): the UI that shows its flow runs."""
 GPU_TAG = "gpu"
 """The tag whose concurrency limit, where the server has one, lets one `ppo_step` at a time use the GPU."""
 
@@ -167,7 +166,7 @@ def flow_run_tags() -> dict[str, str]:
         return {}
     # The command a user runs for this flow (`python -m flows.train`): MLflow shows it as the run's source.
     tags = {PREFECT_FLOW_RUN_ID: str(flow_run_id), SOURCE_NAME: f"flows.{flow_run.flow_name}"}
-    ui = os.environ.get(LOCAL_UI_ENV) or PREFECT_UI_URL.value()
+    ui = os.environ.get(PREFECT_UI) or PREFECT_UI_URL.value()
     if ui:
         tags[PREFECT_FLOW_RUN_URL] = f"{str(ui).rstrip('/')}/runs/flow-run/{flow_run_id}"
     return tags

@@ -7,6 +7,7 @@ import os
 import sys
 
 from lightning.diagnose import dump_stacks_on_signal
+from lightning.environment import INFERENCE_API_KEY
 from lightning.lifeline import exit_with_parent
 from lightning.serving import is_loopback
 
@@ -17,7 +18,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", default=None, help="the model name clients send (default: dir name)")
-    parser.add_argument("--api-key", default=os.environ.get("LIGHTNING_INFERENCE_API_KEY"))
+    parser.add_argument("--api-key", default=os.environ.get(INFERENCE_API_KEY))
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores but one)")

@@ -30,7 +30,16 @@ from lightning.proxy.capture import Call, SseReader
 from lightning.proxy.writer import SpanWriter
 from lightning.serving import BearerAuth
 from lightning.store.base import LightningStore
-from lightning.types import LLM, OtelResource, ProxyLLM, Span, SpanContext, TraceStatus, route_signature
+from lightning.types import (
+    LLM,
+    POLICY_MODEL_NAME,
+    OtelResource,
+    ProxyLLM,
+    Span,
+    SpanContext,
+    TraceStatus,
+    route_signature,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +109,7 @@ class LLMProxy:
         store: LightningStore,
         backends: Sequence[Backend | str] = (),
         *,
-        model_name: str = "policy",
+        model_name: str = POLICY_MODEL_NAME,
         external_models: Sequence[ExternalModel] = (),
         token: str | None = None,
         max_tries: int = 3,

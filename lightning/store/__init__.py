@@ -1,5 +1,6 @@
 """The store: rollouts, attempts, spans, resources and workers, and the rules of their lifecycle."""
 
+from lightning.environment import STORE_TOKEN
 from lightning.store import contract
 from lightning.store.base import UNSET, LightningStore, Unset
 from lightning.store.contract import DEFAULT_QUEUE
@@ -17,7 +18,7 @@ def open_store(url: str, *, token: str | None = None, watchdog_interval: float |
         from lightning.credentials import expand
         from lightning.store.client import HttpLightningStore
 
-        return HttpLightningStore(expand(url), token=token or os.environ.get("LIGHTNING_STORE_TOKEN"))
+        return HttpLightningStore(expand(url), token=token or os.environ.get(STORE_TOKEN))
     return SqlLightningStore(url, watchdog_interval=watchdog_interval)
 
 

@@ -141,7 +141,16 @@ class StartRollout(Request):
     """Where a retry of it is queued (default: the default queue)."""
 
 
-class DequeueRollouts(Request):
+class Claiming(Request):
+    """A request that claims rollouts of `queue` (None: the default queue), waiting up to `wait` seconds for work."""
+
+    wait_field: ClassVar[str | None] = "wait"
+    claims: ClassVar[bool] = True
+    wait: float = Field(default=0.0, ge=0, description=f"seconds; one HTTP request waits at most {MAX_WAIT_SECONDS:g}")
+    queue: QueueName | None = Field(default=None, min_length=1, max_length=255)
+
+
+class DequeueRollouts(Claiming):
     """Claim up to `limit` rollouts of `queue`, oldest first: each becomes preparing with a new attempt. With an
     empty queue, answer at once, or wait up to `wait` seconds for work."""
 
@@ -149,26 +158,17 @@ class DequeueRollouts(Request):
     response: ClassVar[Any] = list[AttemptedRollout]
     limit: int = Field(default=1, ge=0, le=MAX_COUNT)
     worker_id: StoreText | None = None
-    wait_field: ClassVar[str | None] = "wait"
-    claims: ClassVar[bool] = True
-    wait: float = Field(default=0.0, ge=0, description=f"seconds; one HTTP request waits at most {MAX_WAIT_SECONDS:g}")
-    queue: QueueName | None = Field(default=None, min_length=1, max_length=255)
-    """None: the default queue."""
 
 
-class DequeueRollout(Request):
+class DequeueRollout(Claiming):
     """Claim the oldest rollout of `queue` (None when it stays empty for `wait` seconds)."""
 
     method: ClassVar[str] = "dequeue_rollout"
     response: ClassVar[Any] = AttemptedRollout | None
     worker_id: StoreText | None = None
-    wait_field: ClassVar[str | None] = "wait"
-    claims: ClassVar[bool] = True
-    wait: float = Field(default=0.0, ge=0, description=f"seconds; one HTTP request waits at most {MAX_WAIT_SECONDS:g}")
-    queue: QueueName | None = Field(default=None, min_length=1, max_length=255)
 
 
-class ClaimRollouts(Request):
+class ClaimRollouts(Claiming):
     """A runner's claim in one request: up to one rollout of `queue` for each of `worker_ids`, oldest first (the
     i-th claimed goes to `worker_ids[i]`), each with a new attempt already `running` under its worker, and the
     resources they name that the caller lacks: those whose id is not in `known_resources` (id -> the version the
@@ -180,10 +180,6 @@ class ClaimRollouts(Request):
     method: ClassVar[str] = "claim_rollouts"
     response: ClassVar[Any] = Claim
     worker_ids: list[StoreText] = Field(min_length=1, max_length=1024)
-    wait_field: ClassVar[str | None] = "wait"
-    claims: ClassVar[bool] = True
-    wait: float = Field(default=0.0, ge=0, description=f"seconds; one HTTP request waits at most {MAX_WAIT_SECONDS:g}")
-    queue: QueueName | None = Field(default=None, min_length=1, max_length=255)
     known_resources: dict[StoreText, int] = {}
 
 
