@@ -230,3 +230,36 @@ def test_dev_dry_runs_the_seed_prompt_and_shows_what_the_optimiser_would_see(
     [worst] = result["lowest_reward"]
     assert worst["reward"] == 0.0 and worst["messages"][0]["content"].startswith("You book meeting rooms.")
     assert "final_choice:" in worst["messages"][-1]["content"]
+
+
+@pytest.mark.slow
+def test_the_readme_apo_commands(tmp_path: Path) -> None:
+    """`python -m flows.dev examples/room_booking/apo.yaml --set batch_size=4 --set samples_per_task=1`, then
+    `python -m flows.optimize_prompt examples/room_booking/apo.yaml --set apo.beam_rounds=2` (one round here), with
+    OPENAI_API_KEY set and the example's models pointed at the local stand-in."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "OPENAI_API_KEY": "sk-test"}
+    with serving(scripted_apo_app()) as url:
+        where = {
+            "inference.endpoint": f"{url}/v1", "apo.api_base": f"{url}/v1", "apo.gradient_model": f"openai/{OPTIMIZER}",
+            "apo.apply_edit_model": f"openai/{OPTIMIZER}", "apo.val_batch_size": 4, "apo.beam_width": 1,
+            "apo.branch_factor": 1, "store_url": f"sqlite:///{tmp_path}/store.db",
+            "tracking_uri": f"sqlite:///{tmp_path}/mlflow.db", "output_dir": str(tmp_path / "runs"),
+        }  # fmt: skip
+        sets = [arg for name, value in where.items() for arg in ("--set", f"{name}={value}")]
+
+        def run(flow: str, *more: str) -> dict[str, Any]:
+            command = [sys.executable, "-m", f"flows.{flow}", "examples/room_booking/apo.yaml", *sets, *more]
+            done = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+            assert done.returncode == 0, done.stderr[-3000:]
+            return json.JSONDecoder().raw_decode(done.stdout[done.stdout.index("{") :])[0]
+
+        dry = run("dev", "--set", "batch_size=4", "--set", "samples_per_task=1")
+        assert dry["rollouts"]["succeeded"] == 4 and dry["lowest_reward"]
+        optimised = run("optimize_prompt", "--set", "apo.beam_rounds=1")
+    assert optimised["rounds"] == 1 and optimised["prompt_uri"] == "prompts:/room-booking/1"
