@@ -355,21 +355,32 @@ def test_cli_refuses_a_public_host_without_token() -> None:
     assert "--token" in refused.stderr and "0.0.0.0" in refused.stderr
 
 
-@pytest.fixture
-def served_by_cli(tmp_path: Path) -> Iterator[str]:
+@pytest.fixture(params=["token from the environment", "token and access log flags"])
+def served_by_cli(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """docs/store.md's form: `lightning store serve --host 127.0.0.1 --port 4747 --db sqlite:///... [--token T]`,
+    the token from $LIGHTNING_STORE_TOKEN or --token, and with `--access-log` a line per request."""
     port = free_port()
-    command = [sys.executable, "-m", "lightning.cli", "store", "serve", "--port", str(port)]
-    command += ["--db", f"sqlite:///{tmp_path / 'cli.db'}", "--log-level", "warning"]
-    env = {**os.environ, "LIGHTNING_STORE_TOKEN": TOKEN}
-    process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    command = [sys.executable, "-m", "lightning.cli", "store", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--db", f"sqlite:///{tmp_path / 'cli.db'}"]
+    env = {name: value for name, value in os.environ.items() if name != "LIGHTNING_STORE_TOKEN"}
+    flags = request.param == "token and access log flags"
+    if flags:
+        command += ["--token", TOKEN, "--access-log", "--log-level", "info"]
+    else:
+        command += ["--log-level", "warning"]
+        env["LIGHTNING_STORE_TOKEN"] = TOKEN
+    process = subprocess.Popen(
+        command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         yield url
     finally:
         process.send_signal(signal.SIGINT)
-        _, stderr = process.communicate(timeout=20)
+        stdout, stderr = process.communicate(timeout=20)
         assert process.returncode == 0, stderr
-        assert TOKEN not in stderr
+        assert TOKEN not in stderr and TOKEN not in stdout
+        assert ('"GET /health HTTP/1.1" 200' in stdout + stderr) == flags, (stdout, stderr)
 
 
 def test_cli_serves_a_store_that_answers_health(served_by_cli: str) -> None:
