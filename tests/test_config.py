@@ -144,10 +144,6 @@ def test_the_cli_prints_defaults_and_checks_files(tmp_path: Path) -> None:
         ({"model": "/nonexistent/model"}, "model: /nonexistent/model is not a Hugging Face model directory"),
         ({"store_url": "mysql://root@localhost/x"}, "store_url: give sqlite:///path.db, postgresql://"),
         ({"store_url": "postgresql://u:${NO_SUCH_VARIABLE}@h/db"}, "store_url: ${NO_SUCH_VARIABLE} names the"),
-        (
-            {"inference": {"backend": "external", "endpoint": "http://127.0.0.1:9/v1", "api_key_env": "NO_SUCH_KEY"}},
-            "inference.api_key_env: the environment variable NO_SUCH_KEY (the API key of http://127.0.0.1:9/v1)",
-        ),
     ],
 )
 def test_a_run_that_cannot_start_says_why_before_anything_starts(
@@ -170,6 +166,27 @@ def test_a_run_that_cannot_start_says_why_before_anything_starts(
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("model"))  # nothing started
 
 
+def test_the_checks_name_an_api_key_the_config_names_and_the_environment_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning import preflight
+
+    monkeypatch.delenv("NO_SUCH_KEY", raising=False)
+    external = {"backend": "external", "endpoint": "http://127.0.0.1:9/v1", "api_key_env": "NO_SUCH_KEY"}
+    apo = {"initial_prompt": "Pick a room. {request}", "api_key_env": "NO_SUCH_KEY"}
+    config = load_config({"inference": external, "apo": apo})
+    found = preflight.problems(config)
+    assert (
+        "inference.api_key_env: the environment variable NO_SUCH_KEY (the API key of http://127.0.0.1:9/v1) is "
+        "not set; every rollout would fail without it" in found
+    )
+    assert not any(line.startswith("apo.") for line in found)  # a dry run needs no optimiser
+    assert "apo.api_key_env: the environment variable NO_SUCH_KEY (the optimiser's key) is not set" in (
+        preflight.problems(config, optimiser=True)
+    )
+    monkeypatch.setenv("NO_SUCH_KEY", "k")
+    assert not any("api_key_env" in line for line in preflight.problems(config, optimiser=True))
+
+
+@pytest.mark.slow
 def test_prompt_optimisation_names_its_missing_keys_before_anything_starts(tmp_path: Path) -> None:
     """The README's APO example without OPENAI_API_KEY: the agent's endpoint and the optimiser both need it."""
     env = {name: value for name, value in os.environ.items() if name != "OPENAI_API_KEY"}

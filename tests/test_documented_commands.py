@@ -14,8 +14,6 @@ import re
 import subprocess
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parent.parent
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
@@ -161,8 +159,8 @@ def test_each_listed_test_exists() -> None:
             assert f"def {name}(" in (REPO / "tests" / path).read_text(), test
 
 
-@pytest.mark.parametrize("target", sorted(MAKE))
-def test_each_documented_make_target_runs_what_it_says(target: str) -> None:
-    shown = subprocess.run(["make", "-n", target], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert shown.returncode == 0, shown.stderr
-    assert MAKE[target] in shown.stdout, shown.stdout
+def test_each_documented_make_target_runs_what_it_says() -> None:
+    for target, runs in MAKE.items():
+        shown = subprocess.run(["make", "-n", target], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert shown.returncode == 0, shown.stderr
+        assert runs in shown.stdout, (target, shown.stdout)

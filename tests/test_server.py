@@ -448,10 +448,10 @@ async def test_a_waiting_claim_whose_client_left_claims_nothing(
     with serving(create_app(sql_store)) as url:
         async with httpx.AsyncClient(base_url=url) as http:
             with pytest.raises(httpx.ReadTimeout):
-                await http.post(path, json=body, timeout=1.0)  # the client gives up and closes the connection
-        await asyncio.sleep(2.5)  # the server's next look (every second) sees it gone
+                await http.post(path, json=body, timeout=0.5)  # the client gives up and closes the connection
+        await asyncio.sleep(1.6)  # the server's next look (every second) sees it gone
         rollout = await sql_store.enqueue_rollout({"n": 1}, queue="q")
-        await asyncio.sleep(1.5)
+        await asyncio.sleep(1.2)
         assert (await sql_store.get_rollout_by_id(rollout.rollout_id)).status == "queuing"
 
 
