@@ -20,11 +20,26 @@ def artifact_key(run: Run, what: str) -> str:
 
 
 async def publish_table(key: str, rows: list[dict[str, Any]], description: str, artifact_id: UUID | None) -> UUID:
-    """The table artifact `key` of this flow run with `rows`: created the first time (`artifact_id` None), then
-    updated in place, so the flow run's Artifacts tab holds one table, the latest; its id."""
+    """The table artifact `key` of this flow run with `rows`, updated in place (`artifact_id`: the one published
+    before, if this process knows it), so the flow run's Artifacts tab holds one table, the latest; its id. A retried
+    flow run (a new process, the same flow run) finds and updates the table its first attempt made."""
     table = TableArtifact(key=key, table=rows, description=description)
-    if artifact_id is None:
-        return (await table.acreate()).id
     async with get_client() as client:
+        if artifact_id is None:
+            artifact_id = await _table_of_this_flow_run(client, key)
+        if artifact_id is None:
+            return (await table.acreate(client)).id
         await client.update_artifact(artifact_id, ArtifactUpdate(data=await table.aformat(), description=description))
     return artifact_id
+
+
+async def _table_of_this_flow_run(client: Any, key: str) -> UUID | None:
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
+    from prefect.runtime import flow_run
+
+    if not flow_run.id:
+        return None
+    mine = ArtifactFilter(key=ArtifactFilterKey(any_=[key]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id]))
+    found = await client.read_artifacts(artifact_filter=mine, sort=ArtifactSort.CREATED_DESC, limit=1)
+    return found[0].id if found else None

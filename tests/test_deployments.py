@@ -21,7 +21,14 @@ import pytest
 import torch
 import yaml
 from prefect.client.orchestration import SyncPrefectClient
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, TaskRunFilter, TaskRunFilterFlowRunId
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterKey,
+    FlowRunFilter,
+    FlowRunFilterName,
+    TaskRunFilter,
+    TaskRunFilterFlowRunId,
+)
 from prefect.client.schemas.objects import FlowRun
 from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect_server import (
@@ -116,6 +123,10 @@ def test_a_failed_deployment_run_retried_redoes_only_the_failed_stage(
             assert completed.state.type.value == "COMPLETED", f"{completed.state!r}\n{tail(worker_log)}"
 
             states = retried_iteration_states(client, "retried-iteration-1")
+            # The retry (a new process, the same flow run) updated the table the first attempt made.
+            training = ArtifactFilter(key=ArtifactFilterKey(any_=["retried-training"]))
+            [table] = client.read_artifacts(artifact_filter=training)
+            assert [row["iteration"] for row in json.loads(table.data)] == [0, 1]
     finally:
         stop_process_group(worker)
 
