@@ -25,6 +25,8 @@ from tasks.stages import GPU_TAG  # the tag ppo_step takes where this limit exis
 WORK_POOL = "lightning-process"
 GPU_LIMIT = 1
 RESULTS_BLOCK = "lightning-results"
+RESULT_STORAGE_ENV = ("PREFECT_RESULTS_LOCAL_STORAGE_PATH", "PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK")
+"""Prefect's settings that say where a flow run keeps its results: a directory, or a file system block."""
 
 
 async def setup(result_storage: str | None = None) -> None:
@@ -47,6 +49,8 @@ async def setup(result_storage: str | None = None) -> None:
             pool = await client.read_work_pool(WORK_POOL)
             template = pool.base_job_template
             default_env = template["variables"]["properties"]["env"].setdefault("default", {}) or {}
+            for earlier in RESULT_STORAGE_ENV:  # the new place replaces the one set before, of either kind
+                default_env.pop(earlier, None)
             default_env.update(env)
             template["variables"]["properties"]["env"]["default"] = default_env
             await client.update_work_pool(WORK_POOL, WorkPoolUpdate(base_job_template=template))
@@ -62,11 +66,11 @@ async def _result_storage_env(where: str) -> dict[str, str]:
     if scheme in ("", "file"):
         path = Path(where.removeprefix("file://")).expanduser().resolve()
         path.mkdir(parents=True, exist_ok=True)
-        return {"PREFECT_RESULTS_LOCAL_STORAGE_PATH": str(path)}
+        return {RESULT_STORAGE_ENV[0]: str(path)}
     from prefect.filesystems import RemoteFileSystem
 
     await RemoteFileSystem(basepath=where).save(RESULTS_BLOCK, overwrite=True)
-    return {"PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK": f"remote-file-system/{RESULTS_BLOCK}"}
+    return {RESULT_STORAGE_ENV[1]: f"remote-file-system/{RESULTS_BLOCK}"}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import sys
 import threading
 from collections.abc import Iterator
@@ -18,6 +19,8 @@ from flows.secret_blocks import URL_FIELDS, export_secret_blocks
 from lightning import preflight
 from lightning.config import ConfigError, load_config
 from lightning.credentials import references
+from lightning.environment import PREFECT_UI
+from lightning.metrics import LOCAL_PREFECT_UI, LOCAL_UI, is_server, ui_command
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
@@ -32,10 +35,11 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def temporary_prefect_server(log_path: Path) -> Iterator[None]:
+def temporary_prefect_server(log_path: Path, start_timeout: float) -> Iterator[None]:
     """Without a Prefect server configured (PREFECT_API_URL), one for this command, as Prefect would start (the same
     app, UI off), but under `lightning.lifeline`: it dies with this process even when this process is killed, which
-    Prefect's own temporary server does not (it is stopped at exit, which SIGKILL skips)."""
+    Prefect's own temporary server does not (it is stopped at exit, which SIGKILL skips). It may take
+    `start_timeout` seconds to answer (the run's `timeouts.startup`: 15 to 20 s on 2 cores, more under load)."""
     from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL, get_current_settings, temporary_settings
 
     if PREFECT_API_URL.value():
@@ -57,22 +61,42 @@ def temporary_prefect_server(log_path: Path) -> Iterator[None]:
         "PREFECT__SERVER_FINAL": "1",
     }
     command = [sys.executable, "-m", "lightning.lifeline", "--", *uvicorn]
-    # 15 to 20 s on 2 cores, more under load.
     server = ServerProcess(
-        "temporary Prefect server", command, env, f"http://127.0.0.1:{port}/api", log_path, start_timeout=300
-    )
-    print(f"Starting a temporary Prefect server on {server.url} (log: {log_path})", file=sys.stderr, flush=True)
+        "temporary Prefect server", command, env, f"http://127.0.0.1:{port}/api", log_path, start_timeout,
+        lambda line: print(line, file=sys.stderr, flush=True),
+    )  # fmt: skip
+    print(
+        f"Starting a temporary Prefect server on {server.url} (log: {log_path}). It has no UI: `make prefect-ui` "
+        f"shows this command's flow runs at {LOCAL_PREFECT_UI}/runs, during the run or after it.",
+        file=sys.stderr, flush=True,
+    )  # fmt: skip
     server.start()
     try:
-        # This server has no UI, and is gone after the run; `prefect server start` shows its runs (same database)
-        # at Prefect's usual address, where links to a flow run (logs, MLflow's run tags) point.
-        with temporary_settings({PREFECT_API_URL: server.url, PREFECT_UI_URL: "http://127.0.0.1:4200"}):
+        # No UI URL for Prefect itself, which would print "View at <UI URL>" where nothing listens; the links we make
+        # (MLflow's run tags and description) point where `make prefect-ui` shows the same database.
+        with (
+            temporary_settings({PREFECT_API_URL: server.url, PREFECT_UI_URL: ""}),
+            _environment(PREFECT_UI, LOCAL_PREFECT_UI),
+        ):
             yield
     finally:
         # What this process still has queued for the server (the last log lines, events) goes before it stops: a
         # stopped server kept Prefect's log worker retrying for a minute at exit ("Error logging to API").
         _send_queued_logs_and_events()
         server.stop()
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str) -> Iterator[None]:
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
 
 
 def _send_queued_logs_and_events(timeout: float = 15.0) -> None:
@@ -99,7 +123,7 @@ async def run_flow(flow_name: str, config: Any) -> Any:
     from flows.train import train
 
     flow = {"train": train, "dev": dev}[flow_name]
-    with temporary_prefect_server(config.run_dir / "logs" / "prefect-server.log"):
+    with temporary_prefect_server(config.run_dir / "logs" / "prefect-server.log", config.timeouts.startup):
         return await flow(config)
 
 
@@ -120,11 +144,12 @@ def run_flow_cli(flow: Any, argv: list[str] | None, description: str | None) -> 
         config = load_config(args.config, **parse_overrides(args.set))
         if _names_secret_blocks(config):
             asyncio.run(export_secret_blocks(config))  # from the Prefect server that holds them
-        preflight.check(config)  # seconds, before Prefect or any server starts
+        preflight.check(config, optimiser=flow.name == "optimize_prompt")  # seconds, before anything starts
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    with temporary_prefect_server(config.run_dir / "logs" / "prefect-server.log"), progress_bar(flow.name, config):
+    prefect_log = config.run_dir / "logs" / "prefect-server.log"
+    with temporary_prefect_server(prefect_log, config.timeouts.startup), progress_bar(flow.name, config):
         result = asyncio.run(flow(config))
     print(json.dumps(result, indent=2, default=str))
     if isinstance(result, dict) and "reward_after" in result:
@@ -196,7 +221,7 @@ def where_to_look(config: Any, summary: dict[str, Any]) -> str:
         f"\nHeld-out reward of {summary['run_name']}: {warm}{before:.3f} {start}, {after:.3f} after "
         f"{summary['iterations']} iterations of RL.\n"
         f"  checkpoint:  {summary['checkpoint']}\n"
-        f"  Prefect UI:  make prefect-ui   then open http://127.0.0.1:4200/runs "
+        f"  Prefect UI:  make prefect-ui   then open {LOCAL_PREFECT_UI}/runs "
         f"(flow run {config.run_name!r})\n"
         f"  MLflow UI:   {mlflow_ui(config.tracking_uri)}   (run {config.run_name!r} of experiment "
         f"{config.experiment!r}: metrics, agent traces, config.yaml)\n"
@@ -211,8 +236,6 @@ def where_to_look(config: Any, summary: dict[str, Any]) -> str:
 
 def mlflow_ui(tracking_uri: str) -> str:
     """How to see the runs of `tracking_uri`: a server's address, or the command that serves a local store's UI."""
-    if tracking_uri.startswith(("http://", "https://")):
+    if is_server(tracking_uri):
         return f"open {tracking_uri}"
-    if tracking_uri == "sqlite:///.lightning/mlflow.db":
-        return "make mlflow-ui   then open http://127.0.0.1:5000"
-    return f".venv/bin/lightning mlflow ui --backend-store-uri {tracking_uri}   then open http://127.0.0.1:5000"
+    return f"{ui_command(tracking_uri)}   then open {LOCAL_UI}"

@@ -13,15 +13,13 @@ import time
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.runtime import flow_run
 
-from flows.params import effective_config, flow_run_name
+from flows.params import flow_prologue, flow_run_name
 from flows.rollouts import collect_rollouts
-from flows.secret_blocks import export_secret_blocks
 from lightning import apo
 from lightning.config import TrainConfig
+from lightning.diagnose import agent_errors
 from tasks import adapt_spans, open_run, timed
-from tasks.caching import TRAIN_FLOW_RUN_ID
 
 
 @flow(name="dev", flow_run_name=flow_run_name("-dev"))
@@ -32,13 +30,12 @@ async def dev(config: TrainConfig = TrainConfig(), overrides: dict[str, Any] | N
         config: The run to dry-run (its agent, dataset, model and sizes).
         overrides: Dotted fields of `config` changed for this run only, e.g. {"batch_size": 4}.
     """
-    config = effective_config(config, overrides)
-    TRAIN_FLOW_RUN_ID.set(str(flow_run.get_id()))
-    await export_secret_blocks(config)
+    config = await flow_prologue(config, overrides)
     iteration = int(time.time())  # each dry run enqueues fresh rollouts
     run = await timed(open_run, config)(config, train=False, queue=f"{config.run_name}.dev")
     try:
         rollout_ids, rollouts = await collect_rollouts(run, iteration, "train")
+        errors = await agent_errors(run.store, rollout_ids) if rollouts["failed"] else []
         if config.apo is not None:  # prompt optimisation trains no weights: it reads rewards and transcripts
             worst = await apo.lowest_reward_transcripts(run, rollout_ids, 1)
         else:
@@ -46,17 +43,19 @@ async def dev(config: TrainConfig = TrainConfig(), overrides: dict[str, Any] | N
     finally:
         await run.close()
     logger = get_run_logger()
+    if errors:
+        logger.warning("dev: %d rollouts failed; the agent raised:\n  %s", rollouts["failed"], "\n  ".join(errors))
     if config.apo is not None:
         logger.info(
             "dev: %d rollouts (%d failed) on the seed prompt, reward %.3f; the lowest-reward transcript, as the "
             "optimiser would see it: %s", rollouts["rollouts"], rollouts["failed"], rollouts["reward_mean"], worst,
         )  # fmt: skip
-        return {"rollouts": rollouts, "lowest_reward": worst}
+        return {"rollouts": rollouts, "lowest_reward": worst, "agent_errors": errors}
     logger.info(
         "dev: %d rollouts (%d failed), reward %.3f, %d training rows; adapter: %s",
         rollouts["rollouts"], rollouts["failed"], rollouts["reward_mean"], batch["rows"], batch["adapter"],
     )  # fmt: skip
-    return {"rollouts": rollouts, "batch": batch}
+    return {"rollouts": rollouts, "batch": batch, "agent_errors": errors}
 
 
 def main(argv: list[str] | None = None) -> None:

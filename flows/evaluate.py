@@ -11,18 +11,15 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
-from flows.params import effective_config, flow_run_name
+from flows.params import flow_prologue, flow_run_name
 from flows.rollouts import collect_rollouts, task_runner
-from flows.secret_blocks import export_secret_blocks
 from lightning.config import TrainConfig
 from lightning.run import Run, serving_step
 from tasks import log_evaluation, open_run, timed
-from tasks.caching import TRAIN_FLOW_RUN_ID
 
 
 def _evaluation_name() -> str:
     """`demo-evaluation-3`; the evaluation before a warm start (step -1) is `demo-evaluation-initial`."""
-    from prefect.runtime import flow_run
 
     run, step = flow_run.parameters["run"], flow_run.parameters["step"]
     return f"{run.name}-evaluation-{'initial' if step == -1 else step}"
@@ -36,9 +33,18 @@ async def evaluation(run: Run, step: int) -> dict[str, Any]:
         return {"step": step, "rollouts": 0, "reward_mean": float("nan")}
     rollout_ids, summary = await collect_rollouts(run, step, "val")
     result = await timed(log_evaluation, run)(run, step, summary, rollout_ids)
-    label = "of the initial model (before the warm start)" if step < 0 else f"at step {step}"
-    get_run_logger().info("held-out reward %s: %.3f (%d tasks)", label, result["reward_mean"], result["rollouts"])
+    get_run_logger().info(
+        "held-out reward %s: %.3f (%d tasks)", evaluation_label(step), result["reward_mean"], result["rollouts"]
+    )
     return result
+
+
+def evaluation_label(step: int) -> str:
+    """What checkpoint `step` is, in the numbering of the iterations (from 0, as Prefect, the table and MLflow
+    count them): checkpoint 10 is the weights after iteration 9, whose row of the table holds its reward."""
+    if step < 0:
+        return "of the initial model (before the warm start)"
+    return f"of checkpoint {step} (after iteration {step - 1})" if step else "of checkpoint 0 (before training)"
 
 
 async def evaluate_at(run: Run, step: int) -> dict[str, Any]:
@@ -60,9 +66,7 @@ async def evaluate(
         checkpoint: A checkpoint's step directory; default: the run's latest, or the initial model.
         overrides: Dotted fields of `config` changed for this run only, e.g. {"eval_sampling.max_tokens": 32}.
     """
-    config = effective_config(config, overrides)
-    TRAIN_FLOW_RUN_ID.set(str(flow_run.get_id()))
-    await export_secret_blocks(config)
+    config = await flow_prologue(config, overrides)
     step = serving_step(config, checkpoint)
     run = await timed(open_run, config)(config, train=False, weights=checkpoint, queue=f"{config.run_name}.evaluate")
     try:

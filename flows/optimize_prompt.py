@@ -14,18 +14,18 @@ run's inference backend behind its proxy (embedded, vLLM or an external endpoint
 from __future__ import annotations
 
 import asyncio
-import re
+import textwrap
 import time
 from typing import Any
+from uuid import UUID
 
 from prefect import flow, get_run_logger, unmapped
-from prefect.artifacts import acreate_markdown_artifact, acreate_table_artifact
-from prefect.runtime import flow_run
+from prefect.artifacts import acreate_markdown_artifact
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from flows.params import effective_config, flow_run_name
+from flows.artifacts import artifact_key, publish_table
+from flows.params import flow_prologue, flow_run_name
 from flows.rollouts import run_rollouts, task_runner
-from flows.secret_blocks import export_secret_blocks
 from lightning import apo, stages
 from lightning.apo import Candidate
 from lightning.config import TrainConfig
@@ -42,7 +42,6 @@ from tasks.apo import (
     score_candidates,
     select_beam,
 )
-from tasks.caching import TRAIN_FLOW_RUN_ID
 
 
 async def evaluate_candidates(run: Run, iteration: int, candidates: list[Candidate], mode: Mode) -> dict[str, Any]:
@@ -95,17 +94,16 @@ async def optimize_prompt(
             optimiser models, beam sizes), where results go (a deployment's is its default).
         overrides: Dotted fields of `config` changed for this run only, e.g. {"apo.beam_rounds": 2}.
     """
-    config = effective_config(config, overrides)
+    config = await flow_prologue(config, overrides)
     settings = apo.apo_config(config)  # a bad apo section fails here, before anything starts
     logger = get_run_logger()
-    TRAIN_FLOW_RUN_ID.set(str(flow_run.get_id()))
-    await export_secret_blocks(config)
     run = await timed(open_run, config)(config, train=False, queue=f"{config.run_name}.apo", track=True)
     status = "FAILED"
     try:
         started = time.perf_counter()
         seed = apo.seed_candidate(config)
         beam, rows = [seed], []
+        table_id = None
         round_flow = apo_round.with_options(task_runner=task_runner(config))
         for iteration in range(settings.beam_rounds):
             result = await round_flow(run, iteration, beam)
@@ -113,7 +111,7 @@ async def optimize_prompt(
             if iteration == 0:
                 seed = next(each for each in result["scored"] if each.id == seed.id)
             rows += _rows(iteration, result["scored"], beam)
-            await _publish(run, rows)
+            table_id = await _publish(run, rows, table_id)
         best = beam[0]
         registered = await register_prompt(run, best)
         status = "FINISHED"
@@ -134,8 +132,9 @@ async def optimize_prompt(
             seed.val_reward, best.val_reward, best.id, registered["uri"],
         )  # fmt: skip
         await acreate_markdown_artifact(
-            _summary_markdown(run, summary), key=_key(run, "apo-summary"), description=f"How {run.name}'s APO went"
-        )
+            _summary_markdown(run, summary), key=artifact_key(run, "apo-summary"),
+            description=f"How {run.name}'s APO went",
+        )  # fmt: skip
         return summary
     finally:
         await run.close(status)
@@ -151,30 +150,43 @@ def _rows(iteration: int, scored: list[Candidate], beam: list[Candidate]) -> lis
             "train_reward": _cell(each.train_reward),
             "val_reward": _cell(each.val_reward),
             "kept": each.id in kept,
-            "prompt": each.template if len(each.template) <= 200 else each.template[:197] + "...",
+            "prompt": _prompt_cell(each.template),
         }
         for each in scored
     ]
 
 
-async def _publish(run: Run, rows: list[dict[str, Any]]) -> None:
-    """The table of every round's candidates and scores (a new version of the artifact each round)."""
-    await acreate_table_artifact(
-        rows, key=_key(run, "apo"), description=f"APO candidates of {run.name} by round. {stages.mlflow_link(run)}"
-    )
+async def _publish(run: Run, rows: list[dict[str, Any]], table_id: UUID | None) -> UUID:
+    """The table of every round's candidates and scores, updated in place each round."""
+    description = f"APO candidates of {run.name} by round. {stages.mlflow_link(run)}"
+    return await publish_table(artifact_key(run, "apo"), rows, description, table_id)
+
+
+PROMPT_CELL_CHARS = 100
+"""A prompt's beginning in the candidates table; the whole text is in MLflow (`apo/round-NN/`)."""
+CODE_WIDTH = 100
+"""Characters a line of the summary's code block holds (a longer one would widen the page)."""
+
+
+def _prompt_cell(template: str) -> str:
+    """The beginning of a prompt as one table cell: one line, no backticks (Prefect renders cells as Markdown, and a
+    cut left one unbalanced), cut on a word boundary."""
+    text = " ".join(template.replace("`", "'").split())
+    if len(text) <= PROMPT_CELL_CHARS:
+        return text
+    return text[: PROMPT_CELL_CHARS - 1].rsplit(" ", 1)[0] + " …"
 
 
 def _summary_markdown(run: Run, summary: dict[str, Any]) -> str:
-    best = summary["best_prompt"].replace("```", "'''")
+    best = "\n".join(
+        textwrap.fill(line, CODE_WIDTH, break_on_hyphens=False) if line else line
+        for line in summary["best_prompt"].replace("```", "'''").splitlines()
+    )
     return (
         f"## {run.name}: prompt optimisation, {summary['rounds']} rounds\n\n| validation reward | |\n|---|---|\n"
         f"| seed prompt | {_cell(summary['reward_seed'])} |\n| best prompt | {_cell(summary['reward_best'])} |\n\n"
         f"Best prompt, registered as `{summary['prompt_uri']}`:\n\n```\n{best}\n```\n\n{stages.mlflow_link(run)}\n"
     )
-
-
-def _key(run: Run, what: str) -> str:
-    return re.sub(r"[^a-z0-9-]", "-", f"{run.name}-{what}".lower())
 
 
 def _cell(value: float | None) -> float | None:

@@ -18,6 +18,21 @@ def effective_config(config: TrainConfig | dict[str, Any], overrides: dict[str, 
     return with_overrides(config, overrides)
 
 
+async def flow_prologue(config: TrainConfig | dict[str, Any], overrides: dict[str, Any] | None) -> TrainConfig:
+    """What every top-level flow does first: its config with the overrides applied (a bad one is a ConfigError
+    naming the field), this flow run recorded as the one whose id keys its stages' cache (`tasks.caching`), and the
+    Prefect Secret blocks the config's URLs name loaded into the environment."""
+    from prefect.runtime import flow_run
+
+    from flows.secret_blocks import export_secret_blocks
+    from tasks.caching import TRAIN_FLOW_RUN_ID
+
+    config = effective_config(config, overrides)
+    TRAIN_FLOW_RUN_ID.set(str(flow_run.get_id()))
+    await export_secret_blocks(config)
+    return config
+
+
 def flow_run_name(suffix: str = "") -> Callable[[], str]:
     """A flow run's name: the run name of its config with its overrides applied, then `suffix`."""
 

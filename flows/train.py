@@ -10,30 +10,23 @@ server's UI (deployments of these flows are in prefect.yaml).
 from __future__ import annotations
 
 import math
-import re
 import time
 from typing import Any
+from uuid import UUID
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import (
-    acreate_markdown_artifact,
-    acreate_progress_artifact,
-    acreate_table_artifact,
-    aupdate_progress_artifact,
-)
-from prefect.runtime import flow_run
+from prefect.artifacts import acreate_markdown_artifact, acreate_progress_artifact, aupdate_progress_artifact
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from flows.artifacts import artifact_key, publish_table
 from flows.evaluate import evaluate_at
-from flows.params import effective_config, flow_run_name
+from flows.params import flow_prologue, flow_run_name
 from flows.rollouts import collect_rollouts, task_runner
-from flows.secret_blocks import export_secret_blocks
 from lightning import raycluster, stages
 from lightning.algorithm.worker import UpdateLost
 from lightning.config import TrainConfig
 from lightning.run import Run
 from tasks import adapt_spans, checkpoint, gpu_limited, open_run, ppo_step, timed, warm_start
-from tasks.caching import TRAIN_FLOW_RUN_ID
 
 
 @flow(name="training_iteration", flow_run_name="{run.name}-iteration-{iteration}", task_runner=ThreadPoolTaskRunner())
@@ -76,10 +69,8 @@ async def train(
         config: The run: agent, datasets, model, algorithm, sizes, where results go (a deployment's is its default).
         overrides: Dotted fields of `config` changed for this run only, e.g. {"iterations": 3, "algorithm.lr": 1e-4}.
     """
-    config = effective_config(config, overrides)
+    config = await flow_prologue(config, overrides)
     logger = get_run_logger()
-    TRAIN_FLOW_RUN_ID.set(str(flow_run.get_id()))
-    await export_secret_blocks(config)
     # One Ray connection for the whole run: prefect-ray reuses it instead of a new job (new workers) per iteration.
     connected = config.task_runner == "ray" and raycluster.connect(config.ray_address)
     run = await timed(open_run, config)(config)
@@ -99,24 +90,33 @@ async def train(
                     "warm start: %d supervised steps on %d demonstrations", done["steps"], done["demonstrations"]
                 )
         before = await evaluate_at(run, 0)
-        started = time.perf_counter()
+        # The rate is measured from the end of this process's first iteration, which carries the start-up (the
+        # first subflow, the trainer's first step): counted in, it made the ETA read about 10 times too long.
+        clock: tuple[float, int] | None = None
+        table_id = None
         progress = await acreate_progress_artifact(
-            100.0 * first / config.iterations, key=_key(run, "progress"), description=f"Iterations of {run.name} done"
-        )
+            100.0 * first / config.iterations, key=artifact_key(run, "progress"),
+            description=f"Iterations of {run.name} done",
+        )  # fmt: skip
         iteration_flow = training_iteration.with_options(task_runner=task_runner(config))
         for iteration in range(first, config.iterations):
-            await iteration_flow(run, iteration)
+            done = await iteration_flow(run, iteration)
             step = iteration + 1
             if config.eval_every and step % config.eval_every == 0 and step < config.iterations:
                 await evaluate_at(run, step)
-            logger.info(stages.progress_line(run, run.history[-1], step - first, time.perf_counter() - started))
+            if clock is None:  # the first iteration's own time, the only rate there is yet
+                clock = (time.perf_counter(), step)
+                rate = (1, done["seconds"])
+            else:
+                rate = (step - clock[1], time.perf_counter() - clock[0])
+            logger.info(stages.progress_line(run, run.history[-1], *rate))
             await aupdate_progress_artifact(progress, 100.0 * step / config.iterations)
-            await _publish(run)
+            table_id = await _publish(run, table_id)
         after = await evaluate_at(run, config.iterations)
         status = "FINISHED"
         summary = stages.finish(run, before, after, initial)
         await acreate_markdown_artifact(
-            stages.summary_markdown(run, summary), key=_key(run, "summary"), description=f"How {run.name} went"
+            stages.summary_markdown(run, summary), key=artifact_key(run, "summary"), description=f"How {run.name} went"
         )
         return summary
     finally:
@@ -125,21 +125,18 @@ async def train(
             raycluster.disconnect()
 
 
-async def _publish(run: Run) -> None:
-    """The run's table of iterations as a Prefect artifact (a new version each iteration), linking to MLflow."""
-    key = _key(run, "training")
+async def _publish(run: Run, table_id: UUID | None) -> UUID:
+    """The run's table of iterations as a Prefect artifact, updated in place each iteration, linking to MLflow."""
     columns = ["iteration", "reward", "val_reward", "zero_adv_groups", "entropy", "clip_frac", "grad_norm",
                "response_length", "pg_loss", "kl", "rollouts_ok", "rollouts_failed", "refills", "mismatch_mean",
                "mismatch_max", "rollout_tokens_per_s", "train_tokens_per_s", "rollout_seconds"]  # fmt: skip
     columns = [name for name in columns if any(name in row for row in run.history)]  # kl: only with a KL term
     table = [{name: _cell(row.get(name)) for name in columns} for row in run.history]
-    mlflow = stages.mlflow_link(run)
-    await acreate_table_artifact(table, key=key, description=f"Training iterations of {run.name}. {mlflow}")
-
-
-def _key(run: Run, what: str) -> str:
-    """An artifact key (lowercase letters, digits and dashes): `demo-training`, `demo-progress`, `demo-summary`."""
-    return re.sub(r"[^a-z0-9-]", "-", f"{run.name}-{what}".lower())
+    description = (
+        f"Training iterations of {run.name} (val_reward: the held-out reward after the iteration). "
+        f"{stages.mlflow_link(run)}"
+    )
+    return await publish_table(artifact_key(run, "training"), table, description, table_id)
 
 
 def _cell(value: Any) -> Any:

@@ -35,6 +35,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from lightning.config import ApoConfig, ConfigError, TrainConfig
+from lightning.environment import litellm_offline
 from lightning.run import Run
 from lightning.stages import Mode, run_resources, run_rollouts, summarize_rollouts
 from lightning.types import EnqueueRolloutRequest, PromptTemplate
@@ -390,7 +391,7 @@ def _litellm_loop() -> asyncio.AbstractEventLoop:
     global _loop
     with _loop_lock:
         if _loop is None:
-            os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no download of LiteLLM's price list
+            litellm_offline()
             _loop = asyncio.new_event_loop()
             threading.Thread(target=_loop.run_forever, name="apo-optimizer-calls", daemon=True).start()
         return _loop

@@ -11,17 +11,24 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
+from lightning.environment import (
+    BACKEND_API_KEY,
+    LITELLM_OFFLINE,
+    MLFLOW_TRACKING_URI,
+    PROXY_TOKEN,
+    STORE_DB,
+    STORE_TOKEN,
+    STORE_URL,
+)
+from lightning.metrics import DEFAULT_TRACKING_URI, LOCAL_UI_HOST, LOCAL_UI_PORT
 from lightning.serving import is_loopback
 from lightning.store.sql import DEFAULT_URL
+from lightning.types import POLICY_MODEL_NAME
 
-TOKEN_ENV = "LIGHTNING_STORE_TOKEN"
-PROXY_TOKEN_ENV = "LIGHTNING_PROXY_TOKEN"
-STORE_URL_ENV = "LIGHTNING_STORE_URL"
-BACKEND_KEY_ENV = "LIGHTNING_BACKEND_API_KEY"
+TOKEN_ENV, PROXY_TOKEN_ENV, STORE_URL_ENV, BACKEND_KEY_ENV = STORE_TOKEN, PROXY_TOKEN, STORE_URL, BACKEND_API_KEY
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
-MLFLOW_DEFAULT_URI = "sqlite:///.lightning/mlflow.db"
-"""TrainConfig.tracking_uri's default."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -49,200 +56,130 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="lightning",
-        description="lightning: train LLM agents with reinforcement learning.",
+        prog="lightning", description="lightning: train LLM agents with reinforcement learning."
     )
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
 
-    store = commands.add_parser(
-        "store",
-        help="the store of rollouts, attempts, spans and resources",
+    store = _group(
+        commands, "store", help="the store of rollouts, attempts, spans and resources",
         description="The store of rollouts, attempts, spans and resources.",
-    )
-    store.set_defaults(help_parser=store)
-    store_commands = store.add_subparsers(title="commands", metavar="COMMAND")
-
-    serve = store_commands.add_parser(
-        "serve",
-        help="serve a store over HTTP (the store protocol and OTLP/HTTP traces)",
-        description=(
-            "Serve a store over HTTP: every store method under /v1/store/, OTLP/HTTP traces at /v1/traces, "
-            "GET /health, and the API schema at /docs. Clients use lightning.store.client.HttpLightningStore."
-        ),
-        epilog=(
-            f"The token can also come from ${TOKEN_ENV} (better: a command line is visible to other users "
-            "of the machine). Stop the server with Ctrl-C or SIGTERM; the store is closed on the way out."
-        ),
-    )
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    serve.add_argument("--port", type=int, default=4747, help="port to listen on (default: %(default)s)")
-    serve.add_argument(
-        "--db",
-        default=os.environ.get("LIGHTNING_STORE_DB", DEFAULT_URL),
-        metavar="URL",
-        help="store database: sqlite:///path.db, or postgresql://user:pass@host:port/db (default: $LIGHTNING_STORE_DB, "
-        f"else {DEFAULT_URL}; the variable keeps a password off the command line)",
-    )
-    serve.add_argument(
-        "--token",
-        default=None,
-        help=f"require 'Authorization: Bearer TOKEN' on every request (default: ${TOKEN_ENV}, else none); "
-        "required when --host is not a loopback address",
-    )
+    )  # fmt: skip
+    serve = _command(
+        store, "serve", _serve, help="serve a store over HTTP (the store protocol and OTLP/HTTP traces)",
+        description="Serve a store over HTTP: every store method under /v1/store/, OTLP/HTTP traces at /v1/traces, "
+        "GET /health, and the API schema at /docs. Clients use lightning.store.client.HttpLightningStore.",
+        epilog=f"The token can also come from ${TOKEN_ENV} (better: a command line is visible to other users of the "
+        "machine). Stop the server with Ctrl-C or SIGTERM; the store is closed on the way out.",
+    )  # fmt: skip
+    _listening(serve, port=4747, token_env=TOKEN_ENV, log_level="info")
+    _from_environment(
+        serve, "--db", STORE_DB, DEFAULT_URL, metavar="URL",
+        help="store database: sqlite:///path.db, or postgresql://user:pass@host:port/db (the variable keeps a "
+        "password off the command line)",
+    )  # fmt: skip
     serve.add_argument(
         "--max-body-mb", type=float, default=32, help="answer 413 to a request body larger than this (default: 32)"
     )
     serve.add_argument(
-        "--watchdog-interval",
-        type=_positive_seconds,
-        default=1.0,
-        metavar="SECONDS",
+        "--watchdog-interval", type=_positive_seconds, default=1.0, metavar="SECONDS",
         help="seconds between the watchdog's passes, which mark attempts past their timeout_seconds or "
         "unresponsive_seconds (default: %(default)s; agent-lightning's server checks on every request: a small value "
         "such as 0.1 comes close, at the cost of a write transaction per pass)",
-    )
-    serve.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="(default: %(default)s)")
+    )  # fmt: skip
     serve.add_argument(
-        "--access-log",
-        action="store_true",
+        "--access-log", action="store_true",
         help="log one line per request (off by default: runners and tracers make thousands a second)",
-    )
-    serve.set_defaults(run=_serve, help_parser=serve)
+    )  # fmt: skip
 
-    models = commands.add_parser(
-        "models",
+    # These two have their own parsers (also `python -m lightning.models|inference`); `main` hands over to them.
+    _group(
+        commands, "models",
         help="local models: `lightning models build-tiny DIR` writes a tiny random-init model and tokenizer",
         description="`lightning models build-tiny DIR [--seed N]`: a tiny Llama and a tokenizer trained on the fly, "
         "as a Hugging Face directory (nothing is downloaded). See `lightning models build-tiny --help`.",
-    )
-    models.set_defaults(help_parser=models)
-    inference = commands.add_parser(
-        "inference",
+    )  # fmt: skip
+    _group(
+        commands, "inference",
         help="`lightning inference serve --model DIR`: the embedded OpenAI-compatible inference server",
         description="`lightning inference serve --model DIR [--port 8000]`: serve a Hugging Face model directory on "
         "transformers + torch. See `lightning inference serve --help`.",
-    )
-    inference.set_defaults(help_parser=inference)
+    )  # fmt: skip
 
-    proxy = commands.add_parser(
-        "proxy",
-        help="the LLM proxy between agents and inference servers",
+    proxy = _group(
+        commands, "proxy", help="the LLM proxy between agents and inference servers",
         description="The LLM proxy: forwards agents' OpenAI calls and stores each, with its token ids, as a span.",
-    )
-    proxy.set_defaults(help_parser=proxy)
-    proxy_commands = proxy.add_subparsers(title="commands", metavar="COMMAND")
-    proxy_serve = proxy_commands.add_parser(
-        "serve",
-        help="serve the LLM proxy over HTTP",
-        description=(
-            "Serve the LLM proxy: agents call /rollout/{rollout_id}/attempt/{attempt_id}/v1/chat/completions "
-            "(or /completions); the call goes to a backend with return_token_ids on, and its span goes to the store. "
-            "Admin: POST /admin/pause, POST /admin/resume, GET /admin/status, PUT /admin/backends."
-        ),
+    )  # fmt: skip
+    proxy_serve = _command(
+        proxy, "serve", _proxy_serve, help="serve the LLM proxy over HTTP",
+        description="Serve the LLM proxy: agents call /rollout/{rollout_id}/attempt/{attempt_id}/v1/chat/completions "
+        "(or /completions); the call goes to a backend with return_token_ids on, and its span goes to the store. "
+        "Admin: POST /admin/pause, POST /admin/resume, GET /admin/status, PUT /admin/backends.",
         epilog=f"The token can also come from ${PROXY_TOKEN_ENV}. Backends' API keys: --backend-api-key.",
-    )
+    )  # fmt: skip
+    _listening(proxy_serve, port=4748, token_env=PROXY_TOKEN_ENV, log_level="warning")
+    _store_option(proxy_serve)
     proxy_serve.add_argument(
-        "--store",
-        default=os.environ.get(STORE_URL_ENV, DEFAULT_URL),
-        metavar="URL",
-        help=f"store database or store server URL (default: ${STORE_URL_ENV}, else {DEFAULT_URL}; the variable keeps "
-        "a password off the command line)",
-    )
-    proxy_serve.add_argument(
-        "--backend",
-        action="append",
-        default=[],
-        metavar="URL",
+        "--backend", action="append", default=[], metavar="URL",
         help="an inference server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1 (repeat for several)",
-    )
+    )  # fmt: skip
     proxy_serve.add_argument(
-        "--no-token-ids",
-        action="store_true",
+        "--no-token-ids", action="store_true",
         help="the backends do not take vLLM's return_token_ids (spans then hold no token ids)",
-    )
+    )  # fmt: skip
+    _from_environment(proxy_serve, "--backend-api-key", BACKEND_KEY_ENV, None, help="API key the backends require")
     proxy_serve.add_argument(
-        "--backend-api-key",
-        default=os.environ.get(BACKEND_KEY_ENV),
-        help=f"API key the backends require (default: ${BACKEND_KEY_ENV})",
-    )
-    proxy_serve.add_argument(
-        "--model-name",
-        default="policy",
+        "--model-name", default=POLICY_MODEL_NAME,
         help="model name agents ask for, listed on /v1/models; a call for it reaches each backend under the name that "
         "backend serves (the first its GET /v1/models lists) (default: %(default)s)",
-    )
+    )  # fmt: skip
     proxy_serve.add_argument(
-        "--external-models",
-        default=None,
-        metavar="FILE",
+        "--external-models", default=None, metavar="FILE",
         help='JSON list of {"model_name": ..., "litellm_params": {...}} answered through LiteLLM',
-    )
-    proxy_serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    proxy_serve.add_argument("--port", type=int, default=4748, help="port to listen on (default: %(default)s)")
+    )  # fmt: skip
     proxy_serve.add_argument(
-        "--token",
-        default=None,
-        help=f"require 'Authorization: Bearer TOKEN' (default: ${PROXY_TOKEN_ENV}, else none); "
-        "required when --host is not a loopback address",
-    )
-    proxy_serve.add_argument(
-        "--any-agent-key",
-        action="store_true",
+        "--any-agent-key", action="store_true",
         help="serve agents' model calls whatever API key they send (agent-lightning's habit: agents send 'dummy' or "
         "their own OPENAI_API_KEY); the admin routes still need the token. Loopback addresses only",
-    )
-    proxy_serve.add_argument("--log-level", default="warning", choices=LOG_LEVELS, help="(default: %(default)s)")
-    proxy_serve.set_defaults(run=_proxy_serve, help_parser=proxy_serve)
+    )  # fmt: skip
 
-    config = commands.add_parser(
-        "config",
-        help="training run configs: `lightning config defaults` prints every TrainConfig field",
+    config = _group(
+        commands, "config", help="training run configs: `lightning config defaults` prints every TrainConfig field",
         description="TrainConfig, the configuration of a training run (python -m flows.train CONFIG.yaml).",
-    )
-    config.set_defaults(help_parser=config)
-    config_commands = config.add_subparsers(title="commands", metavar="COMMAND")
-    defaults = config_commands.add_parser("defaults", help="print every field with its default, as YAML")
-    defaults.set_defaults(run=_config_defaults, help_parser=defaults)
-    check = config_commands.add_parser(
-        "check",
-        help="validate a config file, then check in seconds what the run needs (data, agent, model, store)",
+    )  # fmt: skip
+    _command(config, "defaults", _config_defaults, help="print every field with its default, as YAML")
+    check = _command(
+        config, "check", _config_check,
+        help="validate a config file, then check in seconds what the run needs (data, agent, model, store, keys)",
         description="Validate a TrainConfig file (each bad field named), then check what can be checked in seconds: "
         "the datasets load, the agent imports, the model directory has a config and a tokenizer, the store answers, "
-        "the URLs' ${...} secrets are set. One line per problem; exit code 2 if there is any.",
-    )
+        "the URLs' ${...} secrets and the API keys named are set. One line per problem; exit code 2 if there is any.",
+    )  # fmt: skip
     check.add_argument("path", help="a YAML file of TrainConfig fields")
-    check.set_defaults(run=_config_check, help_parser=check)
-    debug = commands.add_parser(
-        "debug",
+
+    debug = _group(
+        commands, "debug",
         help="diagnose a run: `lightning debug stacks RUN` prints the Python stacks of its processes",
         description="Diagnose a run that is stuck or slow.",
-    )
-    debug.set_defaults(help_parser=debug)
-    debug_commands = debug.add_subparsers(title="commands", metavar="COMMAND")
-    stacks = debug_commands.add_parser(
-        "stacks",
-        help="print the Python stacks (all threads) of every live process of a run",
+    )  # fmt: skip
+    stacks = _command(
+        debug, "stacks", _debug_stacks, help="print the Python stacks (all threads) of every live process of a run",
         description="Send SIGUSR1 to every live process of the run (the flow's, the inference server, the LLM proxy, "
         "the trainer); each writes its stacks to <run_dir>/stacks/, which this prints.",
-    )
-    stacks.add_argument("run", help="the run's name (under --output-dir) or its directory")
+    )  # fmt: skip
+    # (dest run_name: `run` is the function each command sets to run it)
+    stacks.add_argument("run_name", metavar="RUN", help="the run's name (under --output-dir) or its directory")
     stacks.add_argument("--output-dir", default=".lightning/runs", help="where runs live (default: %(default)s)")
-    stacks.set_defaults(run=_debug_stacks, help_parser=stacks)
-    compare = debug_commands.add_parser(
-        "compare-logprobs",
+    compare = _command(
+        debug, "compare-logprobs", _debug_compare_logprobs,
         help="replay stored rollouts through Transformers and compare each sampled token's log-prob with the engine's",
         description="For each LLM call of the chosen rollouts that the proxy stored with token ids and the "
         "engine's log-probs, recompute every sampled token's log-prob with Hugging Face Transformers (float32) on "
         "MODEL and print the largest differences and a summary. On the checkpoint the rollouts were sampled from, "
         "a float32 engine differs by about 1e-6 and a bfloat16 one by about 1e-2; far more means the engine was not "
         "serving those weights.",
-    )
+    )  # fmt: skip
     compare.add_argument("model", help="a Hugging Face model directory (e.g. the run's checkpoints/step-000003)")
-    compare.add_argument(
-        "--store",
-        default=os.environ.get(STORE_URL_ENV, DEFAULT_URL),
-        help=f"store URL (default: ${STORE_URL_ENV} or %(default)s)",
-    )
+    _store_option(compare)
     compare.add_argument("--queue", help="only rollouts of this queue (a training run's queue is its name)")
     compare.add_argument("--rollout", action="append", default=[], help="a rollout id (repeatable)")
     compare.add_argument("--limit", type=int, default=8, help="the newest N succeeded rollouts (default: %(default)s)")
@@ -252,46 +189,79 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument(
         "--show", type=int, default=20, help="tokens listed, largest |delta| first (default: %(default)s)"
     )
-    compare.set_defaults(run=_debug_compare_logprobs, help_parser=compare)
 
-    mlflow = commands.add_parser(
-        "mlflow",
+    mlflow = _group(
+        commands, "mlflow",
         help="MLflow: `lightning mlflow ui` opens a run store's UI offline; `promote` sets a model version's alias",
         description="MLflow, where runs log params, metrics, checkpoints, agent traces and registered models.",
-    )
-    mlflow.set_defaults(help_parser=mlflow)
-    mlflow_commands = mlflow.add_subparsers(title="commands", metavar="COMMAND")
-    ui = mlflow_commands.add_parser(
-        "ui",
-        help="serve MLflow's UI on a tracking store (default: the runs' local SQLite store)",
+    )  # fmt: skip
+    ui = _command(
+        mlflow, "ui", _mlflow_ui, help="serve MLflow's UI on a tracking store (default: the runs' local SQLite store)",
         description="Run `mlflow ui` on a tracking store, with LITELLM_LOCAL_MODEL_COST_MAP=True: MLflow imports "
         "LiteLLM, which otherwise fetches its model price list from the internet first (minutes offline). MLflow's "
         "job runner (seven worker processes for GenAI evaluation jobs, which training runs do not use) stays off "
         "unless MLFLOW_SERVER_ENABLE_JOB_EXECUTION=true.",
-    )
-    ui.add_argument(
-        "--backend-store-uri", default=os.environ.get("MLFLOW_TRACKING_URI", MLFLOW_DEFAULT_URI),
-        help="the tracking store (default: $MLFLOW_TRACKING_URI or %(default)s)",
     )  # fmt: skip
-    ui.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
-    ui.add_argument("--port", type=int, default=5000, help="(default: %(default)s)")
-    ui.set_defaults(run=_mlflow_ui, help_parser=ui)
-    promote = mlflow_commands.add_parser(
-        "promote",
-        help="point a registered model's alias (default `champion`) at a version",
+    _from_environment(ui, "--backend-store-uri", MLFLOW_TRACKING_URI, DEFAULT_TRACKING_URI, help="the tracking store")
+    ui.add_argument("--host", default=LOCAL_UI_HOST, help="(default: %(default)s)")
+    ui.add_argument("--port", type=int, default=LOCAL_UI_PORT, help="(default: %(default)s)")
+    promote = _command(
+        mlflow, "promote", _mlflow_promote, help="point a registered model's alias (default `champion`) at a version",
         description="Point registered model NAME's alias at VERSION: `models:/NAME@champion` then loads it "
         "(mlflow.artifacts.download_artifacts gives the Hugging Face directory). A run registers its final model "
-        "when checkpoint.register_model names one, with its held-out reward as the version's `val_reward` tag.",
-    )
-    promote.add_argument("name", help="the registered model (checkpoint.register_model)")
-    promote.add_argument("version", help="the version to promote, or `latest`")
-    promote.add_argument("--alias", default="champion", help="(default: %(default)s)")
-    promote.add_argument(
-        "--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI", MLFLOW_DEFAULT_URI),
-        help="the tracking store (default: $MLFLOW_TRACKING_URI or %(default)s)",
+        "when checkpoint.register_model names one, with its held-out reward as the version's `val_reward` tag; "
+        "`best` promotes the version with the highest, `latest` the newest (it says so if another one is better).",
     )  # fmt: skip
-    promote.set_defaults(run=_mlflow_promote, help_parser=promote)
+    promote.add_argument("name", help="the registered model (checkpoint.register_model)")
+    promote.add_argument(
+        "version", help="the version to promote: a number, `latest` (the newest) or `best` (the highest val_reward)"
+    )
+    promote.add_argument("--alias", default="champion", help="(default: %(default)s)")
+    _from_environment(promote, "--tracking-uri", MLFLOW_TRACKING_URI, DEFAULT_TRACKING_URI, help="the tracking store")
     return parser
+
+
+def _group(commands: Any, name: str, **texts: str) -> Any:
+    """A command of commands (`lightning store`): alone, it prints its help; its subcommands, returned, attach to it."""
+    parser = commands.add_parser(name, **texts)
+    parser.set_defaults(help_parser=parser)
+    return parser.add_subparsers(title="commands", metavar="COMMAND")
+
+
+def _command(commands: Any, name: str, run: Callable[..., int], **texts: str) -> argparse.ArgumentParser:
+    """A command that runs `run(args, its parser)`."""
+    parser = commands.add_parser(name, **texts)
+    parser.set_defaults(run=run, help_parser=parser)
+    return parser
+
+
+def _listening(parser: argparse.ArgumentParser, *, port: int, token_env: str, log_level: str) -> None:
+    """How a server command listens: --host, --port, --token (from `token_env` by default), --log-level."""
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=port, help="port to listen on (default: %(default)s)")
+    parser.add_argument(
+        "--token", default=None,
+        help=f"require 'Authorization: Bearer TOKEN' on every request (default: ${token_env}, else none); "
+        "required when --host is not a loopback address",
+    )  # fmt: skip
+    parser.add_argument("--log-level", default=log_level, choices=LOG_LEVELS, help="(default: %(default)s)")
+
+
+def _from_environment(
+    parser: argparse.ArgumentParser, flag: str, env: str, default: str | None, *, help: str, **options: Any
+) -> None:
+    """An option whose default is the variable `env`, else `default`."""
+    otherwise = f", else {default}" if default is not None else ""
+    parser.add_argument(
+        flag, default=os.environ.get(env, default), help=f"{help} (default: ${env}{otherwise})", **options
+    )
+
+
+def _store_option(parser: argparse.ArgumentParser) -> None:
+    _from_environment(
+        parser, "--store", STORE_URL_ENV, DEFAULT_URL, metavar="URL",
+        help="store database or store server URL (the variable keeps a password off the command line)",
+    )  # fmt: skip
 
 
 def _mlflow_ui(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -299,7 +269,7 @@ def _mlflow_ui(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     command = [str(mlflow) if mlflow.is_file() else "mlflow", "ui", "--backend-store-uri", args.backend_store_uri]
     command += ["--host", args.host, "--port", str(args.port)]
     print(f"MLflow UI on http://{args.host}:{args.port} ({args.backend_store_uri}); Ctrl-C stops it", flush=True)
-    os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
+    os.environ[LITELLM_OFFLINE] = "True"
     os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
     os.execvp(command[0], command)
     return 0  # not reached
@@ -309,16 +279,37 @@ def _mlflow_promote(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     from lightning.metrics import MlflowTracker
 
     tracker = MlflowTracker(args.tracking_uri)
-    version = args.version
-    if version == "latest":
-        versions = tracker.client.search_model_versions(f"name = '{args.name}'")
-        if not versions:
-            parser.error(f"no registered model {args.name!r} at {args.tracking_uri}")
-        version = str(max(int(v.version) for v in versions))
+    versions = tracker.client.search_model_versions(f"name = '{args.name}'")
+    if not versions:
+        parser.error(f"no registered model {args.name!r} at {args.tracking_uri}")
+    newest = max(versions, key=lambda v: int(v.version))
+    rewarded = [v for v in versions if _reward(v) is not None]
+    best = max(rewarded, key=lambda v: (_reward(v), int(v.version))) if rewarded else None
+    if args.version == "best" and best is None:
+        parser.error(f"no version of {args.name!r} has a val_reward tag: give a version number, or `latest`")
+    chosen = {"latest": newest, "best": best}.get(args.version)
+    version = str(chosen.version) if chosen is not None else args.version
     tracker.promote(args.name, version, args.alias)
     reward = tracker.client.get_model_version(args.name, version).tags.get("val_reward", "?")
     print(f"models:/{args.name}@{args.alias} -> version {version} (held-out reward {reward})")
+    promoted = _reward_of(reward)
+    if best is not None and str(best.version) != version and (promoted is None or _reward(best) > promoted):
+        print(
+            f"note: version {best.version} has a higher held-out reward ({best.tags['val_reward']}); "
+            f"`lightning mlflow promote {args.name} best` promotes it"
+        )
     return 0
+
+
+def _reward(version: object) -> float | None:
+    return _reward_of(getattr(version, "tags", {}).get("val_reward"))
+
+
+def _reward_of(text: str | None) -> float | None:
+    try:
+        return float(text) if text is not None else None
+    except ValueError:
+        return None
 
 
 def _debug_compare_logprobs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -333,9 +324,13 @@ def _debug_compare_logprobs(args: argparse.Namespace, parser: argparse.ArgumentP
         try:
             ids = list(args.rollout)
             if not ids:
-                rollouts = await store.query_rollouts(queue=args.queue, status_in=["succeeded"])
-                rollouts.sort(key=lambda rollout: rollout.end_time or 0.0)
-                ids = [rollout.rollout_id for rollout in rollouts[-args.limit :]]
+                newest = await store.query_rollouts(
+                    queue=args.queue, status_in=["succeeded"], sort_by="end_time", sort_order="desc", limit=args.limit
+                )
+                ids = [rollout.rollout_id for rollout in reversed(newest.items)]
+                if not ids:
+                    where = f"queue {args.queue!r} of " if args.queue else ""
+                    parser.error(f"no succeeded rollouts in {where}the store {args.store}")
             report = await compare_logprobs(store, args.model, ids)
         finally:
             await store.close()
@@ -348,7 +343,9 @@ def _debug_compare_logprobs(args: argparse.Namespace, parser: argparse.ArgumentP
 def _debug_stacks(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from lightning.diagnose import collect_stacks
 
-    run_dir = Path(args.run) if Path(args.run).is_dir() else Path(args.output_dir) / args.run
+    run_dir = Path(args.run_name) if Path(args.run_name).is_dir() else Path(args.output_dir) / args.run_name
+    if not run_dir.is_dir():
+        parser.error(f"no run {args.run_name!r}: neither a directory nor a run under --output-dir {args.output_dir}")
     print(collect_stacks(run_dir / "stacks"))
     return 0
 
@@ -371,7 +368,7 @@ def _config_check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         sys.path.insert(0, os.getcwd())
     try:
         config = load_config(args.path)
-        preflight.check(config)
+        preflight.check(config, optimiser=config.apo is not None)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -19,9 +19,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from lightning.agl_paths import missing
 from lightning.algorithm.config import TrainerConfig, VerlOptions
 from lightning.devices import DeviceSetting
+from lightning.metrics import DEFAULT_TRACKING_URI
 from lightning.serving import is_loopback
 from lightning.store.sql import DEFAULT_URL as DEFAULT_STORE_URL
-from lightning.types import LLM, PromptTemplate, RolloutConfig
+from lightning.types import LLM, POLICY_MODEL_NAME, PromptTemplate, RolloutConfig
 
 StaticResource = Annotated[LLM | PromptTemplate, Field(discriminator="resource_type")]
 """What `TrainConfig.resources` holds: resources handed to rollouts as they are (no ProxyLLM: the run has its own)."""
@@ -45,7 +46,7 @@ class InferenceConfig(BaseModel):
     """A running server's base URL (".../v1") to use instead of starting one; required for `external`."""
     api_key_env: str | None = None
     """Name of the environment variable that holds the endpoint's API key (never the key itself)."""
-    served_model_name: str = "policy"
+    served_model_name: str = POLICY_MODEL_NAME
     """The model name rollouts ask the proxy for (the LLM resource's `model`)."""
     max_batch_size: int = Field(default=64, ge=1)
     """Embedded server: sequences decoded together."""
@@ -96,7 +97,9 @@ class CheckpointPolicy(BaseModel):
     log_to_mlflow: bool = True
     """Upload checkpoints to MLflow as artifacts (every `log_every` iterations and the last)."""
     register_model: str | None = None
-    """Register the final checkpoint in MLflow's model registry under this name."""
+    """Register the final checkpoint in MLflow's model registry under this name, as a new version, with its held-out
+    reward (`lightning mlflow promote NAME best` promotes the best). Every run that finishes with this set registers
+    one, a short trial run too: clear it (null) for runs that should not."""
 
 
 class MlflowTraces(BaseModel):
@@ -269,7 +272,7 @@ class TrainConfig(BaseModel):
     runners its share of the interpreter lock)."""
     store_url: str = DEFAULT_STORE_URL
     """The store: sqlite:///path, postgresql://user@host/db, or http://host:port of a running store server."""
-    tracking_uri: str = "sqlite:///.lightning/mlflow.db"
+    tracking_uri: str = DEFAULT_TRACKING_URI
     """MLflow: a database URI, a directory, or a tracking server's http URL."""
     experiment: str = "lightning"
     """The MLflow experiment the run goes in."""
@@ -504,7 +507,7 @@ def load_config(source: str | Path | dict[str, Any], **overrides: Any) -> TrainC
         where = str(path)
     for dotted, value in overrides.items():
         _set_dotted(data, dotted, value)
-    return validate_config(data, where)
+    return validate_config(data, where, overridden=overrides)
 
 
 def with_overrides(config: TrainConfig | dict[str, Any], overrides: dict[str, Any] | None) -> TrainConfig:
@@ -518,27 +521,34 @@ def with_overrides(config: TrainConfig | dict[str, Any], overrides: dict[str, An
     return load_config(base, **overrides)
 
 
-def validate_config(data: dict[str, Any] | TrainConfig, where: str = "the configuration") -> TrainConfig:
+def validate_config(
+    data: dict[str, Any] | TrainConfig, where: str = "the configuration", overridden: Collection[str] = ()
+) -> TrainConfig:
+    """`data` as a TrainConfig, or a ConfigError naming each bad field; one that an override in `overridden` set
+    (`--set`, a flow's `overrides`) is said to come from it, not from `where`."""
     if isinstance(data, TrainConfig):
         return data
     try:
         return TrainConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(f"{where} is not a valid TrainConfig:\n{describe_errors(exc)}") from None
+        given = f"{where} with its overrides" if overridden else where
+        raise ConfigError(f"{given} is not a valid TrainConfig:\n{describe_errors(exc, overridden)}") from None
 
 
-def describe_errors(exc: ValidationError) -> str:
-    """One line per problem: the dotted field, what is wrong, what was given."""
+def describe_errors(exc: ValidationError, overridden: Collection[str] = ()) -> str:
+    """One line per problem: the dotted field, what is wrong, what was given (and the override that gave it)."""
     lines = []
     for error in exc.errors():
         field = ".".join(str(part) for part in error["loc"]) or "(top level)"
+        override = next((name for name in overridden if f"{field}.".startswith(f"{name}.")), None)
         message = error["msg"].removeprefix("Value error, ")
         if error["type"] == "extra_forbidden":
             message = (
                 "unknown field; check its spelling against TrainConfig (`lightning config defaults` prints every field)"
             )
         given = "" if error["type"] in ("missing", "extra_forbidden") else f" (got {error.get('input')!r})"
-        lines.append(f"  {field}: {message}{given}")
+        source = f" (set by the override {override})" if override else ""
+        lines.append(f"  {field}: {message}{given}{source}")
     return "\n".join(lines)
 
 

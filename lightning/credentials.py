@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import re
 
+from lightning.environment import SECRET_PREFIX
+
 REFERENCE = re.compile(r"\$\{(?:(secret):)?([A-Za-z_][A-Za-z0-9_-]*)\}")
 
 
@@ -22,7 +24,7 @@ class MissingSecret(KeyError):
 
 def secret_env_name(name: str) -> str:
     """The environment variable that holds Prefect Secret block `name` for this process and its children."""
-    return "LIGHTNING_SECRET_" + re.sub(r"[^A-Za-z0-9]", "_", name).upper()
+    return SECRET_PREFIX + re.sub(r"[^A-Za-z0-9]", "_", name).upper()
 
 
 def references(text: str) -> list[tuple[str, str]]:

@@ -23,7 +23,9 @@ import threading
 import time
 from collections.abc import Mapping
 
-PARENT_ENV = "LIGHTNING_EXIT_WITH_PARENT"
+from lightning.environment import EXIT_WITH_PARENT
+
+PARENT_ENV = EXIT_WITH_PARENT
 """Set by the parent to its pid in a child's environment: the child exits when that process is gone."""
 POLL_SECONDS = 0.5
 GRACE_SECONDS = 5.0

@@ -18,9 +18,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from lightning.environment import MLFLOW_TRACKING_URI
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_DB = Path(".lightning") / "mlflow.db"
+DEFAULT_TRACKING_URI = f"sqlite:///{DEFAULT_DB}"
+"""TrainConfig.tracking_uri's default, relative to the checkout (what `make mlflow-ui` serves)."""
+LOCAL_UI_HOST, LOCAL_UI_PORT = "127.0.0.1", 5000
+"""Where `lightning mlflow ui` (and `make mlflow-ui`) serve a local store's UI, unless told otherwise."""
+LOCAL_UI = f"http://{LOCAL_UI_HOST}:{LOCAL_UI_PORT}"
 ARTIFACTS_DIR = "mlartifacts"
 # MLflow's limits (mlflow.utils.validation): longer params are refused, bigger batches split.
 MAX_PARAM_KEY = 250
@@ -38,9 +45,22 @@ SECRET_KEY = re.compile(
 URL_PASSWORD = re.compile(r"(://[^/\s:@]*):[^/\s@]+@")
 """The password of a URL's userinfo (`scheme://user:PASSWORD@host`, and `scheme://:TOKEN@host`)."""
 EXPERIMENT_KIND = "mlflow.experimentKind"
+NOTE = "mlflow.note.content"
+SOURCE_NAME, SOURCE_TYPE, SOURCE_COMMIT = "mlflow.source.name", "mlflow.source.type", "mlflow.source.git.commit"
+"""The source tags MLflow's UI shows (its Source field, and the commit beside it)."""
+"""The tag MLflow's UI shows as the run's description, rendered as Markdown."""
+PREFECT_FLOW_RUN_ID, PREFECT_FLOW_RUN_URL = "prefect.flow_run_id", "prefect.flow_run_url"
+"""The run tags that name the Prefect flow run training it (set by the flows)."""
+LOCAL_PREFECT_UI = "http://127.0.0.1:4200"
+"""Where `make prefect-ui` serves Prefect's UI on the database of `python -m flows.*`'s temporary servers."""
 MODEL_TRAINING = "custom_model_development"
 """The experiment kind that MLflow 3's UI opens on runs (params, metrics, charts), not on GenAI's traces pages."""
 CONFIG_ARTIFACT = "config.yaml"
+LOG10_METRICS = ("mismatch_mean", "mismatch_max")
+"""Metrics of about 1e-6 (float32 engines), which MLflow's charts label "0" all the way up their axis: logged also as
+their log10 (`mismatch_mean_log10`: -5.5), whose chart reads."""
+ERROR_ARTIFACT = "error.txt"
+ERROR_TAG_CHARS = 500
 
 
 class MlflowTracker:
@@ -59,7 +79,7 @@ class MlflowTracker:
         tags: Mapping[str, str] | None = None,
         system_metrics: bool = False,
     ) -> None:
-        self.tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or _default_tracking_uri()
+        self.tracking_uri = tracking_uri or os.environ.get(MLFLOW_TRACKING_URI) or _default_tracking_uri()
         self.experiment = experiment
         self.run_name = run_name
         self.run_id = run_id
@@ -103,6 +123,7 @@ class MlflowTracker:
             self.run_id = run.info.run_id
             self.run_name = run.info.run_name
         self._mark_experiment()
+        self._describe()
         if resumed and self.tags:
             from mlflow.entities import RunTag
 
@@ -146,12 +167,13 @@ class MlflowTracker:
         return run_id
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
-        """Log numeric metrics (nested dicts flattened to dotted keys) at `step`; non-finite values are skipped."""
+        """Log numeric metrics (nested dicts flattened to dotted keys) at `step`; non-finite values are skipped.
+        The LOG10_METRICS go in twice, as they are and as `<name>_log10`."""
         from mlflow.entities import Metric
 
         timestamp = int(time.time() * 1000)
         batch = []
-        for key, value in flatten(metrics).items():
+        for key, value in with_log10(flatten(metrics)).items():
             try:
                 number = float(value)
             except (TypeError, ValueError) as exc:
@@ -211,6 +233,12 @@ class MlflowTracker:
         """Point registered model `name`'s `alias` at `version` (`models:/<name>@<alias>` then loads it)."""
         self.client.set_registered_model_alias(name, alias, str(version))
 
+    def log_failure(self, message: str) -> None:
+        """Why the run failed, where MLflow's UI shows it: the `error` tag (its first line) and `error.txt`."""
+        first = message.strip().splitlines()[0] if message.strip() else "(no message)"
+        self.client.set_tag(self._run(), "error", first[:ERROR_TAG_CHARS])
+        self.client.log_text(self._run(), message, ERROR_ARTIFACT)
+
     def end(self, status: str = "FINISHED") -> None:
         """Mark the run FINISHED, FAILED or KILLED (system metrics stop first)."""
         if self._monitor is not None:
@@ -224,15 +252,25 @@ class MlflowTracker:
 
     @property
     def run_url(self) -> str:
-        """The run's page on a tracking server, or the command that serves a local store's UI."""
-        if self.tracking_uri.startswith(("http://", "https://")):
-            return f"{self.tracking_uri.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{self.run_id}"
-        return f"mlflow ui --backend-store-uri {self.tracking_uri}"
+        """The run's page: on the tracking server, or for a local store where its UI serves it (`ui_command`)."""
+        server = self.tracking_uri if is_server(self.tracking_uri) else LOCAL_UI
+        return f"{server.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{self.run_id}"
 
     def _run(self) -> str:
         if self.run_id is None:
             raise RuntimeError("no MLflow run: call start() or resume() first")
         return self.run_id
+
+    def _describe(self) -> None:
+        """The run's description (MLflow renders it as Markdown, with links; tags are plain text): the Prefect flow
+        run that trains it, when a flow does."""
+        url = self.tags.get(PREFECT_FLOW_RUN_URL)
+        if url:
+            flow_run = self.tags.get(PREFECT_FLOW_RUN_ID, "the flow run")
+            note = f"Trained by Prefect flow run [{flow_run}]({url})"
+            if url.startswith(LOCAL_PREFECT_UI):
+                note += f" (`make prefect-ui` serves {LOCAL_PREFECT_UI} for a run of `python -m flows.*`)"
+            self.client.set_tag(self._run(), NOTE, note + ".")
 
     def _mark_experiment(self) -> None:
         """Mark the experiment as model training, unless someone chose its kind already."""
@@ -302,6 +340,15 @@ def flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def with_log10(metrics: dict[str, Any]) -> dict[str, Any]:
+    """`metrics` and, for each of LOG10_METRICS above 0, its log10 as `<name>_log10`."""
+    logs = {}
+    for key, value in metrics.items():
+        if key.rsplit(".", 1)[-1] in LOG10_METRICS and isinstance(value, int | float) and value > 0:
+            logs[f"{key}_log10"] = math.log10(value)
+    return {**metrics, **logs}
+
+
 def loggable_params(params: Mapping[str, Any]) -> dict[str, str]:
     """`params` flattened, secrets dropped, passwords in URLs masked, keys and values cut to MLflow's limits."""
     loggable = {}
@@ -330,21 +377,49 @@ def redacted(values: Any) -> Any:
 
 
 def run_tags(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The tags MLflow's UI shows for where a run came from: the git commit of the working directory's checkout
-    (`mlflow.source.git.commit`), the user (`mlflow.user`), and `extra` (the flow's run URL, ...)."""
+    """The tags MLflow's UI shows for where a run came from: its source (`mlflow.source.name`, the command that
+    ran it: `flows.train` for a flow, else the script; with it the UI shows the git commit), the working
+    directory's checkout (`mlflow.source.git.commit`, `.branch`, `.repoURL` without credentials), the user
+    (`mlflow.user`), and `extra` (the flow run's id and URL, its source name)."""
     import getpass
-    import subprocess
+    import sys
 
-    tags: dict[str, str] = {}
+    tags: dict[str, str] = {SOURCE_TYPE: "LOCAL", SOURCE_NAME: Path(sys.argv[0]).name or "python"}
     with contextlib.suppress(Exception):  # no user name in the environment or the password database
         tags["mlflow.user"] = getpass.getuser()
-    try:
-        done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=False)
-        if done.returncode == 0 and re.fullmatch(r"[0-9a-f]{40,64}", done.stdout.strip()):
-            tags["mlflow.source.git.commit"] = done.stdout.strip()
-    except (OSError, subprocess.SubprocessError):  # no git, or not a checkout
-        pass
+    commit = _git("rev-parse", "HEAD")
+    if commit is not None and re.fullmatch(r"[0-9a-f]{40,64}", commit):
+        tags[SOURCE_COMMIT] = commit
+        branch = _git("rev-parse", "--abbrev-ref", "HEAD")
+        if branch and branch != "HEAD":
+            tags["mlflow.source.git.branch"] = branch
+        remote = _git("remote", "get-url", "origin")
+        if remote:
+            tags["mlflow.source.git.repoURL"] = re.sub(r"://[^/@\s]*@", "://", remote)  # no user or token
     return {**tags, **(extra or {})}
+
+
+def _git(*args: str) -> str | None:
+    """What `git ARGS` prints in the working directory; None without git or a checkout."""
+    import subprocess
+
+    try:
+        done = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def is_server(tracking_uri: str) -> bool:
+    """A tracking server (its UI is where it answers), rather than a local store (whose UI `ui_command` serves)."""
+    return tracking_uri.startswith(("http://", "https://"))
+
+
+def ui_command(tracking_uri: str) -> str:
+    """The command that serves a local store's UI at LOCAL_UI (`make mlflow-ui` for the default store)."""
+    if tracking_uri == DEFAULT_TRACKING_URI:
+        return "make mlflow-ui"
+    return f".venv/bin/lightning mlflow ui --backend-store-uri {tracking_uri}"
 
 
 def _default_tracking_uri() -> str:

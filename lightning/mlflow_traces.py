@@ -7,10 +7,11 @@ messages and the response's choices in OpenAI's format (tool calls included), wi
 spans become EVALUATOR spans. The exact token ids and log-probs stay in the store, which remains the source of
 truth; MLflow gets a copy of a sample (`TrainConfig.mlflow_traces`).
 
-Trace tags, for filtering (`search_traces(filter_string="tags.iteration = '3' AND tags.reward = '1.0'")`):
-`run_name`, `mode` (train or val), `iteration` (the training iteration, or the checkpoint step evaluated),
-`rollout_id`, `attempt` (1 for the first), `attempt_id`, `task` (its input, cut to 100 characters), `status` and
-`reward` (`none` when the rollout has none).
+Trace tags, for filtering (`search_traces(filter_string="tags.iteration = '3' AND tags.reward = '1.0'")`, or the
+Traces tab's Filters pop-up): `run_name`, `mode` (train or val), `iteration` (the training iteration, or the
+checkpoint step evaluated), `rollout_id`, `attempt` (1 for the first), `attempt_id`, `task` (its input, cut to 100
+characters), `status` and `reward` (`none` when the rollout has none). The reward is also the trace's `reward`
+assessment (feedback from CODE), which the Traces tab shows as a column.
 
 Exporting is idempotent: an attempt already in the run's traces is not written again (a retried stage, a resumed
 run). MLflow's tracing writes through its process-wide tracer, bound to the global tracking URI, so each export sets
@@ -29,6 +30,7 @@ from contextlib import contextmanager
 from typing import Any, Literal
 
 from lightning import semconv
+from lightning.environment import MLFLOW_TRACKING_URI, litellm_offline
 from lightning.store.base import LightningStore
 from lightning.tracing import find_final_reward, get_reward_value
 from lightning.types import AttemptedRollout, Rollout, Span
@@ -36,6 +38,8 @@ from lightning.types import AttemptedRollout, Rollout, Span
 logger = logging.getLogger(__name__)
 
 TASK_TAG_CHARS = 100
+REWARD_ASSESSMENT = "reward"
+"""The name of the assessment (MLflow's feedback) each trace with a reward carries: the Traces tab's score column."""
 PAGE = 500
 # Attributes that MLflow does not get: the token ids and log-probs (large; the store keeps them), and the messages,
 # which become the span's inputs and outputs.
@@ -49,7 +53,7 @@ _LEFT_IN_STORE = {
 }
 _GLOBAL_URI = threading.Lock()
 ASYNC_LOGGING = "MLFLOW_ENABLE_ASYNC_TRACE_LOGGING"
-TRACKING_URI = "MLFLOW_TRACKING_URI"
+TRACKING_URI = MLFLOW_TRACKING_URI
 
 
 def choose(rollout_ids: Sequence[str], count: int | Literal["all"]) -> list[str]:
@@ -154,7 +158,7 @@ def _global_tracking_uri(uri: str) -> Iterator[None]:
         saved = {name: os.environ.get(name) for name in (ASYNC_LOGGING, TRACKING_URI)}
         os.environ[ASYNC_LOGGING] = "false"  # read when the tracer is set up again, below
         # A local store prices LLM spans with LiteLLM, which would fetch its price list from the internet first.
-        os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+        litellm_offline()
         mlflow.set_tracking_uri(uri)
         # MLflow also puts the URI (a password read from ${VAR} included) in the environment, for child processes: a
         # serving process restarted meanwhile would inherit it. MLflow's tracer reads the URI it was given instead.
@@ -180,7 +184,7 @@ def _ns(seconds: float | None, default: float) -> int:
 
 def _write_trace(tracker: Any, rollout: AttemptedRollout, spans: list[Span]) -> str:
     import mlflow
-    from mlflow.entities import SpanType
+    from mlflow.entities import AssessmentSource, SpanType
     from mlflow.tracing.constant import TraceMetadataKey
 
     attempt = rollout.attempt
@@ -231,6 +235,11 @@ def _write_trace(tracker: Any, rollout: AttemptedRollout, spans: list[Span]) -> 
         status="OK" if rollout.status == "succeeded" else "ERROR",
         end_time_ns=_ns(end, end),
     )
+    if reward is not None:  # an assessment: the trace list shows it as a column, and charts it
+        mlflow.log_feedback(
+            trace_id=root.trace_id, name=REWARD_ASSESSMENT, value=float(reward),
+            source=AssessmentSource(source_type="CODE", source_id=str(metadata.get("run_name") or "lightning")),
+        )  # fmt: skip
     return root.trace_id
 
 

@@ -1,11 +1,12 @@
 """What can be checked of a training run in seconds, before anything starts: the datasets load, the agent and
 the demonstrations import, the model directory has a config and a tokenizer, the store answers, the URLs'
-secrets are set, a GPU named by algorithm.device or inference.device is there. `lightning config check` and the
-flows run it first; each problem is one line."""
+secrets and the API keys the config names are set, a GPU named by algorithm.device or inference.device is there.
+`lightning config check` and the flows run it first; each problem is one line."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -17,9 +18,20 @@ from lightning.devices import resolve_device
 STORE_TIMEOUT = 5.0
 
 
-def problems(config: TrainConfig) -> list[str]:
-    """One line per thing that would stop `config`'s run; empty when it can start."""
+def problems(config: TrainConfig, optimiser: bool = False) -> list[str]:
+    """One line per thing that would stop `config`'s run; empty when it can start. `optimiser`: the run optimises
+    its prompt (`optimize_prompt`), so the optimiser's key must be set too."""
     found: list[str] = []
+    inference = config.inference
+    if inference.api_key_env and inference.endpoint and not os.environ.get(inference.api_key_env):
+        found.append(
+            f"inference.api_key_env: the environment variable {inference.api_key_env} (the API key of "
+            f"{inference.endpoint or 'the endpoint'}) is not set; every rollout would fail without it"
+        )
+    if optimiser and config.apo is not None and config.apo.api_key_env and not os.environ.get(config.apo.api_key_env):
+        found.append(
+            f"apo.api_key_env: the environment variable {config.apo.api_key_env} (the optimiser's key) is not set"
+        )
     for field in ("train_data", "val_data"):
         spec = getattr(config, field)
         if spec is not None:
@@ -51,9 +63,9 @@ def _devices(config: TrainConfig) -> list[tuple[str, str]]:
     return [(field, setting) for field, setting in devices if setting != "auto"]
 
 
-def check(config: TrainConfig) -> None:
+def check(config: TrainConfig, optimiser: bool = False) -> None:
     """Raise ConfigError listing every problem (one line each) if there is any."""
-    found = problems(config)
+    found = problems(config, optimiser)
     if found:
         raise ConfigError("the run cannot start:\n" + "\n".join(f"  {line}" for line in found))
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-FORWARDED_ENV = ("LIGHTNING_STORE_TOKEN", "LIGHTNING_PROXY_TOKEN")
+from lightning.environment import PROXY_TOKEN, STORE_TOKEN
+
+FORWARDED_ENV = (STORE_TOKEN, PROXY_TOKEN)
 """Variables Ray workers get from the run's process (through the job's runtime_env), when set there: the tokens
 of the store server and of the LLM proxy. Nodes started with them in their environment need not rely on it."""
 

@@ -25,7 +25,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ from pydantic import BaseModel, PrivateAttr
 
 from lightning.config import TrainConfig, load_tasks
 from lightning.diagnose import collect_stacks, dump_stacks_on_signal
+from lightning.environment import PROXY_TOKEN, VLLM_PYTHON
 from lightning.serving import is_loopback
 from lightning.store import lifecycle
 from lightning.store.base import LightningStore
@@ -219,16 +220,52 @@ class Run(BaseModel):
         """The step of the latest checkpoint: None before any (0 after a warm start, k after k iterations)."""
         return latest_step(self.config)
 
-    def serving(self, model_dir: Path, step: int) -> None:
-        """The inference servers now serve checkpoint `step` at `model_dir`: a restarted one starts on it."""
+    # --- weights: what the inference servers serve (the one place that changes it) -------------------------
+
+    async def load_weights(self, path: str | Path, step: int) -> None:
+        """Have every inference server of the run serve checkpoint `step` at `path`: the run's proxy paused and its
+        calls in flight drained around the swap, so no rollout mixes two weight versions; spans from then on record
+        version `step`. Embedded servers reload through `/admin/reload`, vLLM replicas in place (woken first if they
+        slept through the update); a server the supervisor restarts later starts on these weights, and it restarts
+        nothing meanwhile, so a swap is never cut in two."""
         parts = self._open_parts()
-        parts.weight_version = step
-        if parts.stack is not None:
-            parts.stack.loaded(model_dir)
+        config = self.config
+        async with self._serving_parts_held():
+            own_proxy = not config.proxy_endpoint
+            if own_proxy:
+                await asyncio.to_thread(self.proxy_admin, "pause", None, config.timeouts.checkpoint)
+            async with httpx.AsyncClient(timeout=config.timeouts.checkpoint, headers=parts.inference_headers) as http:
+                for server in self.endpoints.inference_urls:
+                    try:
+                        response = await http.post(f"{server}/admin/reload", json={"path": str(path), "version": step})
+                        response.raise_for_status()
+                    except httpx.HTTPError as exc:
+                        raise ServingError(
+                            f"inference server at {server}: loading checkpoint {path} failed: {exc!r}"
+                        ) from exc
+            parts.weight_version = step
+            if parts.stack is not None:
+                parts.stack.loaded(Path(path))
+            for server in parts.vllm:
+                if config.inference.weight_sync == "sleep" and await asyncio.to_thread(server.is_sleeping):
+                    await asyncio.to_thread(server.wake_up)
+                await asyncio.to_thread(server.reload_weights, str(path), str(step))
+            if own_proxy:
+                await asyncio.to_thread(self.proxy_admin, "resume", {"weight_version": step})
+
+    async def release_weights(self) -> None:
+        """Before an update: colocated vLLM replicas (weight_sync: sleep) release their GPU memory to the trainer,
+        new calls held at the proxy; `load_weights` wakes them on the new checkpoint. Otherwise nothing."""
+        config = self.config
+        if not (self.vllm_servers and config.inference.weight_sync == "sleep"):
+            return
+        await asyncio.to_thread(self.proxy_admin, "pause", None, config.timeouts.checkpoint)
+        for server in self.vllm_servers:
+            await asyncio.to_thread(server.sleep, 1)
 
     @contextlib.asynccontextmanager
-    async def serving_parts_held(self) -> AsyncIterator[None]:
-        """While held, the supervisor restarts nothing: a weight swap (pause, reload, resume) is never cut in two."""
+    async def _serving_parts_held(self) -> AsyncIterator[None]:
+        """While held, the supervisor restarts nothing."""
         lock = self._open_parts().serving_lock
         await asyncio.to_thread(lock.acquire)
         try:
@@ -300,6 +337,7 @@ class Run(BaseModel):
         queue: str | None = None,
         mlflow_tags: dict[str, str] | None = None,
         track: bool | None = None,
+        report: Callable[[str], None] | None = None,
     ) -> Run:
         """Bring the run up in this process: the store, the serving parts on the latest weights (or on the
         checkpoint `weights`) and, with `train`, the trainer process and the MLflow run (`track`: the MLflow run
@@ -308,7 +346,9 @@ class Run(BaseModel):
         `queue`: the store queue of its rollouts (default: the run's name). Rollouts an earlier process left running
         in that queue are requeued: from now on this process owns it. First, what can be checked in seconds is
         (`preflight`): a missing dataset or an agent that does not import is one clear error, before any server
-        starts."""
+        starts. Starting the servers takes at most `timeouts.startup`; `report` (a flow's logger) gets a line every
+        few seconds while one is still starting. A run that fails to open ends its MLflow run FAILED, with the
+        error."""
         from lightning import preflight
 
         if track is False and config.checkpoint.register_model:
@@ -332,6 +372,10 @@ class Run(BaseModel):
         endpoints = Endpoints(proxy_url="", model_name=config.inference.served_model_name)
         run = cls(config=config, endpoints=endpoints, queue=queue or config.run_name)
         run._parts = parts
+        # The MLflow run first, beside the rest: a run that fails to open still leaves one, FAILED, saying why.
+        tracking = None
+        if train if track is None else track:
+            tracking = asyncio.create_task(asyncio.to_thread(_start_tracker, config, mlflow_tags))
         try:
             parts.history = recorded_history(config)
             await requeue_orphans(parts.store, run.queue)
@@ -339,16 +383,23 @@ class Run(BaseModel):
                 parts.trainer = _trainer(config, run.model_dir)
                 parts.closers.append(parts.trainer.close)
                 trainer_ready = asyncio.create_task(asyncio.to_thread(parts.trainer.start))
-            run.endpoints = await asyncio.to_thread(_start_serving, config, parts, serving_dir)
-            if train if track is None else track:
-                parts.tracker = await asyncio.to_thread(_start_tracker, config, parts.history, mlflow_tags)
+            run.endpoints = await asyncio.to_thread(_start_serving, config, parts, serving_dir, report)
+            if tracking is not None:
+                parts.tracker = await tracking
+                await asyncio.to_thread(_log_history, parts.tracker, parts.history)
             if train:
                 await asyncio.wait_for(trainer_ready, timeout=config.timeouts.startup)
             parts.weight_version = serving_step(config, weights)
             if not config.proxy_endpoint:  # every span from now on records the weights that produced it
                 await asyncio.to_thread(run.proxy_admin, "resume", {"weight_version": parts.weight_version})
             parts.supervisor = Supervisor(run, max_restarts=config.inference.max_restarts)
-        except BaseException:
+        except BaseException as exc:
+            if tracking is not None and parts.tracker is None:
+                with contextlib.suppress(BaseException):
+                    parts.tracker = await tracking
+            if parts.tracker is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(parts.tracker.log_failure, f"opening the run failed: {exc!r}")
             await run.close("FAILED")
             raise
         return run
@@ -533,10 +584,12 @@ def open_run_store(config: TrainConfig) -> LightningStore:
 
 def proxy_token() -> str | None:
     """The bearer token of the run's own LLM proxy ($LIGHTNING_PROXY_TOKEN), needed when it listens beyond loopback."""
-    return os.environ.get("LIGHTNING_PROXY_TOKEN") or None
+    return os.environ.get(PROXY_TOKEN) or None
 
 
-def _start_serving(config: TrainConfig, parts: _Parts, serving_dir: Path) -> Endpoints:
+def _start_serving(
+    config: TrainConfig, parts: _Parts, serving_dir: Path, report: Callable[[str], None] | None = None
+) -> Endpoints:
     inference = config.inference
     name = inference.served_model_name
     if config.proxy_endpoint:
@@ -551,6 +604,7 @@ def _start_serving(config: TrainConfig, parts: _Parts, serving_dir: Path) -> End
             server="thread" if inference.in_process else "process",
             proxy="thread" if config.proxy_in_process or in_memory else "process", store_url=config.store_url,
             log_dir=config.run_dir / "logs", stacks_dir=config.run_dir / "stacks",
+            start_timeout=config.timeouts.startup, report=report,
         )  # fmt: skip
         parts.closers.append(parts.stack.close)
         served = parts.stack.serving()
@@ -588,15 +642,15 @@ def _vllm_key(server: Any) -> str | None:
 def _start_vllm(config: TrainConfig, serving_dir: Path) -> list[Any]:
     """`inference.replicas` vLLM servers on the policy, started together and waited for; replica i gets its own
     GPUs when `gpus_per_replica` is set."""
-    from lightning.inference.vllm import VLLM_PYTHON_ENV, VllmConfig, VllmServer
+    from lightning.inference.vllm import VllmConfig, VllmServer
     from lightning.serving import free_port
 
     inference = config.inference
     servers = []
     for replica in range(inference.replicas):
         options = dict(inference.vllm)
-        if "python" not in options and "executable" not in options and os.environ.get(VLLM_PYTHON_ENV):
-            options["python"] = os.environ[VLLM_PYTHON_ENV]
+        if "python" not in options and "executable" not in options and os.environ.get(VLLM_PYTHON):
+            options["python"] = os.environ[VLLM_PYTHON]
         if inference.gpus_per_replica:
             first = replica * inference.gpus_per_replica
             devices = ",".join(str(first + i) for i in range(inference.gpus_per_replica))
@@ -615,7 +669,7 @@ def _start_vllm(config: TrainConfig, serving_dir: Path) -> list[Any]:
         server.start()
         servers.append(server)
     for server in servers:
-        server.wait_ready()
+        server.wait_ready(config.timeouts.startup)
     return servers
 
 
@@ -632,14 +686,13 @@ def _trainer(config: TrainConfig, model_dir: Path) -> Any:
 
     return TrainerWorker(
         model_dir, config.update_config, checkpoints_dir(config), threads=config.trainer_threads,
-        stacks_dir=config.run_dir / "stacks", deterministic=config.deterministic,
+        start_timeout=config.timeouts.startup, stacks_dir=config.run_dir / "stacks", deterministic=config.deterministic,
     )  # fmt: skip
 
 
-def _start_tracker(config: TrainConfig, history: list[dict[str, Any]], tags: dict[str, str] | None = None) -> Any:
+def _start_tracker(config: TrainConfig, tags: dict[str, str] | None = None) -> Any:
     """The run's MLflow run (found by the run's name in the experiment, or created): its tags (source commit, user,
-    `tags`), the config as params and as `config.yaml`, system metrics if asked, and every iteration of the history
-    logged: an iteration whose metrics did not reach MLflow before a crash is logged now."""
+    `tags`), the config as params and as `config.yaml`, system metrics if asked."""
     from lightning.metrics import MlflowTracker, run_tags
 
     tracker = MlflowTracker(
@@ -650,8 +703,13 @@ def _start_tracker(config: TrainConfig, history: list[dict[str, Any]], tags: dic
     settings = config.model_dump(mode="json")
     tracker.start({"config": settings})
     tracker.log_config(settings)
+    return tracker
+
+
+def _log_history(tracker: Any, history: list[dict[str, Any]]) -> None:
+    """Every iteration of the history logged: an iteration whose metrics did not reach MLflow before a crash is
+    logged now."""
     logged = tracker.logged_steps("reward") if history else set()
     for row in history:
         if row["iteration"] not in logged:
             tracker.log_metrics(row, row["iteration"])
-    return tracker

@@ -15,19 +15,24 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from lightning.environment import BACKEND_API_KEY, INFERENCE_API_KEY, PROXY_TOKEN, STACKS_DIR, STORE_URL
 from lightning.store.base import LightningStore
-from lightning.types import ProxyLLM
+from lightning.types import POLICY_MODEL_NAME, ProxyLLM
 
-START_TIMEOUT = 120.0
 HEALTH_TIMEOUT = 5.0
 STRIKES = 3
 """Health checks in a row a live process may fail before it is taken for hung, killed and restarted."""
+REPORT_EVERY = 15.0
+"""Seconds between the lines that say a process is still starting (a loaded machine takes minutes)."""
+LOG_LINES = 20
+"""Lines of a process's log that its errors quote."""
 
 
 @dataclass
@@ -40,12 +45,17 @@ class ServerProcess:
     env: dict[str, str]
     url: str
     log_path: Path
-    start_timeout: float = START_TIMEOUT
+    start_timeout: float
+    """Seconds it may take to answer, on a start and on each restart (a run's `timeouts.startup`)."""
+    report: Callable[[str], None] | None = field(default=None, repr=False)
+    """Where the lines go that say it is still starting, every REPORT_EVERY seconds (a flow's logger)."""
     process: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     strikes: int = field(default=0, repr=False)
 
-    def start(self) -> None:
+    def start(self, deadline: float | None = None) -> None:
+        """Start the process and wait until it answers: at most `start_timeout` seconds, or until the monotonic
+        `deadline` if that comes first (one deadline shared by the parts of a run)."""
         from lightning.lifeline import child_env
 
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -56,7 +66,9 @@ class ServerProcess:
             self.process = subprocess.Popen(
                 self.command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=child_env(**self.env)
             )
-        deadline = time.monotonic() + self.start_timeout
+        started = time.monotonic()
+        deadline = min(started + self.start_timeout, deadline or float("inf"))
+        next_report = started + REPORT_EVERY
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(
@@ -66,10 +78,21 @@ class ServerProcess:
             if self.answers(timeout=1.0):
                 self.strikes = 0
                 return
+            if self.report is not None and time.monotonic() >= next_report:
+                next_report += REPORT_EVERY
+                last = self.log_tail(1).strip() or "(nothing yet)"
+                self.report(
+                    f"waiting for the {self.name} (pid {self.process.pid}) to answer on {self.url}: "
+                    f"{time.monotonic() - started:.0f} s so far (timeouts.startup: {self.start_timeout:g} s); "
+                    f"its log's last line: {last}"
+                )
             time.sleep(0.1)
+        pid, waited, tail = self.process.pid, time.monotonic() - started, self.log_tail().strip()
         self.stop()
         raise TimeoutError(
-            f"the {self.name} did not answer on {self.url} within {self.start_timeout:g} s; see {self.log_path}"
+            f"the {self.name} (pid {pid}) did not answer on {self.url} after {waited:.0f} s, the rest of "
+            f"timeouts.startup ({self.start_timeout:g} s; raise it on a slow or loaded machine); the end of its log "
+            f"{self.log_path}:\n{tail}"
         )
 
     def answers(self, timeout: float = HEALTH_TIMEOUT) -> bool:
@@ -101,7 +124,7 @@ class ServerProcess:
             process.kill()
             process.wait()
 
-    def log_tail(self, lines: int = 20) -> str:
+    def log_tail(self, lines: int = LOG_LINES) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
@@ -116,7 +139,8 @@ class LocalStack:
     `proxy`), or in a process of its own (`server="process"`, `proxy="process"` with the store's `store_url`),
     which gives it a core of its own instead of sharing this process's interpreter lock with the runners and the
     trainer. `log_dir`: where those processes write (default: a temporary directory); `stacks_dir`: where they
-    dump their stacks on SIGUSR1 (`lightning.diagnose`).
+    dump their stacks on SIGUSR1 (`lightning.diagnose`). `start_timeout`: the seconds both processes may take to
+    answer, together (a run's `timeouts.startup`); `report` gets a line every REPORT_EVERY seconds while one starts.
     """
 
     def __init__(
@@ -124,7 +148,7 @@ class LocalStack:
         store: LightningStore,
         model_dir: Path,
         *,
-        model_name: str = "policy",
+        model_name: str = POLICY_MODEL_NAME,
         max_batch_size: int = 64,
         batch_invariant: bool = False,
         device: str = "auto",
@@ -134,6 +158,8 @@ class LocalStack:
         store_url: str | None = None,
         log_dir: Path | None = None,
         stacks_dir: Path | None = None,
+        start_timeout: float,
+        report: Callable[[str], None] | None = None,
     ) -> None:
         from lightning.proxy import Backend, LLMProxy
         from lightning.serving import free_port
@@ -152,8 +178,11 @@ class LocalStack:
         self.proxy: LLMProxy | None = None
         self.processes: list[ServerProcess] = []
         self._inference: Any = None
+        self._start_timeout = start_timeout
+        self._starting_until = time.monotonic() + start_timeout
+        self._report = report
         log_dir = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="lightning-stack-"))
-        diagnosis = {"LIGHTNING_STACKS_DIR": str(stacks_dir)} if stacks_dir is not None else {}
+        diagnosis = {STACKS_DIR: str(stacks_dir)} if stacks_dir is not None else {}
         try:
             if server == "thread":
                 self.inference_url = self._start_thread(
@@ -165,7 +194,7 @@ class LocalStack:
                 command += ["--served-model-name", model_name, "--max-batch-size", str(max_batch_size)]
                 command += ["--device", device, "--dtype", dtype]
                 command += ["--threads", "1"] + (["--batch-invariant"] if batch_invariant else [])
-                env = {"LIGHTNING_INFERENCE_API_KEY": self.inference_key, **diagnosis}
+                env = {INFERENCE_API_KEY: self.inference_key, **diagnosis}
                 log = log_dir / "inference.log"
                 self.inference_url = self._start_process("inference server", command, env, port, log)
             backend = f"{self.inference_url}/v1"
@@ -180,9 +209,9 @@ class LocalStack:
                 command = [sys.executable, "-m", "lightning.cli", "proxy", "serve", "--backend", backend]
                 command += ["--model-name", model_name, "--port", str(port), "--any-agent-key"]
                 env = {
-                    "LIGHTNING_STORE_URL": str(store_url),
-                    "LIGHTNING_PROXY_TOKEN": self.proxy_token,
-                    "LIGHTNING_BACKEND_API_KEY": self.inference_key,
+                    STORE_URL: str(store_url),
+                    PROXY_TOKEN: self.proxy_token,
+                    BACKEND_API_KEY: self.inference_key,
                     **diagnosis,
                 }
                 self.proxy_url = self._start_process("LLM proxy", command, env, port, log_dir / "proxy.log")
@@ -238,9 +267,11 @@ class LocalStack:
         return self._inference.start()
 
     def _start_process(self, name: str, command: list[str], env: dict[str, str], port: int, log_path: Path) -> str:
-        child = ServerProcess(name, command, env, f"http://127.0.0.1:{port}", log_path)
+        child = ServerProcess(
+            name, command, env, f"http://127.0.0.1:{port}", log_path, self._start_timeout, self._report
+        )
         self.processes.append(child)
-        child.start()
+        child.start(deadline=self._starting_until)  # the first start shares one deadline with the other process
         return child.url
 
     def close(self) -> None:

@@ -24,11 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import httpx
-
 from lightning.agent import Hook
 from lightning.config import load_agent, load_entry_point
-from lightning.run import Run, ServingError, proxy_token
+from lightning.run import Run, proxy_token
 from lightning.seeding import rollout_seed
 from lightning.store.base import LightningStore
 from lightning.types import AttemptedRollout, EnqueueRolloutRequest, PromptTemplate, ProxyLLM, Triplet
@@ -152,10 +150,9 @@ async def run_runners(run: Run, rollout_ids: Sequence[str], index: int = 0, mode
     async with run.connect_store() as store:
         stop = asyncio.Event()
         tracer = Tracer(store)  # one exporter for the fleet, not a thread per runner
-        fleet = [
-            Runner(agent, store, tracer=tracer, worker_id=f"{run.queue}-runner{index}-{i}", queue=run.queue)
-            for i in range(config.runner_concurrency)
-        ]
+        progress = [_Progress(run)]  # each finished rollout counts against the run's stall warning
+        names = [f"{run.queue}-runner{index}-{i}" for i in range(config.runner_concurrency)]
+        fleet = [Runner(agent, store, tracer=tracer, worker_id=name, queue=run.queue, hooks=progress) for name in names]
         # One claim loop for the fleet (lightning.runner.fleet.run_fleet), not a poll per idle runner; its claims
         # bring the resources once.
         working = asyncio.create_task(run_fleet(fleet, store, stop_event=stop, queue=run.queue, idle_wait=0.05))
@@ -176,7 +173,8 @@ async def run_runners(run: Run, rollout_ids: Sequence[str], index: int = 0, mode
 
 
 class _Progress(Hook):
-    """Each rollout a runner finishes is progress (the run's stall warning waits for none)."""
+    """Each rollout a runner finishes is progress (the run's stall warning waits for none). Where the run is not
+    open (a runner task on a Ray worker) it does nothing: the flow's process sees the stages finish."""
 
     def __init__(self, run: Run) -> None:
         self.run = run
@@ -266,14 +264,19 @@ async def requeue_unsuccessful(run: Run, rollout_ids: Sequence[str]) -> int:
 async def rollouts_failed(run: Run, iteration: int, rollout_ids: Sequence[str], summary: dict[str, Any]) -> Exception:
     """The error of a rollout phase that stayed short of `min_success_fraction`: counts, how the attempts ended,
     and what the serving parts went through."""
+    from lightning.diagnose import agent_errors
+
     rollouts = await run.store.query_rollouts(rollout_id_in=list(rollout_ids))
     endings = Counter(r.attempt.status if isinstance(r, AttemptedRollout) else "no attempt" for r in rollouts)
+    errors = "".join(f"\n  {line}" for line in await agent_errors(run.store, rollout_ids))
     return RolloutsFailed(
         f"iteration {iteration}: {summary['succeeded']} of {summary['rollouts']} rollouts succeeded after "
         f"{run.config.rollout_retries} more round(s) for the others, short of min_success_fraction "
         f"{run.config.min_success_fraction:g}; latest attempts: {dict(endings)}; serving restarts so far: "
-        f"{run.restarts()}; the agent's errors are in the rollouts' spans (query_spans)"
-    )
+        f"{run.restarts()}; "
+        + (f"the agent raised (the first failed rollouts; the rest in their spans):{errors}" if errors else
+           "no agent error recorded (the attempts timed out or their runners went silent)")
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -399,12 +402,10 @@ def informative_groups(triplets: Sequence[Triplet], limit: int) -> tuple[list[Tr
 
 async def ppo_step(run: Run, iteration: int, batch_path: str) -> dict[str, float]:
     """One policy update in the trainer process (or verl's workers), stopped if it passes `timeouts.ppo_step`.
-    Colocated vLLM (weight_sync: sleep) releases its GPU memory first; `checkpoint` wakes it on the new weights."""
+    Colocated vLLM (weight_sync: sleep) releases its GPU memory first; `checkpoint` wakes it on the new weights
+    (`Run.release_weights`, `Run.load_weights`)."""
     config = run.config
-    if run.vllm_servers and config.inference.weight_sync == "sleep":
-        await asyncio.to_thread(run.proxy_admin, "pause", None, config.timeouts.checkpoint)
-        for server in run.vllm_servers:
-            await asyncio.to_thread(server.sleep, 1)
+    await run.release_weights()
     metrics = await asyncio.to_thread(run.trainer.step, batch_path, timeout=config.timeouts.ppo_step)
     run.made_progress(f"ppo_step ({iteration})")
     return metrics
@@ -457,37 +458,14 @@ async def warm_start(run: Run) -> dict[str, Any]:
 
 
 async def _publish(run: Run, step: int, meta: dict[str, Any]) -> str:
-    """Save checkpoint `step` in the trainer and put it into every inference server, with the proxy paused and
-    drained around the swap so no rollout mixes two weight versions; spans from then on record version `step`."""
+    """Save checkpoint `step` in the trainer and have the run's inference servers serve it (`Run.load_weights`)."""
     config = run.config
     path = await asyncio.to_thread(
         run.trainer.save_checkpoint, step, meta=meta, keep_last=config.checkpoint.keep_last,
         timeout=config.timeouts.checkpoint,
     )  # fmt: skip
-    async with run.serving_parts_held():
-        await _swap_weights(run, step, path)
+    await run.load_weights(path, step)
     return path
-
-
-async def _swap_weights(run: Run, step: int, path: str) -> None:
-    config = run.config
-    own_proxy = not config.proxy_endpoint
-    if own_proxy:
-        await asyncio.to_thread(run.proxy_admin, "pause", None, config.timeouts.checkpoint)
-    async with httpx.AsyncClient(timeout=config.timeouts.checkpoint, headers=run.inference_headers) as client:
-        for server in run.endpoints.inference_urls:
-            try:
-                response = await client.post(f"{server}/admin/reload", json={"path": str(path), "version": step})
-                response.raise_for_status()
-            except httpx.HTTPError as exc:
-                raise ServingError(f"inference server at {server}: loading checkpoint {path} failed: {exc!r}") from exc
-    run.serving(path, step)
-    for server in run.vllm_servers:
-        if config.inference.weight_sync == "sleep" and await asyncio.to_thread(server.is_sleeping):
-            await asyncio.to_thread(server.wake_up)
-        await asyncio.to_thread(server.reload_weights, path, str(step))
-    if own_proxy:
-        await asyncio.to_thread(run.proxy_admin, "resume", {"weight_version": step})
 
 
 async def export_traces(run: Run, rollout_ids: Sequence[str], count: int | Literal["all"]) -> list[str]:
@@ -564,7 +542,8 @@ def iteration_row(
 
 
 def progress_line(run: Run, row: dict[str, Any], done: int, elapsed: float) -> str:
-    """`iteration 3/40 | reward 0.412 | loss ... | 9.8 s/it | ETA 6m02s`: this process's rate, the rest's ETA."""
+    """`iteration 3 (4/40) | reward 0.412 | loss ... | 9.8 s/it | ETA 6m02s`: the iteration numbered as Prefect,
+    the table and MLflow number it (from 0), how many are done, this process's rate, the rest's ETA."""
     iterations = run.config.iterations
     rate = elapsed / max(done, 1)
     left = iterations - row["iteration"] - 1
@@ -573,7 +552,7 @@ def progress_line(run: Run, row: dict[str, Any], done: int, elapsed: float) -> s
     mismatch = f" | mismatch {row['mismatch_mean']:.1e}" if "mismatch_mean" in row else ""
     signal = no_signal(row)
     return (
-        f"iteration {row['iteration'] + 1}/{iterations} | reward {row['reward']:.3f}{val} | "
+        f"iteration {row['iteration']} ({row['iteration'] + 1}/{iterations}) | reward {row['reward']:.3f}{val} | "
         f"pg_loss {row.get('pg_loss', float('nan')):.4f}{kl}{mismatch} | rollouts {row['rollouts_ok']} ok, "
         f"{row['rollouts_failed']} failed | {row['rollout_tokens_per_s']:.0f} tok/s | {rate:.1f} s/it | "
         f"ETA {_duration(rate * left)}" + (f" | {signal}" if signal else "")
@@ -609,15 +588,17 @@ def _duration(seconds: float) -> str:
 
 
 def mlflow_link(run: Run) -> str:
-    """Where to look in MLflow: the run's page on a tracking server (MlflowTracker.run_url), or the command that
-    opens the local UI (`lightning mlflow ui`, which keeps MLflow from reaching for the internet)."""
+    """Where to look in MLflow, as a Markdown link: the run's page on the tracking server, or on the local UI that
+    `make mlflow-ui` (`lightning mlflow ui`) serves for a local store."""
+    from lightning.metrics import LOCAL_UI, is_server, ui_command
+
     tracker = run.tracker
-    local_ui = f"`lightning mlflow ui --backend-store-uri {run.config.tracking_uri}`"
+    uri = run.config.tracking_uri
     if tracker is None:
-        return f"MLflow: {local_ui}"
-    if run.config.tracking_uri.startswith(("http://", "https://")):
-        return f"[MLflow run]({tracker.run_url})"
-    return f"MLflow run `{tracker.run_id}`: {local_ui}, then experiment `{tracker.experiment}`, run `{run.name}`"
+        return f"MLflow: {uri}" if is_server(uri) else f"MLflow: `{ui_command(uri)}`, then {LOCAL_UI}"
+    if is_server(uri):
+        return f"[MLflow run {run.name}]({tracker.run_url})"
+    return f"[MLflow run {run.name}]({tracker.run_url}) (served by `{ui_command(uri)}`)"
 
 
 SPARK = "▁▂▃▄▅▆▇█"

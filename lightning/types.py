@@ -14,6 +14,9 @@ from typing import Annotated, Any, Generic, Literal, Protocol, SupportsIndex, Ty
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
+POLICY_MODEL_NAME = "policy"
+"""The model name agents ask a run's LLM proxy for by default: the policy being trained, whatever the backend
+serves it as."""
 NO_NUL = r"^[^\x00]*$"
 StoreText = Annotated[str, StringConstraints(pattern=NO_NUL)]
 """Text the store keeps in a column of its own (ids, names, keys): anything but NUL, which PostgreSQL cannot hold.

@@ -9,29 +9,33 @@ declared on the decorator:
 - `ppo_step` takes a slot of the concurrency limit on the tag `gpu` where Prefect's server has one
   (`prefect concurrency-limit create gpu 1`, done by `deployments/setup.py`): one update per GPU at a time,
   whatever the number of runs. Where the server has none, it is not tagged at all (`gpu_limited` says why);
-- a timeout on every stage, from the run's `timeouts` when the flow calls it (`timed`): Prefect's is the outer
-  bound, a minute past the deadline the library enforces inside (it kills the trainer process at
-  `timeouts.ppo_step`, stops waiting for rollouts at `timeouts.rollouts`), whose error names the stage.
+- a timeout on every stage, declared beside it (`stage(name, deadline)`: seconds from the run's config) and set
+  when the flow calls it (`timed`): Prefect's is the outer bound, a minute past the deadline the library enforces
+  inside (it kills the trainer process at `timeouts.ppo_step`, stops waiting for rollouts at `timeouts.rollouts`),
+  whose error names the stage.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
 from typing import Any, TypeVar
 
-from prefect import Task, get_client, task
+from prefect import Task, get_client, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import ObjectNotFound
 
 from lightning import stages
 from lightning.algorithm.worker import TrainerCrashed, UpdateLost
 from lightning.config import TrainConfig
+from lightning.environment import FAULTS, PREFECT_UI
+from lightning.metrics import PREFECT_FLOW_RUN_ID, PREFECT_FLOW_RUN_URL, SOURCE_NAME
 from lightning.run import Run
 from lightning.stages import Mode
 from tasks.caching import TRAIN_FLOW_RUN_ID, ppo_step_cache_key, stage_cache_key
 
-FAULTS_ENV = "LIGHTNING_FAULTS"
+FAULTS_ENV = FAULTS
 """Fault drills: `stage@iteration[,stage@iteration...]` (e.g. `ppo_step@1`, `wait_for_rollouts@2`, `checkpoint@0`)
 makes that stage's task fail once per run (a marker file in the run directory remembers it), so that retrying the
 failed flow run goes through. Every task below takes part; for evaluations the iteration is the step evaluated."""
@@ -79,24 +83,39 @@ def _retry_only(*kinds: type[BaseException]) -> Any:
     return condition
 
 
+Deadline = Callable[[TrainConfig], float]
+_deadlines: dict[str, Deadline] = {}
+"""Each stage task's deadline, by task name: filled by `stage`, beside each task."""
+
+
+def stage(name: str, deadline: Deadline, **options: Any) -> Callable[[Callable[..., Any]], Task[Any, Any]]:
+    """`@task(name=name, **options)` with the stage's deadline beside it: seconds from the run's config, which
+    `timed` makes Prefect's timeout (a minute later)."""
+
+    def declare(function: Callable[..., Any]) -> Task[Any, Any]:
+        _deadlines[name] = deadline
+        return task(name=name, **options)(function)
+
+    return declare
+
+
 def timed(stage: T, run: Run | TrainConfig) -> T:
-    """`stage` with its Prefect timeout from the run's config."""
+    """`stage` with its Prefect timeout from the run's config: its deadline (declared with `stage`) plus a margin."""
     config = run.config if isinstance(run, Run) else run
-    timeouts = config.timeouts
-    seconds = {
-        "open_run": timeouts.startup,
-        "update_resources": timeouts.update_resources,
-        "enqueue_rollouts": timeouts.enqueue_rollouts,
-        "run_runner": max(timeouts.rollouts, timeouts.evaluate),
-        "wait_for_rollouts": max(timeouts.rollouts, timeouts.evaluate),
-        "requeue_unsuccessful": timeouts.enqueue_rollouts,
-        "adapt_spans": timeouts.adapt_spans,
-        "ppo_step": timeouts.ppo_step,
-        "checkpoint": timeouts.checkpoint,
-        "warm_start": timeouts.ppo_step * (config.warm_start.steps if config.warm_start else 1) + timeouts.checkpoint,
-        "log_evaluation": timeouts.update_resources,
-    }[stage.name]
-    return stage.with_options(timeout_seconds=seconds + MARGIN_SECONDS)
+    deadline = _deadlines.get(stage.name)
+    if deadline is None:
+        raise TypeError(f"task {stage.name!r} has no deadline: declare it with tasks.stages.stage(name, deadline=...)")
+    return stage.with_options(timeout_seconds=deadline(config) + MARGIN_SECONDS)
+
+
+def _rollouts(config: TrainConfig) -> float:
+    """A rollout phase's deadline: training's or evaluation's, whichever is longer (the task serves both)."""
+    return max(config.timeouts.rollouts, config.timeouts.evaluate)
+
+
+def _warm_start(config: TrainConfig) -> float:
+    steps = config.warm_start.steps if config.warm_start else 1
+    return config.timeouts.ppo_step * steps + config.timeouts.checkpoint
 
 
 async def gpu_limited(stage: T) -> T:
@@ -117,7 +136,10 @@ async def gpu_limited(stage: T) -> T:
     return stage.with_options(tags=[*stage.tags, GPU_TAG])
 
 
-@task(name="open_run", task_run_name="open_run-{config.run_name}", cache_policy=NO_CACHE)
+@stage(
+    "open_run", lambda config: config.timeouts.startup, task_run_name="open_run-{config.run_name}",
+    cache_policy=NO_CACHE,
+)  # fmt: skip
 async def open_run(
     config: TrainConfig,
     train: bool = True,
@@ -126,8 +148,12 @@ async def open_run(
     track: bool | None = None,
 ) -> Run:
     """Bring up the run's store, serving parts, trainer and MLflow run in this process (never cached: a retried
-    flow run is a new process and needs its own). The MLflow run is tagged with this flow run's id and URL."""
-    return await Run.open(config, train=train, weights=weights, queue=queue, track=track, mlflow_tags=flow_run_tags())
+    flow run is a new process and needs its own). The MLflow run is tagged with this flow run's id and URL; while a
+    server starts, the task's log says every few seconds how long it has waited and what the server last logged."""
+    return await Run.open(
+        config, train=train, weights=weights, queue=queue, track=track, mlflow_tags=flow_run_tags(),
+        report=get_run_logger().info,
+    )  # fmt: skip
 
 
 def flow_run_tags() -> dict[str, str]:
@@ -138,20 +164,27 @@ def flow_run_tags() -> dict[str, str]:
     flow_run_id = TRAIN_FLOW_RUN_ID.get() or flow_run.root_flow_run_id or flow_run.id
     if not flow_run_id:
         return {}
-    tags = {"prefect.flow_run_id": str(flow_run_id)}
-    ui = PREFECT_UI_URL.value()
+    # The command a user runs for this flow (`python -m flows.train`): MLflow shows it as the run's source.
+    tags = {PREFECT_FLOW_RUN_ID: str(flow_run_id), SOURCE_NAME: f"flows.{flow_run.flow_name}"}
+    ui = os.environ.get(PREFECT_UI) or PREFECT_UI_URL.value()
     if ui:
-        tags["prefect.flow_run_url"] = f"{str(ui).rstrip('/')}/runs/flow-run/{flow_run_id}"
+        tags[PREFECT_FLOW_RUN_URL] = f"{str(ui).rstrip('/')}/runs/flow-run/{flow_run_id}"
     return tags
 
 
-@task(name="update_resources", task_run_name="update_resources-{mode}-{iteration}", cache_policy=NO_CACHE, **TRANSIENT)
+@stage(
+    "update_resources", lambda config: config.timeouts.update_resources,
+    task_run_name="update_resources-{mode}-{iteration}", cache_policy=NO_CACHE, **TRANSIENT,
+)  # fmt: skip
 async def update_resources(run: Run, iteration: int, mode: Mode) -> str:
     drill(run, "update_resources", iteration)
     return await stages.update_resources(run, mode)
 
 
-@task(name="enqueue_rollouts", task_run_name="enqueue_rollouts-{mode}-{iteration}", **STAGE, **TRANSIENT)
+@stage(
+    "enqueue_rollouts", lambda config: config.timeouts.enqueue_rollouts,
+    task_run_name="enqueue_rollouts-{mode}-{iteration}", **STAGE, **TRANSIENT,
+)  # fmt: skip
 async def enqueue_rollouts(
     run: Run, iteration: int, resources_id: str, mode: Mode, refill: int = 0, count: int | None = None
 ) -> list[str]:
@@ -160,7 +193,7 @@ async def enqueue_rollouts(
     return await stages.enqueue_rollouts(run, iteration, resources_id, mode, refill, count)
 
 
-@task(name="run_runner", task_run_name="run_runner-{mode}-{iteration}-{index}", **STAGE, **TRANSIENT)
+@stage("run_runner", _rollouts, task_run_name="run_runner-{mode}-{iteration}-{index}", **STAGE, **TRANSIENT)
 async def run_runner(
     run: Run, iteration: int, rollout_ids: list[str], index: int, mode: Mode, round_: int = 0
 ) -> dict[str, Any]:
@@ -171,7 +204,7 @@ async def run_runner(
     return {**done, "host": socket.gethostname(), "pid": os.getpid()}
 
 
-@task(name="wait_for_rollouts", task_run_name="wait_for_rollouts-{mode}-{iteration}", **STAGE, **TRANSIENT)
+@stage("wait_for_rollouts", _rollouts, task_run_name="wait_for_rollouts-{mode}-{iteration}", **STAGE, **TRANSIENT)
 async def wait_for_rollouts(
     run: Run, iteration: int, rollout_ids: list[str], mode: Mode, round_: int = 0
 ) -> dict[str, Any]:
@@ -179,20 +212,26 @@ async def wait_for_rollouts(
     return await stages.wait_for_rollouts(run, rollout_ids, mode)
 
 
-@task(name="requeue_unsuccessful", task_run_name="requeue_unsuccessful-{mode}-{iteration}", **STAGE, **TRANSIENT)
+@stage(
+    "requeue_unsuccessful", lambda config: config.timeouts.enqueue_rollouts,
+    task_run_name="requeue_unsuccessful-{mode}-{iteration}", **STAGE, **TRANSIENT,
+)  # fmt: skip
 async def requeue_unsuccessful(run: Run, iteration: int, rollout_ids: list[str], mode: Mode, round_: int) -> int:
     drill(run, "requeue_unsuccessful", iteration)
     return await stages.requeue_unsuccessful(run, rollout_ids)
 
 
-@task(name="adapt_spans", task_run_name="adapt_spans-{iteration}", **STAGE, **TRANSIENT)
+@stage(
+    "adapt_spans", lambda config: config.timeouts.adapt_spans, task_run_name="adapt_spans-{iteration}", **STAGE,
+    **TRANSIENT,
+)  # fmt: skip
 async def adapt_spans(run: Run, iteration: int, rollout_ids: list[str]) -> dict[str, Any]:
     drill(run, "adapt_spans", iteration)
     return await stages.adapt_spans(run, iteration, rollout_ids)
 
 
-@task(
-    name="ppo_step", task_run_name="ppo_step-{iteration}",
+@stage(
+    "ppo_step", lambda config: config.timeouts.ppo_step, task_run_name="ppo_step-{iteration}",
     **{**STAGE, "cache_key_fn": ppo_step_cache_key}, retries=1, retry_condition_fn=_retry_only(TrainerCrashed),
 )  # fmt: skip
 async def ppo_step(run: Run, iteration: int, batch_path: str) -> dict[str, float]:
@@ -203,8 +242,9 @@ async def ppo_step(run: Run, iteration: int, batch_path: str) -> dict[str, float
     return await stages.ppo_step(run, iteration, batch_path)
 
 
-@task(
-    name="checkpoint", task_run_name="checkpoint-{iteration}", **STAGE, **TRANSIENT,
+@stage(
+    "checkpoint", lambda config: config.timeouts.checkpoint, task_run_name="checkpoint-{iteration}", **STAGE,
+    **TRANSIENT,
     retry_condition_fn=_retry_unless(UpdateLost),
 )  # fmt: skip
 async def checkpoint(run: Run, iteration: int, row: dict[str, Any]) -> dict[str, Any]:
@@ -212,13 +252,16 @@ async def checkpoint(run: Run, iteration: int, row: dict[str, Any]) -> dict[str,
     return await stages.checkpoint(run, iteration, row)
 
 
-@task(name="warm_start", task_run_name="warm_start", **STAGE)
+@stage("warm_start", _warm_start, task_run_name="warm_start", **STAGE)
 async def warm_start(run: Run) -> dict[str, Any]:
     drill(run, "warm_start", 0)
     return await stages.warm_start(run)
 
 
-@task(name="log_evaluation", task_run_name="log_evaluation-{step}", **STAGE, **TRANSIENT)
+@stage(
+    "log_evaluation", lambda config: config.timeouts.update_resources, task_run_name="log_evaluation-{step}",
+    **STAGE, **TRANSIENT,
+)  # fmt: skip
 async def log_evaluation(
     run: Run, step: int, summary: dict[str, Any], rollout_ids: list[str] | None = None
 ) -> dict[str, Any]:

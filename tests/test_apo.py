@@ -6,9 +6,11 @@ one of the optimiser's edits (the one that says "smallest") raises the validatio
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -71,6 +73,23 @@ def test_the_flow_names_what_it_misses(tmp_path: Path, monkeypatch: pytest.Monke
 
 
 # --- the pieces ------------------------------------------------------------------------------------------
+
+
+def test_the_artifacts_show_a_prompt_without_breaking_the_page() -> None:
+    """The table's prompt cell is one line, cut on a word, without backticks (cut at 197 characters, one was left
+    unbalanced); the summary's code block wraps long lines."""
+    from flows.optimize_prompt import CODE_WIDTH, PROMPT_CELL_CHARS, _prompt_cell, _summary_markdown
+
+    prompt = "Pick a room for `{request}`.\n" + "Prefer the `smallest` room that fits everyone, " * 8 + "{rooms}"
+    cell = _prompt_cell(prompt)
+    assert len(cell) <= PROMPT_CELL_CHARS and "`" not in cell and "\n" not in cell and cell.endswith(" …")
+    assert cell.startswith("Pick a room for '{request}'. Prefer the 'smallest' room")
+    summary = {"rounds": 1, "reward_seed": 0.1, "reward_best": 0.9, "best_prompt": prompt, "prompt_uri": "prompts:/x/1"}
+    run = SimpleNamespace(name="r", tracker=None, config=load_config({"run_name": "r"}))
+    markdown = _summary_markdown(run, summary)  # type: ignore[arg-type]
+    block = markdown.split("```\n")[1]
+    assert max(len(line) for line in block.splitlines()) <= CODE_WIDTH
+    assert " ".join(block.split()) == " ".join(prompt.split())  # wrapped, nothing lost
 
 
 def test_edits_keep_the_placeholders_and_the_last_prompt_tag_wins() -> None:
@@ -184,7 +203,9 @@ def test_optimize_prompt_raises_the_reward_and_registers_the_best_prompt(
                 artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["apo-test-apo"]))
             )
 
-    assert {artifact.type for artifact in asyncio.run(table())} == {"table"}
+    # One table, updated in place each round (not a version per round), holding both rounds.
+    [artifact] = asyncio.run(table())
+    assert artifact.type == "table" and {row["round"] for row in json.loads(artifact.data)} == {0, 1}
 
 
 def _edited_ids(summary: dict[str, Any]) -> set[str]:
@@ -209,3 +230,36 @@ def test_dev_dry_runs_the_seed_prompt_and_shows_what_the_optimiser_would_see(
     [worst] = result["lowest_reward"]
     assert worst["reward"] == 0.0 and worst["messages"][0]["content"].startswith("You book meeting rooms.")
     assert "final_choice:" in worst["messages"][-1]["content"]
+
+
+@pytest.mark.slow
+def test_the_readme_apo_commands(tmp_path: Path) -> None:
+    """`python -m flows.dev examples/room_booking/apo.yaml --set batch_size=4 --set samples_per_task=1`, then
+    `python -m flows.optimize_prompt examples/room_booking/apo.yaml --set apo.beam_rounds=2` (one round here), with
+    OPENAI_API_KEY set and the example's models pointed at the local stand-in."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "OPENAI_API_KEY": "sk-test"}
+    with serving(scripted_apo_app()) as url:
+        where = {
+            "inference.endpoint": f"{url}/v1", "apo.api_base": f"{url}/v1", "apo.gradient_model": f"openai/{OPTIMIZER}",
+            "apo.apply_edit_model": f"openai/{OPTIMIZER}", "apo.val_batch_size": 4, "apo.beam_width": 1,
+            "apo.branch_factor": 1, "store_url": f"sqlite:///{tmp_path}/store.db",
+            "tracking_uri": f"sqlite:///{tmp_path}/mlflow.db", "output_dir": str(tmp_path / "runs"),
+        }  # fmt: skip
+        sets = [arg for name, value in where.items() for arg in ("--set", f"{name}={value}")]
+
+        def run(flow: str, *more: str) -> dict[str, Any]:
+            command = [sys.executable, "-m", f"flows.{flow}", "examples/room_booking/apo.yaml", *sets, *more]
+            done = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+            assert done.returncode == 0, done.stderr[-3000:]
+            return json.JSONDecoder().raw_decode(done.stdout[done.stdout.index("{") :])[0]
+
+        dry = run("dev", "--set", "batch_size=4", "--set", "samples_per_task=1")
+        assert dry["rollouts"]["succeeded"] == 4 and dry["lowest_reward"]
+        optimised = run("optimize_prompt", "--set", "apo.beam_rounds=1")
+    assert optimised["rounds"] == 1 and optimised["prompt_uri"] == "prompts:/room-booking/1"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -211,3 +212,40 @@ def test_a_cosine_schedule_without_total_steps_spans_the_runs_iterations() -> No
     assert config.algorithm.total_steps is None  # the config as given: a later --set iterations=... still applies
     assert config.update_config.total_steps == 12
     assert load_config({"algorithm": {"lr_schedule": "cosine", "total_steps": 5}}).update_config.total_steps == 5
+
+
+def test_the_checks_name_an_api_key_the_config_names_and_the_environment_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning import preflight
+
+    monkeypatch.delenv("NO_SUCH_KEY", raising=False)
+    external = {"backend": "external", "endpoint": "http://127.0.0.1:9/v1", "api_key_env": "NO_SUCH_KEY"}
+    apo = {"initial_prompt": "Pick a room. {request}", "api_key_env": "NO_SUCH_KEY"}
+    config = load_config({"inference": external, "apo": apo})
+    found = preflight.problems(config)
+    assert (
+        "inference.api_key_env: the environment variable NO_SUCH_KEY (the API key of http://127.0.0.1:9/v1) is "
+        "not set; every rollout would fail without it" in found
+    )
+    assert not any(line.startswith("apo.") for line in found)  # a dry run needs no optimiser
+    assert "apo.api_key_env: the environment variable NO_SUCH_KEY (the optimiser's key) is not set" in (
+        preflight.problems(config, optimiser=True)
+    )
+    monkeypatch.setenv("NO_SUCH_KEY", "k")
+    assert not any("api_key_env" in line for line in preflight.problems(config, optimiser=True))
+
+
+@pytest.mark.slow
+def test_prompt_optimisation_names_its_missing_keys_before_anything_starts(tmp_path: Path) -> None:
+    """The README's APO example without OPENAI_API_KEY: the agent's endpoint and the optimiser both need it."""
+    env = {name: value for name, value in os.environ.items() if name != "OPENAI_API_KEY"}
+    where = ["--set", f"store_url=sqlite:///{tmp_path}/s.db", "--set", f"output_dir={tmp_path}/runs"]
+    commands = [
+        [sys.executable, "-m", "flows.optimize_prompt", "examples/room_booking/apo.yaml", *where],
+        [sys.executable, "-m", "lightning.cli", "config", "check", "examples/room_booking/apo.yaml"],
+    ]
+    for command in commands:
+        done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert "inference.api_key_env: the environment variable OPENAI_API_KEY" in done.stderr, done.stderr
+        assert "apo.api_key_env: the environment variable OPENAI_API_KEY (the optimiser's key)" in done.stderr
+        assert "Traceback" not in done.stderr and "Prefect server" not in done.stderr, done.stderr

@@ -5,12 +5,14 @@ that step and ends where an unfailed run would."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -19,9 +21,25 @@ import pytest
 import torch
 import yaml
 from prefect.client.orchestration import SyncPrefectClient
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, TaskRunFilter, TaskRunFilterFlowRunId
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterKey,
+    FlowRunFilter,
+    FlowRunFilterName,
+    TaskRunFilter,
+    TaskRunFilterFlowRunId,
+)
 from prefect.client.schemas.objects import FlowRun
-from prefect_server import PREFECT, REPO_ROOT, PrefectServer, start_logged, stop_process_group, tail
+from prefect.settings import PREFECT_API_URL, temporary_settings
+from prefect_server import (
+    PREFECT,
+    REPO_ROOT,
+    PrefectServer,
+    running_prefect_server,
+    start_logged,
+    stop_process_group,
+    tail,
+)
 from safetensors.torch import load_file
 
 from deployments.setup import WORK_POOL
@@ -105,6 +123,10 @@ def test_a_failed_deployment_run_retried_redoes_only_the_failed_stage(
             assert completed.state.type.value == "COMPLETED", f"{completed.state!r}\n{tail(worker_log)}"
 
             states = retried_iteration_states(client, "retried-iteration-1")
+            # The retry (a new process, the same flow run) updated the table the first attempt made.
+            training = ArtifactFilter(key=ArtifactFilterKey(any_=["retried-training"]))
+            [table] = client.read_artifacts(artifact_filter=training)
+            assert [row["iteration"] for row in json.loads(table.data)] == [0, 1]
     finally:
         stop_process_group(worker)
 
@@ -192,3 +214,197 @@ def assert_retried_step_matches_a_recomputation(config: TrainConfig, root: Path)
     assert any(not torch.equal(before[name], retried[name]) for name in retried), "the step changed nothing"
     for name, tensor in retried.items():
         assert torch.equal(tensor, recomputed[name]), name
+
+
+# --- the documented deployment commands, as a user runs them -------------------------------------------------
+
+BURN = "import sys, time\nend = time.monotonic() + float(sys.argv[1])\nwhile time.monotonic() < end:\n    pass\n"
+LOADED_RUN_TIMEOUT = 1200.0
+
+
+@contextlib.contextmanager
+def cpu_load(processes: int = 2, seconds: float = LOADED_RUN_TIMEOUT) -> Iterator[None]:
+    """`processes` CPU-bound processes beside the test, as other users' jobs on the machine (each ends by itself
+    after `seconds`, and is killed at the end of the block)."""
+    burners = [subprocess.Popen([sys.executable, "-c", BURN, str(seconds)]) for _ in range(processes)]
+    try:
+        yield
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+
+
+@pytest.fixture(scope="module")
+def deployed(prefect_server: PrefectServer) -> PrefectServer:
+    """prefect.yaml's deployments on the session's server (`python -m deployments.deploy`)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "deployments.deploy"], cwd=REPO_ROOT, env=prefect_server.env, capture_output=True,
+        text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, f"deploy failed:\n{done.stdout}\n{done.stderr}"
+    return prefect_server
+
+
+@contextlib.contextmanager
+def process_worker(server: PrefectServer, log: Path, **env: str) -> Iterator[None]:
+    """`prefect worker start --pool lightning-process`, as the README starts it, until the end of the block."""
+    worker = start_logged(
+        [PREFECT, "worker", "start", "--pool", WORK_POOL], log, env={**server.env, **env}, cwd=log.parent
+    )
+    try:
+        yield
+    finally:
+        stop_process_group(worker)
+
+
+def deployment_run(server: PrefectServer, *args: str) -> UUID:
+    """`prefect deployment run ARGS`; the flow run's id."""
+    started = subprocess.run(
+        [PREFECT, "deployment", "run", *args], env=server.env, capture_output=True, text=True, timeout=120
+    )
+    assert started.returncode == 0, started.stdout + started.stderr
+    return UUID(re.search(r"UUID: ([0-9a-f-]{36})", started.stdout).group(1))
+
+
+def completed(server: PrefectServer, flow_run_id: UUID, log: Path, timeout: float = RUN_TIMEOUT) -> FlowRun:
+    with SyncPrefectClient(server.api_url) as client:
+        flow_run = wait_for_final_state(client, flow_run_id, log, timeout=timeout)
+    assert flow_run.state.type.value == "COMPLETED", f"{flow_run.state!r}\n{tail(log)}"
+    return flow_run
+
+
+@pytest.mark.slow
+def test_the_readme_deployment_commands_run_on_a_loaded_machine(deployed: PrefectServer, tmp_path: Path) -> None:
+    """`prefect deployment run 'train/demo' --param overrides=...` through a process worker while two other
+    processes keep both cores busy: on such a machine the inference server took about 70 s to start, and a 120 s
+    constant ended the run in open_run. Then `--param config=...`, which replaces the deployment's config whole."""
+    log = tmp_path / "worker.log"
+    short = {**small_config(tmp_path / "short"), "run_name": "loaded"}
+    whole = {**small_config(tmp_path / "whole"), "run_name": "whole-config", "iterations": 1}
+    with process_worker(deployed, log):
+        with cpu_load():
+            started = time.monotonic()
+            loaded = deployment_run(deployed, "train/demo", "--param", f"overrides={json.dumps(short)}")
+            completed(deployed, loaded, log, timeout=LOADED_RUN_TIMEOUT)
+            print(f"the loaded run took {time.monotonic() - started:.0f} s")  # (pytest -s shows it)
+        completed(deployed, deployment_run(deployed, "train/demo", "--param", f"config={json.dumps(whole)}"), log)
+
+    short_config, whole_config = validate_config({**short}), validate_config(whole)
+    assert latest_step(short_config) == 2 and latest_step(whole_config) == 1
+    # overrides change a few fields of the deployment's config (the demo's warm start stays); config replaces it.
+    assert (short_config.run_dir / "batches" / "warm-start").exists()
+    assert not (whole_config.run_dir / "batches" / "warm-start").exists()
+    from mlflow import MlflowClient
+
+    client = MlflowClient(short_config.tracking_uri, registry_uri=short_config.tracking_uri)
+    [mlflow_run] = client.search_runs([client.get_experiment_by_name("lightning").experiment_id])
+    assert mlflow_run.info.status == "FINISHED"
+    assert f"/runs/flow-run/{loaded}" in mlflow_run.data.tags["mlflow.note.content"]  # a link to the flow run
+    assert mlflow_run.data.tags["mlflow.source.name"] == "flows.train"
+    # The overrides gave a checkpoint section without register_model: nothing registered.
+    assert client.search_registered_models() == []
+
+
+@pytest.mark.slow
+def test_prompt_optimisation_runs_from_its_deployment(deployed: PrefectServer, tmp_path: Path) -> None:
+    """`prefect deployment run 'optimize_prompt/room-booking'`, its models pointed at a local stand-in for OpenAI
+    (overrides), the worker holding the key as the README says."""
+    from support.scripted_apo import OPTIMIZER, scripted_apo_app
+    from support.servers import serving
+
+    log = tmp_path / "worker.log"
+    with serving(scripted_apo_app()) as url, process_worker(deployed, log, OPENAI_API_KEY="sk-test"):
+        overrides = {
+            "run_name": "room-booking-test", "inference.endpoint": f"{url}/v1", "apo.api_base": f"{url}/v1",
+            "apo.gradient_model": f"openai/{OPTIMIZER}", "apo.apply_edit_model": f"openai/{OPTIMIZER}",
+            "apo.beam_rounds": 1, "apo.beam_width": 1, "apo.branch_factor": 1, "apo.gradient_batch_size": 2,
+            "apo.val_batch_size": 4, "store_url": f"sqlite:///{tmp_path}/store.db",
+            "tracking_uri": f"sqlite:///{tmp_path}/mlflow.db", "output_dir": str(tmp_path / "runs"),
+        }  # fmt: skip
+        flow_run = deployment_run(
+            deployed, "optimize_prompt/room-booking", "--param", f"overrides={json.dumps(overrides)}"
+        )
+        completed(deployed, flow_run, log)
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db", registry_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    assert client.load_prompt("prompts:/room-booking-test/1").template
+
+
+@pytest.mark.slow
+def test_the_nightly_schedule_is_off_until_resumed_and_results_may_go_to_a_bucket(deployed: PrefectServer) -> None:
+    """docs/deployments.md: `prefect deployment schedule ls|resume train/nightly`, and `python -m deployments.setup
+    --result-storage s3://...` (a file system block; the bucket is reached only when a flow run writes)."""
+
+    def prefect(*args: str) -> str:
+        done = subprocess.run([PREFECT, *args], env=deployed.env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    def schedule() -> Any:
+        with SyncPrefectClient(deployed.api_url) as client:
+            [each] = client.read_deployment_by_name("train/nightly").schedules
+        return each
+
+    listed = prefect("deployment", "schedule", "ls", "train/nightly")
+    assert "0 2 * * *" in listed and str(schedule().id) in listed and not schedule().active
+    prefect("deployment", "schedule", "resume", "train/nightly", str(schedule().id))
+    assert schedule().active
+    prefect("deployment", "schedule", "pause", "train/nightly", str(schedule().id))
+    assert not schedule().active
+
+    def pool_env() -> dict[str, str]:
+        async def read() -> Any:
+            from prefect import get_client
+
+            async with get_client() as client:
+                return await client.read_work_pool(WORK_POOL)
+
+        with temporary_settings({PREFECT_API_URL: deployed.api_url}):
+            pool = asyncio.run(read())
+        return pool.base_job_template["variables"]["properties"]["env"].get("default") or {}
+
+    def setup(where: str) -> dict[str, str]:
+        done = subprocess.run(
+            [sys.executable, "-m", "deployments.setup", "--result-storage", where], cwd=REPO_ROOT, env=deployed.env,
+            capture_output=True, text=True, timeout=180,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        return pool_env()
+
+    before = pool_env()
+    bucket = setup("s3://bucket/prefect-results")
+    assert bucket.get("PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK") == "remote-file-system/lightning-results"
+    assert "PREFECT_RESULTS_LOCAL_STORAGE_PATH" not in bucket  # the new place replaces the old one
+    again = setup(
+        before.get("PREFECT_RESULTS_LOCAL_STORAGE_PATH") or str(Path(deployed.env["PREFECT_HOME"]) / "storage")
+    )
+    assert "PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK" not in again
+
+
+@pytest.mark.slow
+def test_serve_runs_prefect_yamls_deployments_without_a_worker(tmp_path: Path) -> None:
+    """`python -m deployments.serve` serves the deployments prefect.yaml lists (one list for both ways), from one
+    process; a `prefect deployment run` of one runs there. On a server of its own: it takes over the names."""
+    spec = yaml.safe_load((REPO_ROOT / "prefect.yaml").read_text())
+    expected = {f"{d['entrypoint'].rsplit(':', 1)[1]}/{d['name']}" for d in spec["deployments"]}
+    with running_prefect_server(tmp_path / "prefect") as server:
+        log = tmp_path / "serve.log"
+        served = start_logged([sys.executable, "-m", "deployments.serve"], log, env=server.env, cwd=tmp_path)
+        try:
+            with SyncPrefectClient(server.api_url) as client:
+                deadline = time.monotonic() + 180
+                while _deployments(client) != expected:
+                    assert served.poll() is None and time.monotonic() < deadline, tail(log)
+                    time.sleep(1)
+            overrides = {**small_config(tmp_path), "run_name": "served", "batch_size": 2, "samples_per_task": 2}
+            completed(server, deployment_run(server, "dev/dev", "--param", f"overrides={json.dumps(overrides)}"), log)
+        finally:
+            stop_process_group(served)
+
+
+def _deployments(client: SyncPrefectClient) -> set[str]:
+    """`flow/deployment` of every deployment on the server."""
+    flows = {flow.id: flow.name for flow in client.read_flows()}
+    return {f"{flows.get(each.flow_id, '?')}/{each.name}" for each in client.read_deployments()}

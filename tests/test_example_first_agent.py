@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,18 +23,46 @@ def test_the_config_checks() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def run_flow(flow: str, tmp_path: Path, *sets: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """`python -m flows.<flow> examples/first_agent/config.yaml --set ...`, its store, MLflow and runs in tmp_path."""
+    where = [f"store_url=sqlite:///{tmp_path}/store.db", f"tracking_uri=sqlite:///{tmp_path}/mlflow.db"]
+    command = [sys.executable, "-m", f"flows.{flow}", CONFIG]
+    for override in [*where, f"output_dir={tmp_path}/runs", *sets]:
+        command += ["--set", override]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    if check:
+        assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def result_of(done: subprocess.CompletedProcess[str]) -> dict:
+    return json.JSONDecoder().raw_decode(done.stdout[done.stdout.index("{") :])[0]
+
+
 @pytest.mark.slow
 def test_the_dev_flow_dry_runs_it(tmp_path: Path) -> None:
-    overrides = [
-        f"store_url=sqlite:///{tmp_path}/store.db",
-        f"tracking_uri=sqlite:///{tmp_path}/mlflow.db",
-        f"output_dir={tmp_path}/runs",
-    ]
-    command = [sys.executable, "-m", "flows.dev", CONFIG]
-    for override in overrides:
-        command += ["--set", override]
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout[done.stdout.index("{") :])
+    result = result_of(run_flow("dev", tmp_path))
     assert result["rollouts"]["rollouts"] == result["rollouts"]["succeeded"] == 8 * 4
     assert result["batch"]["rows"] == 8 * 4 and result["batch"]["adapter"]["calls_without_token_ids"] == 0
+
+
+@pytest.mark.slow
+def test_the_readme_trains_it_and_evaluates_the_latest_checkpoint(tmp_path: Path) -> None:
+    """`python -m flows.train CONFIG --set iterations=5 --set algorithm.lr=5e-4` (one iteration here), then
+    `python -m flows.evaluate CONFIG`."""
+    trained = run_flow("train", tmp_path, "iterations=1", "algorithm.lr=5e-4")
+    summary = result_of(trained)
+    assert summary["iterations"] == 1 and summary["checkpoint"].endswith("step-000001")
+    assert "Held-out reward of first-agent" in trained.stdout and "View at" not in trained.stderr
+    evaluated = result_of(run_flow("evaluate", tmp_path))
+    assert evaluated["step"] == 1 and evaluated["rollouts"] == 8  # the 8 held-out tasks, on checkpoint 1
+
+
+@pytest.mark.slow
+def test_what_the_agent_raised_reaches_the_terminal(tmp_path: Path) -> None:
+    """A sampling parameter the OpenAI SDK refuses passes `config check` (the agent's business); every rollout then
+    fails, and the error that ends the run says what the agent raised and where, not only that it did."""
+    done = run_flow("dev", tmp_path, "sampling={max_token: 4}", "rollout_retries=0", check=False)
+    assert done.returncode != 0
+    assert "the agent raised (the first failed rollouts" in done.stderr, done.stderr[-3000:]
+    assert re.search(r"TypeError: .*max_token.* \(at examples/first_agent/agent\.py:\d+ in first_letter\)", done.stderr)

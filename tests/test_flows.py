@@ -275,6 +275,33 @@ def test_the_command_line_reports_config_errors_without_a_traceback(tmp_path: Pa
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 2
-    assert "iterations: Input should be greater than or equal to 1" in done.stderr
-    assert "algorithm.lr: Input should be greater than or equal to 0" in done.stderr
+    assert f"{bad} with its overrides is not a valid TrainConfig" in done.stderr
+    assert "iterations: Input should be greater than or equal to 1 (got 0)\n" in done.stderr  # the file's
+    # A bad --set value is blamed on the --set, not the file.
+    assert "algorithm.lr: Input should be greater than or equal to 0 (got -1) (set by the override algorithm.lr)" in (
+        done.stderr
+    )
     assert "Traceback" not in done.stderr
+
+
+def test_every_stage_task_declares_its_deadline_beside_it() -> None:
+    """A task's Prefect timeout comes from the deadline declared with it (`tasks.stages.stage`); a task declared
+    without one is named when a flow asks for its timeout, not a KeyError."""
+    from prefect import Task, task
+
+    import tasks.stages
+    from tasks.stages import timed
+
+    config = TrainConfig(timeouts={"ppo_step": 100, "checkpoint": 10}, warm_start={"demonstrations": "a:b", "steps": 3})
+    stage_tasks = [value for value in vars(tasks.stages).values() if isinstance(value, Task)]
+    assert len(stage_tasks) == 11
+    for each in stage_tasks:
+        assert timed(each, config).timeout_seconds > 60, each.name
+    assert timed(tasks.stages.ppo_step, config).timeout_seconds == 100 + 60
+    assert timed(tasks.stages.warm_start, config).timeout_seconds == 3 * 100 + 10 + 60
+
+    @task(name="a_new_stage")
+    def undeclared() -> None: ...
+
+    with pytest.raises(TypeError, match="task 'a_new_stage' has no deadline: declare it with tasks.stages.stage"):
+        timed(undeclared, config)

@@ -84,6 +84,7 @@ def test_metrics_per_step_read_back(tracking_uri: str, client) -> None:
     for step in range(3):
         tracker.log_metrics({"loss": 1.0 / (step + 1), "reward": {"mean": torch.tensor(0.25 * step)}}, step=step)
     tracker.log_metrics({"loss": float("nan")}, step=3)
+    tracker.log_metrics({"mismatch_mean": 3e-7, "mismatch_max": 0.0}, step=3)  # a chart of 3e-7 reads "0" all along
     with pytest.raises(TypeError, match="'note' is not a number"):
         tracker.log_metrics({"note": "hello"}, step=4)
     tracker.end()
@@ -92,6 +93,9 @@ def test_metrics_per_step_read_back(tracking_uri: str, client) -> None:
     assert [(m.step, m.value) for m in sorted(loss, key=lambda m: m.step)] == [(0, 1.0), (1, 0.5), (2, 1.0 / 3)]
     reward = client.get_metric_history(run_id, "reward.mean")
     assert [(m.step, m.value) for m in sorted(reward, key=lambda m: m.step)] == [(0, 0.0), (1, 0.25), (2, 0.5)]
+    [log10] = client.get_metric_history(run_id, "mismatch_mean_log10")
+    assert log10.step == 3 and abs(log10.value - -6.5229) < 1e-3
+    assert client.get_metric_history(run_id, "mismatch_max_log10") == []  # no log of 0
 
 
 def test_checkpoints_logged_and_registered(
@@ -160,7 +164,8 @@ def test_default_store_is_local_sqlite_under_dot_lightning(tmp_path: Path, monke
     tracker = MlflowTracker()
     db = tmp_path / ".lightning" / "mlflow.db"
     assert tracker.tracking_uri == f"sqlite:///{db}"
-    assert tracker.run_url == f"mlflow ui --backend-store-uri sqlite:///{db}"
+    tracker.experiment_id, tracker.run_id = "7", "abc"
+    assert tracker.run_url == "http://127.0.0.1:5000/#/experiments/7/runs/abc"  # where `make mlflow-ui` serves it
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.internal:5000")
     assert MlflowTracker().tracking_uri == "http://mlflow.internal:5000"
 
@@ -200,5 +205,27 @@ def test_mlflow_link_names_the_run_s_page_or_the_offline_ui_command(tmp_path: Pa
         return mlflow_link(run)
 
     # MLflow 3's UI routes a run's page under its experiment (a server's run page is checked in test_mlflow_server).
-    assert link("http://mlflow:5000") == "[MLflow run](http://mlflow:5000/#/experiments/7/runs/abc)"
-    assert "`lightning mlflow ui --backend-store-uri sqlite:///x.db`" in link("sqlite:///x.db")
+    assert link("http://mlflow:5000") == "[MLflow run r](http://mlflow:5000/#/experiments/7/runs/abc)"
+    assert link("sqlite:///x.db") == (
+        "[MLflow run r](http://127.0.0.1:5000/#/experiments/7/runs/abc) (served by "
+        "`.venv/bin/lightning mlflow ui --backend-store-uri sqlite:///x.db`)"
+    )
+    assert link("sqlite:///.lightning/mlflow.db").endswith("(served by `make mlflow-ui`)")
+
+
+def test_a_run_shows_its_source_commit_and_its_prefect_flow_run_as_a_link(tracking_uri: str, client) -> None:
+    """MLflow's UI shows `mlflow.source.name` as the Source (the commit beside it) and renders the description
+    (`mlflow.note.content`) as Markdown; a tag is plain text."""
+    from lightning.metrics import run_tags
+
+    url = "http://127.0.0.1:4200/runs/flow-run/1234"
+    tags = run_tags({"prefect.flow_run_id": "1234", "prefect.flow_run_url": url, "mlflow.source.name": "flows.train"})
+    tracker = MlflowTracker(tracking_uri, experiment="sourced", tags=tags)
+    run = client.get_run(tracker.start())
+    tracker.end()
+    shown = run.data.tags
+    assert shown["mlflow.source.name"] == "flows.train" and shown["mlflow.source.type"] == "LOCAL"
+    assert shown["mlflow.source.git.commit"] == subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
+    assert "@" not in shown.get("mlflow.source.git.repoURL", "")
+    assert f"Trained by Prefect flow run [1234]({url})" in shown["mlflow.note.content"]
+    assert "`make prefect-ui`" in shown["mlflow.note.content"]

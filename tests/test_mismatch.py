@@ -26,9 +26,10 @@ def model_log_probs(model_dir: Path) -> list[float]:
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(RESPONSE)[:, None])[:, 0].tolist()
 
 
-async def store_call(url: str, logprobs: list[float]) -> str:
+async def store_call(url: str, logprobs: list[float], queue: str | None = None) -> str:
+    """One rollout holding one stored LLM call, succeeded (in `queue`, if given)."""
     async with SqlLightningStore(url, watchdog_interval=None) as store:
-        rollout = await store.start_rollout({"task": 1})
+        rollout = await store.start_rollout({"task": 1}, **({"queue": queue} if queue else {}))
         await store.add_span(
             Span(
                 rollout_id=rollout.rollout_id, attempt_id=rollout.attempt.attempt_id, sequence_id=1, trace_id="t" * 32,
@@ -41,6 +42,7 @@ async def store_call(url: str, logprobs: list[float]) -> str:
                 },
             )
         )  # fmt: skip
+        await store.finish_attempt(rollout.rollout_id, rollout.attempt.attempt_id, "succeeded")
         return rollout.rollout_id
 
 
@@ -61,3 +63,26 @@ def test_compare_logprobs_finds_the_mismatch_only_where_there_is_one(
         assert largest < 1e-5, out
     else:
         assert largest > 0.1 and rollout_id[:24] in out, out
+
+
+def test_compare_logprobs_of_a_runs_queue_takes_its_newest_succeeded_rollouts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The README's form, `lightning debug compare-logprobs CHECKPOINT --queue RUN`: the newest `--limit` succeeded
+    rollouts of that queue only."""
+    model = build_tiny_model(tmp_path / "model", seed=0)
+    other = build_tiny_model(tmp_path / "other", seed=1)
+    url = f"sqlite:///{tmp_path}/store.db"
+    older = asyncio.run(store_call(url, model_log_probs(other), queue="run-a"))
+    newer = asyncio.run(store_call(url, model_log_probs(model), queue="run-a"))
+    elsewhere = asyncio.run(store_call(url, model_log_probs(other), queue="run-b"))
+
+    assert main(["debug", "compare-logprobs", str(model), "--store", url, "--queue", "run-a", "--limit", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "in 1 LLM calls" in out and float(out.split("max ")[1].split(",")[0]) < 1e-5, out
+    assert main(["debug", "compare-logprobs", str(model), "--store", url, "--queue", "run-a"]) == 0
+    out = capsys.readouterr().out
+    assert "in 2 LLM calls" in out and older[:24] in out and elsewhere[:24] not in out and newer, out
+    with pytest.raises(SystemExit):  # a queue without succeeded rollouts: an error that says so
+        main(["debug", "compare-logprobs", str(model), "--store", url, "--queue", "run-c"])
+    assert "no succeeded rollouts in queue 'run-c'" in capsys.readouterr().err

@@ -98,6 +98,9 @@ async def test_a_run_s_traces_tags_config_and_model_in_a_real_mlflow_server(
     tags = run.data.tags
     assert len(tags["mlflow.source.git.commit"]) == 40 and tags["mlflow.user"]
     assert tags["prefect.flow_run_url"].endswith(f"/runs/flow-run/{tags['prefect.flow_run_id']}")
+    # What the UI shows: the source (with the commit beside it), and the flow run as a link in the description.
+    assert tags["mlflow.source.name"] == "flows.train" and tags["mlflow.source.type"] == "LOCAL"
+    assert f"[{tags['prefect.flow_run_id']}]({tags['prefect.flow_run_url']})" in tags["mlflow.note.content"]
     assert any(key.startswith("system/") for key in run.data.metrics), sorted(run.data.metrics)
     saved = yaml.safe_load(Path(client.download_artifacts(run_id, "config.yaml", str(tmp_path))).read_text())
     assert saved["run_name"] == "traced" and saved["mlflow_traces"]["train_per_iteration"] == 4
@@ -120,6 +123,9 @@ async def test_a_run_s_traces_tags_config_and_model_in_a_real_mlflow_server(
             assert llm.attributes["mlflow.chat.tokenUsage"]["output_tokens"] >= 1
             assert "lightning.llm.response_token_ids" not in llm.attributes  # the store keeps the tokens
             assert trace.info.tags["reward"] == str(reward.outputs["reward"])
+            # ... and the trace's `reward` assessment, the Traces tab's score column
+            [score] = [each for each in trace.info.assessments if each.name == "reward"]
+            assert score.value == reward.outputs["reward"]
             # The store's span, with its original start.
             stored = await store.query_spans(trace.info.tags["rollout_id"], trace.info.tags["attempt_id"])
             [call] = [span for span in stored if "gen_ai.operation.name" in span.attributes]

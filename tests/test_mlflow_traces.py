@@ -77,4 +77,7 @@ def test_a_rollout_becomes_one_trace_of_the_run_once(tmp_path: Path) -> None:
                                         "finish_reason": "end"}]  # fmt: skip
     assert chat.attributes["mlflow.chat.tokenUsage"] == {"input_tokens": 7, "output_tokens": 1, "total_tokens": 8}
     assert chat.attributes[semconv.LLM_LATENCY_MS] == 500.0 and semconv.LLM_PROMPT_TOKEN_IDS not in chat.attributes
+    # The reward as an assessment too: the Traces tab's score column.
+    [assessment] = [each for each in trace.info.assessments if each.name == "reward"]
+    assert assessment.value == 1.0 and assessment.source.source_type == "CODE"
     tracker.end()

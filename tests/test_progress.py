@@ -33,3 +33,19 @@ def test_no_bar_when_the_output_is_not_a_terminal(monkeypatch, tmp_path: Path) -
     with progress_bar("train", TrainConfig(output_dir=str(tmp_path))):
         pass
     assert __import__("sys").stderr.getvalue() == ""
+
+
+def test_the_progress_line_numbers_iterations_as_prefect_the_table_and_mlflow_do() -> None:
+    """Iterations count from 0 everywhere (Prefect's subflows, the table, MLflow's steps); the line adds how many
+    are done. Checkpoint 10 is the weights after iteration 9, whose row holds its held-out reward."""
+    from flows.evaluate import evaluation_label
+    from lightning.run import Endpoints, Run
+    from lightning.stages import progress_line
+
+    run = Run(config=TrainConfig(iterations=30), endpoints=Endpoints(proxy_url="", model_name="policy"), queue="demo")
+    row = {"iteration": 9, "reward": 0.5, "val_reward": 0.75, "rollouts_ok": 256, "rollouts_failed": 0}
+    line = progress_line(run, {**row, "pg_loss": 0.1, "rollout_tokens_per_s": 100.0}, 2, 8.0)
+    assert line.startswith("iteration 9 (10/30) | reward 0.500 | val 0.750 |"), line
+    assert line.endswith("| 4.0 s/it | ETA 1m20s"), line  # the 20 iterations left at 4 s
+    assert evaluation_label(10) == "of checkpoint 10 (after iteration 9)"
+    assert evaluation_label(0) == "of checkpoint 0 (before training)"

@@ -3,7 +3,10 @@ config and endpoints, and a wait that times out cancels its leftovers so no late
 
 from __future__ import annotations
 
+import contextlib
 import pickle
+import re
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +15,16 @@ import pytest
 from lightning import stages
 from lightning.config import TrainConfig, load_config
 from lightning.run import Endpoints, Run, RunNotOpen
+
+
+@contextlib.asynccontextmanager
+async def opened(tmp_path: Path, **changes: Any) -> AsyncIterator[Run]:
+    """A run of `small_config`, open without a trainer, closed at the end."""
+    run = await Run.open(small_config(tmp_path, **changes), train=False)
+    try:
+        yield run
+    finally:
+        await run.close()
 
 
 def small_config(tmp_path: Path, **changes: Any) -> TrainConfig:
@@ -40,8 +53,7 @@ async def test_a_stage_given_a_run_that_is_not_open_says_so(tmp_path: Path) -> N
 
 @pytest.mark.slow
 async def test_leftovers_of_a_timed_out_wait_are_cancelled_and_never_run_later(tmp_path: Path) -> None:
-    run = await Run.open(small_config(tmp_path), train=False)
-    try:
+    async with opened(tmp_path) as run:
         resources_id = await stages.update_resources(run, "train")
         stranded = await stages.enqueue_rollouts(run, 0, resources_id)
         impatient = run.model_copy(update={"config": run.config.model_copy(update={"timeouts": _rollouts(0.2)})})
@@ -55,21 +67,16 @@ async def test_leftovers_of_a_timed_out_wait_are_cancelled_and_never_run_later(t
             assert await run.store.query_attempts(rollout_id) == []
         # Enqueuing iteration 0 again (a retry) hands back the cancelled rollouts; nothing runs them.
         assert await stages.enqueue_rollouts(run, 0, resources_id) == stranded
-    finally:
-        await run.close()
 
 
 @pytest.mark.slow
 async def test_a_run_sent_to_another_process_arrives_as_its_config_and_endpoints(tmp_path: Path) -> None:
-    run = await Run.open(small_config(tmp_path), train=False)
-    try:
+    async with opened(tmp_path) as run:
         copy = pickle.loads(pickle.dumps(run))
         assert not copy.is_open and copy.config == run.config and copy.endpoints == run.endpoints
         assert copy.model_dump(mode="json")["queue"] == "r"
         async with copy.connect_store() as store:  # where the run is not open: a connection of its own
             assert store is not run.store and await store.query_rollouts(queue="r") == []
-    finally:
-        await run.close()
     assert not run.is_open
     with pytest.raises(RunNotOpen):
         run.store  # noqa: B018
@@ -109,8 +116,7 @@ def _rollouts(seconds: float) -> Any:
 
 @pytest.mark.slow
 async def test_a_dead_server_or_proxy_is_restarted_and_the_rollouts_go_on(tmp_path: Path) -> None:
-    run = await Run.open(small_config(tmp_path), train=False)
-    try:
+    async with opened(tmp_path) as run:
         stack = run._parts.stack  # the run's own processes
         for child in stack.processes:  # the inference server, then the proxy
             child.process.kill()
@@ -118,23 +124,18 @@ async def test_a_dead_server_or_proxy_is_restarted_and_the_rollouts_go_on(tmp_pa
         ids, summary = await stages.collect_rollouts(run, 0)
         assert summary["succeeded"] == len(ids) == 4 * 2
         assert run.restarts() == 2
-    finally:
-        await run.close()
 
 
 @pytest.mark.slow
 async def test_a_server_past_its_restarts_fails_the_next_rollout_phase_naming_it(tmp_path: Path) -> None:
     from lightning.run import ServingError
 
-    run = await Run.open(small_config(tmp_path, inference={"max_restarts": 0}), train=False)
-    try:
+    async with opened(tmp_path, inference={"max_restarts": 0}) as run:
         server = run._parts.stack.processes[0]
         server.process.kill()
         await _until(lambda: run._parts.supervisor.failure is not None, "the supervisor gave up")
         with pytest.raises(ServingError, match=r"the inference server at http://127\.0\.0\.1:\d+ died or hung again"):
             await stages.collect_rollouts(run, 0)
-    finally:
-        await run.close()
 
 
 @pytest.mark.slow
@@ -143,8 +144,7 @@ async def test_a_run_that_makes_no_progress_logs_the_stacks_of_its_processes(
 ) -> None:
     from lightning.diagnose import collect_stacks
 
-    run = await Run.open(small_config(tmp_path, timeouts={"stall_warning": 2}), train=False)
-    try:
+    async with opened(tmp_path, timeouts={"stall_warning": 2}) as run:
         dumped = collect_stacks(run.run_dir / "stacks")
         for component in ("flow", "inference-server", "llm-proxy"):
             assert f"== {component} (pid " in dumped, dumped[:2000]
@@ -152,8 +152,46 @@ async def test_a_run_that_makes_no_progress_logs_the_stacks_of_its_processes(
         with caplog.at_level("WARNING", logger="lightning.run"):
             await _until(lambda: "nothing has finished for" in caplog.text, "the stall warning")
         assert "lightning debug stacks" in caplog.text and "== inference-server" in caplog.text
-    finally:
-        await run.close()
+
+
+@pytest.mark.slow
+async def test_a_finished_rollout_is_progress(tmp_path: Path) -> None:
+    async with opened(tmp_path) as run:
+        resources_id = await stages.update_resources(run, "train")
+        ids = await stages.enqueue_rollouts(run, 0, resources_id)
+        run.made_progress("nothing since")
+        await stages.run_runners(run, ids)
+        assert run._parts.progress_note == "a rollout"  # what the stall warning waits for
+
+
+@pytest.mark.slow
+async def test_a_server_that_does_not_start_in_time_fails_naming_it_and_what_it_logged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Start-up is bounded by `timeouts.startup`, each wait reported as it goes; the error names the process, its pid
+    and the end of its log; the MLflow run is left FAILED, saying why."""
+    from mlflow import MlflowClient
+
+    import lightning.stack
+
+    monkeypatch.setattr(lightning.stack, "REPORT_EVERY", 1.0)
+    config = small_config(tmp_path, timeouts={"startup": 4})
+    reported: list[str] = []
+    with pytest.raises(TimeoutError) as failed:
+        await Run.open(config, train=False, track=True, report=reported.append)
+    message = str(failed.value)
+    assert re.search(r"^the inference server \(pid \d+\) did not answer on http://127\.0\.0\.1:\d+ after 4 s", message)
+    assert "timeouts.startup (4 s; raise it on a slow or loaded machine)" in message
+    log = config.run_dir / "logs" / "inference.log"
+    assert f"the end of its log {log}:" in message and "starting inference server on http://127.0.0.1:" in message
+    assert message.rstrip().endswith(log.read_text().strip().splitlines()[-1].strip()), (message, log.read_text())
+    assert reported and all("waiting for the inference server (pid " in line for line in reported), reported
+    assert "s so far (timeouts.startup: 4 s); its log's last line: " in reported[-1]
+
+    client = MlflowClient(config.tracking_uri)
+    (mlflow_run,) = client.search_runs([client.get_experiment_by_name(config.experiment).experiment_id])
+    assert mlflow_run.info.status == "FAILED"
+    assert mlflow_run.data.tags["error"].startswith("opening the run failed: TimeoutError('the inference server")
 
 
 async def _until(condition: Any, what: str, timeout: float = 60.0) -> None:

@@ -32,7 +32,6 @@ from lightning.store import (
     contract,
 )
 from lightning.store import client as client_module
-from lightning.store import server as server_module
 from lightning.store.client import HttpLightningStore
 from lightning.store.server import create_app
 from lightning.types import PaginatedResult, Span
@@ -237,7 +236,6 @@ async def test_client_works_from_many_threads_and_loops(sql_store: SqlLightningS
 
 
 async def test_long_waits_span_several_requests(sql_store: SqlLightningStore, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(server_module, "MAX_WAIT_SECONDS", 0.2)
     monkeypatch.setattr(client_module, "MAX_WAIT_SECONDS", 0.2)
     monkeypatch.setattr(contract, "MAX_WAIT_SECONDS", 0.2)
     with serving(create_app(sql_store)) as url:
@@ -357,21 +355,32 @@ def test_cli_refuses_a_public_host_without_token() -> None:
     assert "--token" in refused.stderr and "0.0.0.0" in refused.stderr
 
 
-@pytest.fixture
-def served_by_cli(tmp_path: Path) -> Iterator[str]:
+@pytest.fixture(params=["token from the environment", "token and access log flags"])
+def served_by_cli(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """docs/store.md's form: `lightning store serve --host 127.0.0.1 --port 4747 --db sqlite:///... [--token T]`,
+    the token from $LIGHTNING_STORE_TOKEN or --token, and with `--access-log` a line per request."""
     port = free_port()
-    command = [sys.executable, "-m", "lightning.cli", "store", "serve", "--port", str(port)]
-    command += ["--db", f"sqlite:///{tmp_path / 'cli.db'}", "--log-level", "warning"]
-    env = {**os.environ, "LIGHTNING_STORE_TOKEN": TOKEN}
-    process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    command = [sys.executable, "-m", "lightning.cli", "store", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--db", f"sqlite:///{tmp_path / 'cli.db'}"]
+    env = {name: value for name, value in os.environ.items() if name != "LIGHTNING_STORE_TOKEN"}
+    flags = request.param == "token and access log flags"
+    if flags:
+        command += ["--token", TOKEN, "--access-log", "--log-level", "info"]
+    else:
+        command += ["--log-level", "warning"]
+        env["LIGHTNING_STORE_TOKEN"] = TOKEN
+    process = subprocess.Popen(
+        command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         yield url
     finally:
         process.send_signal(signal.SIGINT)
-        _, stderr = process.communicate(timeout=20)
+        stdout, stderr = process.communicate(timeout=20)
         assert process.returncode == 0, stderr
-        assert TOKEN not in stderr
+        assert TOKEN not in stderr and TOKEN not in stdout
+        assert ('"GET /health HTTP/1.1" 200' in stdout + stderr) == flags, (stdout, stderr)
 
 
 def test_cli_serves_a_store_that_answers_health(served_by_cli: str) -> None:
@@ -419,3 +428,38 @@ async def test_a_body_over_the_cap_is_a_413(sql_store: SqlLightningStore) -> Non
         assert traces.status_code == 413
         assert (await http.post("/v1/store/enqueue_rollout", json={"input": "x" * 100})).status_code == 200
     assert len(await sql_store.query_rollouts()) == 1
+
+
+# --- waiting requests -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/store/dequeue_rollout", {"wait": 3600, "queue": "q"}),
+        ("/v1/agl/queues/rollouts/dequeue", {"wait": 3600, "queue": "q"}),  # agent-lightning's wire
+    ],
+)
+async def test_a_waiting_claim_whose_client_left_claims_nothing(
+    sql_store: SqlLightningStore, path: str, body: dict
+) -> None:
+    """On both wires: the wait is the contract's (capped per request), and a claim stops waiting once its client is
+    gone, so a rollout enqueued after it left stays in the queue for someone who is there."""
+    with serving(create_app(sql_store)) as url:
+        async with httpx.AsyncClient(base_url=url) as http:
+            with pytest.raises(httpx.ReadTimeout):
+                await http.post(path, json=body, timeout=0.5)  # the client gives up and closes the connection
+        await asyncio.sleep(1.6)  # the server's next look (every second) sees it gone
+        rollout = await sql_store.enqueue_rollout({"n": 1}, queue="q")
+        await asyncio.sleep(1.2)
+        assert (await sql_store.get_rollout_by_id(rollout.rollout_id)).status == "queuing"
+
+
+def test_every_waiting_request_is_capped_by_the_contract() -> None:
+    """Which requests wait, and for how long one HTTP request may, is said once, on the contract."""
+    waiting = {request.method for request in contract.REQUESTS if request.wait_field is not None}
+    assert waiting == {"dequeue_rollout", "dequeue_many_rollouts", "claim_rollouts", "wait_for_rollouts"}
+    assert {request.method for request in contract.REQUESTS if request.claims} == waiting - {"wait_for_rollouts"}
+    assert contract.DequeueRollouts(wait=3600).capped().wait == contract.MAX_WAIT_SECONDS
+    assert contract.WaitForRollouts(rollout_ids=["a"]).capped().timeout == contract.MAX_WAIT_SECONDS
+    assert contract.WaitForRollouts(rollout_ids=["a"], timeout=2).capped().timeout == 2

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import argparse
 import os
-
-import torch
-import uvicorn
+import sys
 
 from lightning.devices import dtype_name
 from lightning.diagnose import dump_stacks_on_signal
-from lightning.inference.server import create_inference_app
+from lightning.environment import INFERENCE_API_KEY
 from lightning.lifeline import exit_with_parent
 from lightning.serving import is_loopback
 
@@ -21,7 +19,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", default=None, help="the model name clients send (default: dir name)")
-    parser.add_argument("--api-key", default=os.environ.get("LIGHTNING_INFERENCE_API_KEY"))
+    parser.add_argument("--api-key", default=os.environ.get(INFERENCE_API_KEY))
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N (default: cuda when available)")
     parser.add_argument(
@@ -40,6 +38,14 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(
             f"--host {args.host} is reachable from other machines; give --api-key (or LIGHTNING_INFERENCE_API_KEY)"
         )
+    # What it is doing while it starts (a minute on a loaded machine): the lines a run quotes if it is too slow.
+    _say(f"pid {os.getpid()}: importing torch and transformers")
+    import torch
+    import uvicorn
+
+    from lightning.inference.server import create_inference_app
+
+    _say(f"loading the model {args.model}")
     # One core is left to the HTTP event loop, which tokenizes prompts and streams responses.
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) - 1))
     app = create_inference_app(
@@ -52,8 +58,13 @@ def main(argv: list[str] | None = None) -> None:
         batch_invariant=args.batch_invariant,
     )
     engine = app.state.engine
-    print(f"serving {engine.model_path} on {engine.device} in {dtype_name(engine.dtype)}", flush=True)
+    _say(f"serving {engine.model_path} on {engine.device} in {dtype_name(engine.dtype)}")
+    _say(f"starting the HTTP server on http://{args.host}:{args.port}")
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+
+
+def _say(line: str) -> None:
+    print(f"lightning.inference: {line}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

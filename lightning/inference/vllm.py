@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
+from lightning.environment import VLLM_PYTHON
 from lightning.serving import is_loopback
 
 # Routes of the vLLM server this module relies on (read from vLLM's source of 2025-2026, not run against 0.33):
@@ -109,7 +110,7 @@ def _check_exposure(config: VllmConfig) -> None:
         )
 
 
-VLLM_PYTHON_ENV = "LIGHTNING_VLLM_PYTHON"
+VLLM_PYTHON_ENV = VLLM_PYTHON
 """A training run whose `inference.vllm` names neither `python` nor `executable` takes vLLM's Python from here."""
 
 

@@ -31,7 +31,16 @@ from lightning.proxy.writer import SpanWriter
 from lightning.seeding import turn_seed
 from lightning.serving import BearerAuth
 from lightning.store.base import LightningStore
-from lightning.types import LLM, OtelResource, ProxyLLM, Span, SpanContext, TraceStatus, route_signature
+from lightning.types import (
+    LLM,
+    POLICY_MODEL_NAME,
+    OtelResource,
+    ProxyLLM,
+    Span,
+    SpanContext,
+    TraceStatus,
+    route_signature,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +118,7 @@ class LLMProxy:
         store: LightningStore,
         backends: Sequence[Backend | str] = (),
         *,
-        model_name: str = "policy",
+        model_name: str = POLICY_MODEL_NAME,
         external_models: Sequence[ExternalModel] = (),
         token: str | None = None,
         agents_need_token: bool = True,

@@ -3,9 +3,10 @@ for frozen models and optimisers that are not trained; imported only when such a
 
 from __future__ import annotations
 
-import os
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
+
+from lightning.environment import litellm_offline
 
 if TYPE_CHECKING:
     from lightning.proxy.app import ExternalModel
@@ -13,7 +14,7 @@ if TYPE_CHECKING:
 
 def make_router(models: Sequence[ExternalModel]) -> Any:
     # Without this LiteLLM fetches its model price list from the internet at import.
-    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    litellm_offline()
     import litellm
 
     litellm.telemetry = False

@@ -10,6 +10,8 @@ import signal
 import sys
 import threading
 
+from lightning.environment import STORE_TOKEN
+
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m lightning.runner", description=__doc__)
@@ -72,7 +74,7 @@ def _token_hint(given: str | None) -> str:
             "The token given with --token is not the store server's. Pass the token `lightning store serve` was "
             "started with, by --token or in $LIGHTNING_STORE_TOKEN."
         )
-    if os.environ.get("LIGHTNING_STORE_TOKEN"):
+    if os.environ.get(STORE_TOKEN):
         return (
             "The token in $LIGHTNING_STORE_TOKEN is not the store server's. Set it to the token `lightning store "
             "serve` was started with, or pass that one with --token."

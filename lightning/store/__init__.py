@@ -3,6 +3,7 @@
 from typing import Any
 
 from lightning.agl_paths import missing
+from lightning.environment import STORE_TOKEN
 from lightning.store import contract
 from lightning.store.base import UNSET, LightningStore, Unset
 from lightning.store.contract import DEFAULT_QUEUE
@@ -21,7 +22,7 @@ def open_store(url: str, *, token: str | None = None, watchdog_interval: float |
         from lightning.credentials import expand
         from lightning.store.client import HttpLightningStore
 
-        return HttpLightningStore(expand(url), token=token or os.environ.get("LIGHTNING_STORE_TOKEN"))
+        return HttpLightningStore(expand(url), token=token or os.environ.get(STORE_TOKEN))
     return SqlLightningStore(url, watchdog_interval=watchdog_interval)
 
 

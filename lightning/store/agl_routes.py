@@ -26,8 +26,7 @@ from starlette.routing import Route
 
 from lightning.serving import BodyTooLarge, read_body
 from lightning.store import contract
-from lightning.store.base import LightningStore, describe_validation_error
-from lightning.store.contract import MAX_WAIT_SECONDS
+from lightning.store.base import LightningStore, describe_validation_error, handle_one_http_request
 from lightning.store.errors import InvalidArgumentError, StoreError, http_status
 
 logger = logging.getLogger(__name__)
@@ -118,10 +117,7 @@ def _endpoint(store: LightningStore, route: AglRoute) -> Callable[..., Any]:
             call = route.request.model_validate(fields)
             if isinstance(call, contract.Page) and call.limit == 0:
                 return _error(400, "Limit must be greater than 0 or -1 for no limit")
-            if isinstance(call, contract.WaitForRollouts):
-                cap = MAX_WAIT_SECONDS if call.timeout is None else min(call.timeout, MAX_WAIT_SECONDS)
-                call = call.model_copy(update={"timeout": cap})
-            result = await store.handle(call)
+            result = await handle_one_http_request(store, call, request.is_disconnected)
             body = answer_type.dump_python(result, mode="json")
             return JSONResponse(route.answer(body), status_code=route.status_code)
         except pydantic.ValidationError as exc:

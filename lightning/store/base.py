@@ -10,7 +10,7 @@ fields, passed by keyword.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import pydantic
@@ -34,6 +34,9 @@ from lightning.types import (
     TaskInput,
     Worker,
 )
+
+DISCONNECT_CHECK_SECONDS = 1.0
+"""A server waiting to claim work for a client looks this often whether the client is gone."""
 
 
 class Unset:
@@ -76,6 +79,24 @@ def describe_validation_error(exc: pydantic.ValidationError, whole: str = "argum
             message += f" (got {given if len(given) <= 80 else given[:77] + '...'})"
         problems.append(f"{where}: {message}")
     return "; ".join(problems)
+
+
+async def handle_one_http_request(
+    store: LightningStore, request: Request, client_gone: Callable[[], Awaitable[bool]]
+) -> Any:
+    """`request` as the store servers' routes carry it out (ours and agent-lightning's wire): a wait capped at
+    MAX_WAIT_SECONDS (the contract's `capped`); a claim waits in slices of DISCONNECT_CHECK_SECONDS and stops waiting
+    once `client_gone()`."""
+    request = request.capped()
+    if not request.claims:
+        return await store.handle(request)
+    remaining = request.waits_for() or 0.0
+    while True:
+        slice_ = min(remaining, DISCONNECT_CHECK_SECONDS)
+        claimed = await store.handle(request.waiting(slice_))
+        remaining -= slice_
+        if contract.claimed_any(claimed) or remaining <= 0 or await client_gone():
+            return claimed
 
 
 class LightningStore(ABC):

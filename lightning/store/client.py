@@ -142,7 +142,7 @@ class HttpLightningStore(LightningStore):
     async def handle(self, request: Request) -> Any:
         """POST the request to `/v1/store/<method>`; the answer as the method's response type. Waits longer than
         one request may wait (MAX_WAIT_SECONDS) are several requests."""
-        if isinstance(request, contract.DequeueRollout | contract.DequeueRollouts | contract.ClaimRollouts):
+        if request.claims:
             return await self._dequeue_in_slices(request)
         if isinstance(request, contract.WaitForRollouts):
             return await self._wait_in_slices(request)
@@ -157,14 +157,12 @@ class HttpLightningStore(LightningStore):
         body = request.model_dump_json(include=request.model_fields_set).encode()
         return answer.validate_json(await self._call(request.method, body, safe=request.repeatable(), wait=wait))
 
-    async def _dequeue_in_slices(
-        self, request: contract.DequeueRollout | contract.DequeueRollouts | contract.ClaimRollouts
-    ) -> Any:
+    async def _dequeue_in_slices(self, request: Request) -> Any:
         """Never repeated: a lost answer would leave a claimed rollout nobody runs."""
-        deadline = time.monotonic() + request.wait
+        deadline = time.monotonic() + (request.waits_for() or 0.0)
         while True:
             slice_ = min(max(deadline - time.monotonic(), 0.0), MAX_WAIT_SECONDS)
-            claimed = await self._send(request.model_copy(update={"wait": slice_}), wait=slice_)
+            claimed = await self._send(request.waiting(slice_), wait=slice_)
             if contract.claimed_any(claimed) or time.monotonic() >= deadline:
                 return claimed
 

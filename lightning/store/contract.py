@@ -14,7 +14,7 @@ Adding a filter to a query is a field here plus its condition in sql.py.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -60,10 +60,32 @@ class Request(BaseModel):
 
     method: ClassVar[str]
     response: ClassVar[Any]
+    wait_field: ClassVar[str | None] = None
+    """The field saying how long the request may wait for work or results (None: it answers at once). One HTTP
+    request waits at most MAX_WAIT_SECONDS (`capped`); a client waits longer in several."""
+    claims: ClassVar[bool] = False
+    """It claims rollouts: a server waiting for work on its behalf stops once its client is gone, so that it claims
+    nothing for nobody (a rollout claimed so would sit in `preparing` until the watchdog notices)."""
 
     def repeatable(self) -> bool:
         """Sending this request twice does no harm (the client repeats it after a lost answer)."""
         return False
+
+    def waits_for(self) -> float | None:
+        """Seconds it may wait (None: as long as it takes, for a wait without a timeout; 0: it does not wait)."""
+        return None if self.wait_field is None else getattr(self, self.wait_field)
+
+    def waiting(self, seconds: float | None) -> Self:
+        """This request, waiting `seconds` instead."""
+        assert self.wait_field is not None, f"{self.method} does not wait"
+        return self.model_copy(update={self.wait_field: seconds})
+
+    def capped(self) -> Self:
+        """This request as one HTTP request may carry it: waiting at most MAX_WAIT_SECONDS."""
+        if self.wait_field is None:
+            return self
+        seconds = self.waits_for()
+        return self.waiting(MAX_WAIT_SECONDS if seconds is None else min(seconds, MAX_WAIT_SECONDS))
 
 
 class Read(Request):
@@ -119,7 +141,16 @@ class StartRollout(Request):
     """Where a retry of it is queued (default: the default queue)."""
 
 
-class DequeueRollouts(Request):
+class Claiming(Request):
+    """A request that claims rollouts of `queue` (None: the default queue), waiting up to `wait` seconds for work."""
+
+    wait_field: ClassVar[str | None] = "wait"
+    claims: ClassVar[bool] = True
+    wait: float = Field(default=0.0, ge=0, description=f"seconds; one HTTP request waits at most {MAX_WAIT_SECONDS:g}")
+    queue: QueueName | None = Field(default=None, min_length=1, max_length=255)
+
+
+class DequeueRollouts(Claiming):
     """Claim up to `limit` rollouts of `queue`, oldest first: each becomes preparing with a new attempt. With an
     empty queue, answer at once, or wait up to `wait` seconds for work."""
 
@@ -127,22 +158,17 @@ class DequeueRollouts(Request):
     response: ClassVar[Any] = list[AttemptedRollout]
     limit: int = Field(default=1, ge=0, le=MAX_COUNT)
     worker_id: StoreText | None = None
-    wait: float = Field(default=0.0, ge=0, description=f"seconds; one HTTP request waits at most {MAX_WAIT_SECONDS:g}")
-    queue: QueueName | None = Field(default=None, min_length=1, max_length=255)
-    """None: the default queue."""
 
 
-class DequeueRollout(Request):
+class DequeueRollout(Claiming):
     """Claim the oldest rollout of `queue` (None when it stays empty for `wait` seconds)."""
 
     method: ClassVar[str] = "dequeue_rollout"
     response: ClassVar[Any] = AttemptedRollout | None
     worker_id: StoreText | None = None
-    wait: float = Field(default=0.0, ge=0, description=f"seconds; one HTTP request waits at most {MAX_WAIT_SECONDS:g}")
-    queue: QueueName | None = Field(default=None, min_length=1, max_length=255)
 
 
-class ClaimRollouts(Request):
+class ClaimRollouts(Claiming):
     """A runner's claim in one request: up to one rollout of `queue` for each of `worker_ids`, oldest first (the
     i-th claimed goes to `worker_ids[i]`), each with a new attempt already `running` under its worker, and the
     resources they name that the caller lacks: those whose id is not in `known_resources` (id -> the version the
@@ -154,8 +180,6 @@ class ClaimRollouts(Request):
     method: ClassVar[str] = "claim_rollouts"
     response: ClassVar[Any] = Claim
     worker_ids: list[StoreText] = Field(min_length=1, max_length=1024)
-    wait: float = Field(default=0.0, ge=0, description=f"seconds; one HTTP request waits at most {MAX_WAIT_SECONDS:g}")
-    queue: QueueName | None = Field(default=None, min_length=1, max_length=255)
     known_resources: dict[StoreText, int] = {}
 
 
@@ -217,6 +241,7 @@ class WaitForRollouts(Read):
     for the others."""
 
     method: ClassVar[str] = "wait_for_rollouts"
+    wait_field: ClassVar[str | None] = "timeout"
     response: ClassVar[Any] = list[Rollout]
     rollout_ids: list[StoreText]
     timeout: float | None = Field(

@@ -15,15 +15,13 @@ from fastapi.routing import APIRoute
 from lightning.serving import BearerAuth, BodyTooLarge, read_body
 from lightning.store import contract
 from lightning.store.agl_routes import PathToken, agl_routes
-from lightning.store.base import LightningStore, describe_validation_error
-from lightning.store.contract import MAX_WAIT_SECONDS, REQUESTS
+from lightning.store.base import LightningStore, describe_validation_error, handle_one_http_request
+from lightning.store.contract import REQUESTS
 from lightning.store.errors import InvalidArgumentError, StoreError, http_status
 from lightning.store.otlp import add_otlp_route, otlp_refusal
 
 logger = logging.getLogger(__name__)
 
-DISCONNECT_CHECK_SECONDS = 1.0
-"""A waiting dequeue looks this often whether its client is gone, so it claims nothing for nobody."""
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 """Largest request body accepted (413 beyond): a rollout's input or a batch of spans is far smaller."""
 
@@ -145,17 +143,12 @@ def _endpoint(store: LightningStore, request_type: type[contract.Request]) -> Ca
     """The route of one store method: the body is its request, handed to the store; waits are capped per request."""
 
     async def endpoint(body: contract.Request, request: Request) -> Any:
-        if isinstance(body, contract.DequeueRollout | contract.DequeueRollouts | contract.ClaimRollouts):
-            return await _dequeue(store, body, request)
-        if isinstance(body, contract.WaitForRollouts):
-            timeout = MAX_WAIT_SECONDS if body.timeout is None else min(body.timeout, MAX_WAIT_SECONDS)
-            body = body.model_copy(update={"timeout": timeout})
         if isinstance(body, contract.QuerySpans):
             # SqlLightningStore answers with the spans' stored JSON as is: no Span models built and dumped again.
             as_json = getattr(store, "query_spans_json", None)
             if as_json is not None:
                 return Response(await as_json(body), media_type="application/json")
-        return await store.handle(body)
+        return await handle_one_http_request(store, body, request.is_disconnected)
 
     endpoint.__name__ = request_type.method
     endpoint.__doc__ = request_type.__doc__
@@ -168,19 +161,3 @@ def _tag(method: str) -> str:
         if tag in method:
             return f"{tag}s".replace("resourcess", "resources")
     return "housekeeping"
-
-
-async def _dequeue(
-    store: LightningStore,
-    body: contract.DequeueRollout | contract.DequeueRollouts | contract.ClaimRollouts,
-    request: Request,
-) -> Any:
-    """Claim rollouts, waiting up to `wait` seconds (capped) in slices: a rollout claimed for a client that has
-    gone away would sit in `preparing` until the watchdog notices."""
-    remaining = min(body.wait, MAX_WAIT_SECONDS)
-    while True:
-        slice_ = min(remaining, DISCONNECT_CHECK_SECONDS)
-        claimed = await store.handle(body.model_copy(update={"wait": slice_}))
-        remaining -= slice_
-        if contract.claimed_any(claimed) or remaining <= 0 or await request.is_disconnected():
-            return claimed
