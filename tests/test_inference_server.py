@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -500,6 +502,15 @@ def test_cli_refuses_a_public_host_without_api_key(model_dir: Path, capsys: pyte
         inference_main(["--model", str(model_dir), "--host", "0.0.0.0"])
     assert exit_info.value.code == 2
     assert "--api-key" in capsys.readouterr().err
+
+
+def test_the_lightning_command_serves_inference_too(model_dir: Path) -> None:
+    """`lightning inference serve` is `python -m lightning.inference`: the same options, the same refusal."""
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning.cli", "inference", "serve", "--model", str(model_dir), "--host", "0.0.0.0"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2 and "--api-key" in done.stderr, done.stderr
 
 
 async def _sampled(engine: Any, prompts: list[list[int]], seed: int) -> list[tuple[list[int], list[float]]]:

@@ -571,12 +571,13 @@ async def test_a_tools_request_through_litellm_reaches_the_backend_and_its_span(
 
 def test_the_proxy_command_answers_the_name_it_advertises(tmp_path: Path) -> None:
     """`lightning proxy serve --backend URL` in front of a server that serves another name (as the embedded server
-    serves `tiny`): what its /v1/models lists is what it answers."""
+    serves `tiny`): what its /v1/models lists is what it answers. With `--any-agent-key` an agent's own key is
+    served; the admin routes still need the token."""
     port = free_port()
     with backends() as [(backend, url)]:
         backend.served_models = ["tiny"]
         command = [sys.executable, "-m", "lightning.cli", "proxy", "serve", "--backend", url, "--port", str(port)]
-        command += ["--store", f"sqlite:///{tmp_path}/store.db"]
+        command += ["--store", f"sqlite:///{tmp_path}/store.db", "--token", "the-token", "--any-agent-key"]
         process = subprocess.Popen(command, cwd=Path(__file__).resolve().parent.parent)
         try:
             base = f"http://127.0.0.1:{port}/v1"
@@ -591,10 +592,11 @@ def test_the_proxy_command_answers_the_name_it_advertises(tmp_path: Path) -> Non
             [advertised] = [model["id"] for model in models["data"]]
             plain = openai.OpenAI(base_url=base, api_key="unused", max_retries=0)
             response = plain.chat.completions.create(model=advertised, messages=MESSAGES)
+            admin = httpx.get(f"http://127.0.0.1:{port}/admin/status", headers={"authorization": "Bearer unused"})
         finally:
             process.terminate()
             process.wait(timeout=30)
-    assert advertised == "policy"
+    assert advertised == "policy" and admin.status_code == 401
     assert response.choices[0].message.content == "".join(ANSWER)
     assert [request["model"] for request in backend.requests] == ["tiny"]
 
