@@ -172,3 +172,8 @@ def test_each_documented_make_target_runs_what_it_says() -> None:
         shown = subprocess.run(["make", "-n", "-B", target], cwd=REPO, capture_output=True, text=True, timeout=60)
         assert shown.returncode == 0, shown.stderr
         assert runs in shown.stdout, (target, shown.stdout)
+
+
+def test_the_readme_stays_under_twelve_thousand_characters() -> None:
+    """The README is the two commands, a first agent and pointers; the rest lives in docs/."""
+    assert len((REPO / "README.md").read_text()) < 12_000
