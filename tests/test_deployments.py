@@ -63,6 +63,9 @@ def small_config(tmp_path: Path) -> dict[str, Any]:
         "eval_sampling": {"temperature": 0.0, "max_tokens": 2}, "max_prompt_length": 64, "max_response_length": 4,
         "algorithm": {"lr": 1e-3, "kl_coef": 0.0, "micro_batch_size": 64, "entropy_coef": 0.01},
         "checkpoint": {"keep_last": 5}, "trainer_threads": 1,
+        # The demo's dynamic sampling draws extra tasks for flat groups, a number that depends on the sampled
+        # rewards; off here, so every enqueued rollout can be counted against iterations x batch x samples.
+        "dynamic_sampling": False,
         "store_url": f"sqlite:///{tmp_path / 'store.db'}", "tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}",
         "output_dir": str(tmp_path / "runs"),
     }  # fmt: skip

@@ -103,6 +103,8 @@ async def test_train_runs_two_iterations_of_seven_stages_and_reports_them(tmp_pa
     mlflow = MlflowClient(config.tracking_uri)
     run_id = summary["mlflow_run_id"]
     assert [m.step for m in mlflow.get_metric_history(run_id, "reward")] == [0, 1]
+    for plateau_sign in ("zero_adv_groups", "entropy", "clip_frac", "grad_norm", "response_length"):
+        assert [m.step for m in mlflow.get_metric_history(run_id, plateau_sign)] == [0, 1], plateau_sign
     assert [m.step for m in mlflow.get_metric_history(run_id, "val.reward_mean")] == [0, 2]
     assert mlflow.get_run(run_id).info.status == "FINISHED"
     assert mlflow.get_run(run_id).data.params["config.run_name"] == "t"
@@ -130,6 +132,7 @@ async def test_train_runs_two_iterations_of_seven_stages_and_reports_them(tmp_pa
         table = json.loads(max(artifacts, key=lambda a: a.created).data)
         assert [row["iteration"] for row in table] == [0, 1]
         assert {"reward", "pg_loss", "rollouts_ok", "rollouts_failed", "rollout_tokens_per_s"} <= set(table[0])
+        assert {"zero_adv_groups", "entropy", "clip_frac", "grad_norm", "response_length"} <= set(table[0])
         assert "kl" not in table[0]  # no KL term in this run: no empty column
         (progress,) = await client.read_artifacts(
             artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["t-progress"]))
