@@ -349,8 +349,8 @@ class TrainConfig(BaseModel):
     """The same config and seed give the same run: the embedded inference server decodes each sequence on its own
     (batch-invariant: its tokens do not depend on which requests share a batch), vLLM runs its batch-invariant mode
     (VLLM_BATCH_INVARIANT, GPU), and the trainer uses torch's deterministic algorithms. It costs the server's
-    batching: on the demo, rollouts take about N times as long (docs/benchmarks.md). Off, every completion is still
-    seeded, and runs drift apart only through batch numerics."""
+    batching: on the demo, a 10-iteration run took 1.15 times as long (docs/benchmarks.md). Off, every completion is
+    still seeded, and runs drift apart only through batch numerics (none measured on the demo on a CPU)."""
     apo: ApoConfig | None = None
     """Prompt optimisation by the `optimize_prompt` flow (None: none). When set, every flow's rollouts also get
     the seed prompt as the PromptTemplate resource `apo.resource_name`."""
