@@ -200,6 +200,9 @@ def _serve(
     from lightning.diagnose import dump_stacks_on_signal
     from lightning.lifeline import exit_with_parent
 
+    # A process group of its own: Ctrl-C in a terminal reaches the run, which stops the trainer itself, after
+    # any update in flight.
+    os.setpgid(0, 0)
     exit_with_parent(parent)
     dump_stacks_on_signal(stacks_dir, "trainer")
     if deterministic:
