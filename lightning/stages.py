@@ -41,6 +41,10 @@ class RolloutsFailed(RuntimeError):
     """Too few of an iteration's rollouts succeeded, even after running the others again."""
 
 
+class NoTrainingRows(RuntimeError):
+    """An iteration's rollouts left nothing to train on (no reward, no LLM call through the run, prompts too long)."""
+
+
 # --- the rollout phase ------------------------------------------------------------------------------------
 
 
@@ -321,15 +325,20 @@ async def rollouts_failed(run: Run, iteration: int, rollout_ids: Sequence[str], 
 
     rollouts = await run.store.query_rollouts(rollout_id_in=list(rollout_ids))
     endings = Counter(r.attempt.status if isinstance(r, AttemptedRollout) else "no attempt" for r in rollouts)
-    errors = "".join(f"\n  {line}" for line in await agent_errors(run.store, rollout_ids))
+    errors = await agent_errors(run.store, rollout_ids)
+    # The first line says why (what the agent raised first, or how the attempts ended): the command's last line.
+    if errors:
+        why = f"the agent raised {errors[0].split(': ', 1)[1]}"
+    else:
+        why = f"no agent error recorded; latest attempts {dict(endings)} (timed out, or their runners went silent)"
+    more = "".join(f"\n  {line}" for line in errors)
     return RolloutsFailed(
-        f"iteration {iteration}: {summary['succeeded']} of {summary['rollouts']} rollouts succeeded after "
-        f"{run.config.rollout_retries} more round(s) for the others, short of min_success_fraction "
-        f"{run.config.min_success_fraction:g}; latest attempts: {dict(endings)}; serving restarts so far: "
-        f"{run.restarts()}; "
-        + (f"the agent raised (the first failed rollouts; the rest in their spans):{errors}" if errors else
-           "no agent error recorded (the attempts timed out or their runners went silent)")
-    )  # fmt: skip
+        f"iteration {iteration}: {summary['succeeded']} of {summary['rollouts']} rollouts succeeded, short of "
+        f"min_success_fraction {run.config.min_success_fraction:g}: {why}\n"
+        f"after {run.config.rollout_retries} more round(s) for the others; latest attempts: {dict(endings)}; serving "
+        f"restarts so far: {run.restarts()}"
+        + (f"; the first failed rollouts (the rest in their spans):{more}" if errors else "")
+    )
 
 
 @dataclass(frozen=True)
@@ -420,10 +429,13 @@ async def adapt_spans(run: Run, iteration: int, rollout_ids: Sequence[str]) -> d
     triplets, dropped_groups = adapted.triplets, 0
     if config.dynamic_sampling:
         triplets, dropped_groups = informative_groups(triplets, config.batch_size)
-    batch = TrainingBatch.from_triplets(
-        triplets, pad_token_id=run.tokenizer().pad_token_id, max_prompt_length=config.max_prompt_length,
-        max_response_length=config.max_response_length,
-    )  # fmt: skip
+    try:
+        batch = TrainingBatch.from_triplets(
+            triplets, pad_token_id=run.tokenizer().pad_token_id, max_prompt_length=config.max_prompt_length,
+            max_response_length=config.max_response_length,
+        )  # fmt: skip
+    except ValueError as exc:  # not one row: say why, from what the adapter and the batch dropped
+        raise NoTrainingRows(no_rows_reason(run, iteration, len(rollout_ids), adapted.report, str(exc))) from None
     path = run.run_dir / "batches" / f"iteration-{iteration:06d}"
     path.parent.mkdir(parents=True, exist_ok=True)
     batch.save(path)
@@ -436,6 +448,32 @@ async def adapt_spans(run: Run, iteration: int, rollout_ids: Sequence[str]) -> d
         "batch": batch.report(),
         "dropped_flat_groups": dropped_groups,
     }
+
+
+def no_rows_reason(run: Run, iteration: int, rollouts: int, report: Any, batch_error: str) -> str:
+    """Why an iteration has nothing to train on, each cause with its fix, on one line."""
+    causes = []
+    if report.rollouts_without_reward:
+        causes.append(
+            f"{report.rollouts_without_reward} had no reward (the agent returned None and emitted none: return a "
+            "number, or call emit_reward)"
+        )
+    if report.rollouts_without_llm_calls:
+        causes.append(
+            f"{report.rollouts_without_llm_calls} made no LLM call through the run's proxy (call the LLM resource's "
+            "endpoint)"
+        )
+    if report.calls_without_token_ids:
+        causes.append(f"{report.calls_without_token_ids} LLM calls came back without token ids")
+    if "'prompt_too_long': 0" not in batch_error and "prompt_too_long" in batch_error:
+        causes.append(
+            f"prompts longer than max_prompt_length {run.config.max_prompt_length} (raise it, or shorten them)"
+        )
+    return (
+        f"iteration {iteration}: nothing to train on from {rollouts} rollouts: "
+        + ("; ".join(causes) if causes else "see the adapter's report")
+        + f" ({batch_error})"
+    )
 
 
 def informative_groups(triplets: Sequence[Triplet], limit: int) -> tuple[list[Triplet], int]:

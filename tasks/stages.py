@@ -84,8 +84,8 @@ def _retry_only(*kinds: type[BaseException]) -> Any:
     return condition
 
 
-NOT_TRANSIENT = (RunStopped, NoSpaceLeft)
-"""Failures a retry would only repeat: the run was asked to stop; the disk is full."""
+NOT_TRANSIENT = (RunStopped, NoSpaceLeft, stages.NoTrainingRows)
+"""Failures a retry would only repeat: the run was asked to stop; the disk is full; the rollouts left no row."""
 TRANSIENT = {
     "retries": 2, "retry_delay_seconds": [2, 10], "retry_jitter_factor": 0.5,
     "retry_condition_fn": _retry_unless(*NOT_TRANSIENT),
