@@ -7,24 +7,12 @@ import asyncio
 import zlib
 from typing import Any
 
-from examples.copy_task.agent import reward
 from lightning.agent import rollout
 from lightning.tracing import emit_message
 from lightning.types import LLM
+from support.agents import copy_reward
 
 BAD_REWARDS: dict[str, Any] = {"nan": float("nan"), "inf": float("inf"), "none": None, "string": "0.5", "huge": 1e308}
-
-
-async def _call(task: dict[str, Any], llm: LLM) -> float:
-    import httpx
-    from openai import AsyncOpenAI
-
-    async with httpx.AsyncClient(timeout=60) as http:
-        client = AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key or "unused", max_retries=0, http_client=http)
-        response = await client.chat.completions.create(
-            model=llm.model, messages=[{"role": "user", "content": task["letters"]}], **llm.sampling_parameters
-        )
-    return reward(response.choices[0].message.content or "", task["target"])
 
 
 @rollout
@@ -35,7 +23,7 @@ async def misbehaving_agent(task: dict[str, Any], llm: LLM) -> Any:
     kind = task.get("misbehave")
     if kind == "hang":
         await asyncio.sleep(3600)
-    got = await _call(task, llm)
+    got = await copy_reward(task, llm)
     if kind in BAD_REWARDS:
         return BAD_REWARDS[kind]
     if kind == "raise30" and zlib.crc32(task["letters"].encode()) % 10 < 3:
