@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import contextvars
@@ -17,25 +16,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from flows.arguments import flow_arguments, parse_overrides
 from flows.secret_blocks import URL_FIELDS, export_secret_blocks
 from lightning import owner, preflight, stopping
 from lightning.config import ConfigError, load_config
 from lightning.credentials import references
 from lightning.environment import PREFECT_UI
 from lightning.metrics import LOCAL_PREFECT_UI, LOCAL_UI, is_server, ui_command
-
-
-def parse_overrides(pairs: list[str]) -> dict[str, Any]:
-    """`algorithm.lr=1e-4` -> {"algorithm.lr": 0.0001}; values are read as YAML (numbers, booleans, lists)."""
-    overrides = {}
-    for pair in pairs:
-        name, sep, text = pair.partition("=")
-        if not sep or not name:
-            raise ConfigError(f"--set {pair!r}: write field=value, e.g. --set algorithm.lr=1e-4")
-        overrides[name] = yaml.safe_load(text)
-    return overrides
 
 
 @contextlib.contextmanager
@@ -136,14 +123,7 @@ def _names_secret_blocks(config: Any) -> bool:
 
 
 def run_flow_cli(flow: Any, argv: list[str] | None, description: str | None) -> Any:
-    parser = argparse.ArgumentParser(
-        prog=f"python -m flows.{flow.name}",
-        description=description,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("config", help="a YAML file of TrainConfig fields (see examples/copy_task/demo.yaml)")
-    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a field (dotted)")
-    args = parser.parse_args(argv)
+    args = flow_arguments(flow.name, description).parse_args(argv)
     command = shlex.join(sys.orig_argv if argv is None else [sys.executable, "-m", f"flows.{flow.name}", *argv])
     lock = None
     try:

@@ -9,6 +9,13 @@ server's UI (deployments of these flows are in prefect.yaml).
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__":  # a twin of a live run is refused before Prefect is imported (seconds under load)
+    from flows.arguments import refuse_a_twin
+
+    refuse_a_twin(sys.argv[1:])
+
 import math
 import time
 from typing import Any

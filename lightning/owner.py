@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import socket
 import sys
 import time
@@ -41,7 +42,12 @@ def acquire(run_dir: Path, run_name: str) -> RunLock | None:
     another live process holds it."""
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK_NAME
-    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "command": " ".join(sys.argv)}
+    me = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": time.time(),
+        "command": shlex.join(sys.orig_argv),
+    }
     for _ in range(20):
         try:
             descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -61,12 +67,7 @@ def acquire(run_dir: Path, run_name: str) -> RunLock | None:
         if pid == me["pid"] and host == me["host"]:
             return None
         if host == me["host"] and isinstance(pid, int) and _alive(pid):
-            raise RunLocked(
-                f"run {run_name!r} is being trained by pid {pid} on {host} (since "
-                f"{time.strftime('%H:%M:%S', time.localtime(owner.get('started', 0)))}: {owner.get('command', '?')}); "
-                f"wait for it, stop it (Ctrl-C or kill -TERM {pid}), or give this run another run_name "
-                f"(--set run_name=...)"
-            )
+            raise RunLocked(_held_message(run_name, owner))
         if host not in (None, me["host"]):
             raise RunLocked(
                 f"run {run_name!r} is held by pid {pid} on {host} ({path}), which this machine cannot check; if that "
@@ -80,6 +81,26 @@ def acquire(run_dir: Path, run_name: str) -> RunLock | None:
             continue
         stale.unlink(missing_ok=True)
     raise RunLocked(f"run {run_name!r}: could not take its lock {path}; delete it if no process trains this run")
+
+
+def check_owner(run_dir: Path, run_name: str) -> None:
+    """Raise RunLocked if another live process of this host holds the run's lock (taking nothing)."""
+    path = run_dir / LOCK_NAME
+    owner = _read(path)
+    if owner is None or owner.get("host") != socket.gethostname() or owner.get("pid") == os.getpid():
+        return
+    pid = owner.get("pid")
+    if isinstance(pid, int) and _alive(pid):
+        raise RunLocked(_held_message(run_name, owner))
+
+
+def _held_message(run_name: str, owner: dict) -> str:
+    pid = owner.get("pid")
+    return (
+        f"run {run_name!r} is being trained by pid {pid} on {owner.get('host')} (since "
+        f"{time.strftime('%H:%M:%S', time.localtime(owner.get('started', 0)))}: {owner.get('command', '?')}); "
+        f"wait for it, stop it (Ctrl-C or kill -TERM {pid}), or give this run another run_name (--set run_name=...)"
+    )
 
 
 def _read(path: Path) -> dict | None:

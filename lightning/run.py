@@ -483,6 +483,8 @@ class Supervisor:
             try:
                 with parts.serving_lock:
                     self._check(parts)
+            except stopping.RunStopped:  # a restart cut short by the run's stop: the run stops its servers itself
+                return
             except Exception as exc:
                 self.failure = f"restarting the run's serving parts failed: {exc}"
                 logger.exception(self.failure)

@@ -16,7 +16,9 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -443,3 +445,36 @@ def check_twin_refused(command: list[str], env: dict[str, str], cwd: Path, owner
     assert last.startswith("error: run ") and f"is being trained by pid {owner_pid} on " in last, last
     assert took < TWIN_REFUSED_SECONDS, f"the twin took {took:.1f} s to be refused"
     print(f"\ntwin refused in {took:.1f} s: {last}")
+
+
+def test_a_full_disk_at_checkpoint_time_fails_in_one_line_and_the_run_resumes_once_freed(
+    prefect_server: PrefectServer, tmp_path: Path
+) -> None:
+    """The disk is full for the first checkpoint (checkpoint.reserve_mb past what is free: a size-capped directory
+    that needs no mount); once freed, the same run resumes and finishes."""
+    data = {**fault_config(tmp_path, "disk-full"), "iterations": 2}
+    config = validate_config(data)
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(yaml.safe_dump(data))
+    command = [sys.executable, "-m", "flows.train", str(config_path)]
+    free_mb = shutil.disk_usage(tmp_path).free / 2**20
+    full = subprocess.run(
+        [*command, "--set", f"checkpoint.reserve_mb={free_mb + 1000:.0f}"], env=prefect_server.env, cwd=tmp_path,
+        capture_output=True, text=True, timeout=RUN_TIMEOUT,
+    )  # fmt: skip
+    assert full.returncode == 1, full.stderr[-5000:]
+    last = full.stderr.strip().splitlines()[-1]
+    checkpoints = config.run_dir / "checkpoints"
+    assert re.fullmatch(rf"error: NoSpaceLeft: no space left on {checkpoints}: \d+ MB needed, \d+ free .*", last), last
+    assert full.stderr.count("no space left on") <= 4, "retried: a full disk stays full"
+    assert not list(checkpoints.glob("step-*")) and not list(checkpoints.glob(".tmp-*")), "a checkpoint was written"
+    log = tmp_path / "train.log"
+    log.write_text(full.stdout + full.stderr + "\n=== space freed; started again ===\n")
+    second = start_logged(command, log, env=prefect_server.env, cwd=tmp_path)
+    try:
+        assert second.wait(RUN_TIMEOUT) == 0, tail(log)
+    finally:
+        stop_process_group(second)
+    final = load_checkpoint(latest_checkpoint(checkpoints))
+    assert final.step == 2 and [row["iteration"] for row in recorded_history(config)] == [0, 1]
+    print(f"\ndisk full: {last}")
