@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -127,3 +128,43 @@ async def test_a_stop_ends_a_wait_for_rollouts_within_its_poll(tmp_path: Path) -
     assert finished == [] and time.monotonic() - started < 0.3 + 2 * stopping.POLL_SECONDS
     with pytest.raises(stopping.RunStopped, match=r"ppo_step \(3\) not started: the run was asked to stop \(SIGINT\)"):
         stopping.check("ppo_step (3)")
+
+
+STUCK = """
+import sys, time
+from flows.cli import GracefulStop
+stop = GracefulStop(float(sys.argv[1]), "python -m flows.train run.yaml")
+with stop.handling_signals():
+    print("running", flush=True)
+    stop.run(lambda: time.sleep(120))  # a flow that never notices the stop
+"""
+
+
+def stuck_command(grace: float) -> subprocess.Popen:
+    process = subprocess.Popen(
+        [sys.executable, "-c", STUCK, str(grace)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+    )  # fmt: skip
+    assert process.stdout is not None and process.stdout.readline().strip() == "running"
+    return process
+
+
+@pytest.mark.slow  # imports Prefect in a subprocess, twice
+@pytest.mark.parametrize("how", ["a second SIGINT", "timeouts.stop"])
+def test_a_command_that_does_not_stop_ends_at_once_on_a_second_signal_or_past_the_setting(how: str) -> None:
+    process = stuck_command(grace=60 if how == "a second SIGINT" else 1)
+    try:
+        started = time.monotonic()
+        process.send_signal(signal.SIGINT)
+        if how == "a second SIGINT":
+            time.sleep(0.5)
+            process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=20)
+    finally:
+        process.kill()
+    took = time.monotonic() - started
+    assert process.returncode == 130, err
+    assert took < 5, f"{how}: ended {took:.1f} s after the first signal"
+    last = err.strip().splitlines()[-1]
+    ending = "SIGINT again: ending now." if how == "a second SIGINT" else "the run did not stop within 1 s"
+    assert last.startswith(ending) and last.endswith("Resume with: python -m flows.train run.yaml"), last
