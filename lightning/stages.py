@@ -645,9 +645,9 @@ def stopped_summary(run: Run, cancelled: int) -> str:
     """What a stopped run kept: its checkpoints (each with the history up to it, in MLflow too) and the rollouts
     that finished; what it cancelled, to run again when it resumes."""
     done, total = run.completed_iterations(), run.config.iterations
-    kept = f"checkpoint {done} ({done} of {total} iterations trained)" if done else "no iteration trained yet"
+    kept = f"checkpoint {done} ({done} of {total} iterations trained) and " if done else ""
     return (
-        f"run {run.name} stopped before finishing iteration {done}: kept {kept} and every rollout that finished; "
+        f"run {run.name} stopped before finishing iteration {done}: kept {kept}every rollout that finished; "
         f"{cancelled} unfinished rollouts cancelled, to run again when it resumes"
     )
 
