@@ -36,7 +36,7 @@ def check_free_space(directory: Path, needed: int, reserve_mb: float = 0.0) -> N
     wanted = needed + reserve_mb * MB
     if free < wanted:
         raise NoSpaceLeft(
-            f"no space left on {directory}: {wanted / MB:.0f} MB needed, {free / MB:.0f} free (the checkpoint "
-            f"{needed / MB:.0f} MB, checkpoint.reserve_mb {reserve_mb:g}); free space there (or lower "
+            f"no space left on {directory}: {wanted / MB:.1f} MB needed, {free / MB:.1f} free (the checkpoint "
+            f"{needed / MB:.1f} MB, checkpoint.reserve_mb {reserve_mb:g}); free space there (or lower "
             "checkpoint.keep_last), then run the same command again: the run resumes from its latest checkpoint"
         )
