@@ -66,5 +66,7 @@ def test_what_the_agent_raised_reaches_the_terminal(tmp_path: Path) -> None:
     assert done.returncode != 0
     # The command's last line says it: the first error the agent raised.
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: RolloutsFailed: iteration 0:") and "the agent raised TypeError" in last, last
+    assert re.match(
+        r"error: RolloutsFailed: iteration \d+: 0 of 32 rollouts succeeded, .*: the agent raised TypeError", last
+    )
     assert re.search(r"TypeError: .*max_token.* \(at examples/first_agent/agent\.py:\d+ in first_letter\)", done.stderr)
