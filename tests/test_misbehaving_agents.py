@@ -120,10 +120,11 @@ async def test_an_agent_that_emits_10000_spans_is_stored_and_trained_on_once(tmp
         ids, summary = await stages.collect_rollouts(run, 0)
         took = time.monotonic() - started
         batch = await stages.adapt_spans(run, 0, ids)
+        adapted = time.monotonic() - started - took
         spans = await run.store.query_latest_spans(ids)
     assert summary["succeeded"] == 1 and batch["rows"] == 1  # its one LLM call, whatever else it emitted
     assert [len(found) > 10_000 for found in spans.values()] == [True]
-    print(f"\na rollout of 10,000 spans: {took:.1f} s")
+    print(f"\na rollout of 10,000 spans: {took:.1f} s, its adapter {adapted:.1f} s")
 
 
 async def test_a_prompt_longer_than_max_prompt_length_is_dropped_and_counted(tmp_path: Path) -> None:
