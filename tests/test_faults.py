@@ -207,6 +207,15 @@ def _telling(line: str) -> bool:
 # --- what must hold ---------------------------------------------------------------------------------------
 
 
+def mlflow_run(config: TrainConfig) -> Any:
+    client = MlflowClient(config.tracking_uri)
+    [run] = client.search_runs(
+        [client.get_experiment_by_name(config.experiment).experiment_id],
+        filter_string=f"attributes.run_name = '{config.run_name}'",
+    )
+    return run
+
+
 def assert_invariants(config: TrainConfig, log: Path) -> None:
     rollouts = asyncio.run(_train_rollouts(config))
     keys = Counter((r.metadata["iteration"], r.metadata["task_index"]) for r in rollouts)
@@ -357,6 +366,7 @@ def test_ctrl_c_in_a_terminal_stops_the_run_and_the_same_command_resumes_it(tmp_
         terminal.kill()
     assert_stopped(code, took, signal.SIGINT, config, log)
     assert_gone(family, log, timeout=2.0)  # every server stopped by the run itself, the temporary Prefect one last
+    assert mlflow_run(config).info.status == "KILLED"
     resume = resume_command(log)
     assert resume == shlex.join(command)
     with open(log, "a") as separator:
