@@ -2,36 +2,27 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
+import contextvars
 import json
 import os
+import shlex
+import signal
 import sys
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from flows.arguments import flow_arguments, parse_overrides
 from flows.secret_blocks import URL_FIELDS, export_secret_blocks
-from lightning import preflight
+from lightning import owner, preflight, stopping
 from lightning.config import ConfigError, load_config
 from lightning.credentials import references
 from lightning.environment import PREFECT_UI
 from lightning.metrics import LOCAL_PREFECT_UI, LOCAL_UI, is_server, ui_command
-
-
-def parse_overrides(pairs: list[str]) -> dict[str, Any]:
-    """`algorithm.lr=1e-4` -> {"algorithm.lr": 0.0001}; values are read as YAML (numbers, booleans, lists)."""
-    overrides = {}
-    for pair in pairs:
-        name, sep, text = pair.partition("=")
-        if not sep or not name:
-            raise ConfigError(f"--set {pair!r}: write field=value, e.g. --set algorithm.lr=1e-4")
-        overrides[name] = yaml.safe_load(text)
-    return overrides
 
 
 @contextlib.contextmanager
@@ -132,29 +123,128 @@ def _names_secret_blocks(config: Any) -> bool:
 
 
 def run_flow_cli(flow: Any, argv: list[str] | None, description: str | None) -> Any:
-    parser = argparse.ArgumentParser(
-        prog=f"python -m flows.{flow.name}",
-        description=description,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("config", help="a YAML file of TrainConfig fields (see examples/copy_task/demo.yaml)")
-    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a field (dotted)")
-    args = parser.parse_args(argv)
+    args = flow_arguments(flow.name, description).parse_args(argv)
+    command = shlex.join(sys.orig_argv if argv is None else [sys.executable, "-m", f"flows.{flow.name}", *argv])
+    lock = None
     try:
         config = load_config(args.config, **parse_overrides(args.set))
+        # One run, one owner, checked before anything starts: a twin is refused in the seconds of an import.
+        lock = owner.acquire(config.run_dir, config.run_name) if flow.name == "train" else None
         if _names_secret_blocks(config):
             asyncio.run(export_secret_blocks(config))  # from the Prefect server that holds them
         preflight.check(config, optimiser=flow.name == "optimize_prompt")  # seconds, before anything starts
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        _release(lock)
         raise SystemExit(2) from None
+    except owner.RunLocked as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
+    stop = GracefulStop(config.timeouts.stop, command)
     prefect_log = config.run_dir / "logs" / "prefect-server.log"
-    with temporary_prefect_server(prefect_log, config.timeouts.startup), progress_bar(flow.name, config):
-        result = asyncio.run(flow(config))
+    try:
+        with (
+            stop.handling_signals(),
+            temporary_prefect_server(prefect_log, config.timeouts.startup),
+            progress_bar(flow.name, config),
+        ):
+            result = stop.run(lambda: asyncio.run(flow(config)))
+    except stopping.RunStopped as exc:
+        print(f"\nstopped ({stopping.reason()}): {exc}. Resume with: {command}", file=sys.stderr, flush=True)
+        raise SystemExit(stop.exit_code) from None
+    except Exception as exc:
+        if stopping.stop_requested():  # what the stop cut short may fail otherwise; it stopped all the same
+            print(f"\nstopped ({stopping.reason()}) with {_one_line(exc)}. Resume with: {command}", file=sys.stderr)
+            raise SystemExit(stop.exit_code) from None
+        print(f"\nerror: {_one_line(exc)}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    finally:
+        _release(lock)
     print(json.dumps(result, indent=2, default=str))
     if isinstance(result, dict) and "reward_after" in result:
         print(where_to_look(config, result))
     return result
+
+
+def _release(lock: owner.RunLock | None) -> None:
+    if lock is not None:
+        lock.release()
+
+
+def _one_line(exc: BaseException) -> str:
+    """The error as the one line a command ends with: its type and the first line of its message (the flow's log
+    above holds the rest, with the traceback)."""
+    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+class GracefulStop:
+    """Ctrl-C and SIGTERM for a command that runs a flow. The flow runs on a thread of its own (`run`), and the main
+    thread only waits for it and handles the signals: Prefect's engine swaps in a SIGTERM handler of its own (it
+    raises in the flow) only on the main thread, and a KeyboardInterrupt raised in the middle of a flow left it
+    half done. The first signal asks the run to stop (`lightning.stopping`) and prints what happens next; past
+    `grace` seconds (timeouts.stop), or on a second signal, the process ends at once (its servers die with it)."""
+
+    def __init__(self, grace: float, command: str) -> None:
+        self.grace = grace
+        self.command = command
+        self.signal: int | None = None
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + (self.signal or signal.SIGINT)
+
+    @contextlib.contextmanager
+    def handling_signals(self) -> Iterator[None]:
+        previous = {number: signal.signal(number, self._on_signal) for number in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for number, handler in previous.items():
+                signal.signal(number, handler)
+
+    def _on_signal(self, number: int, _frame: Any) -> None:
+        name = signal.Signals(number).name
+        if self.signal is not None:
+            print(f"\n{name} again: ending now. Resume with: {self.command}", file=sys.stderr, flush=True)
+            os._exit(128 + number)
+        self.signal = number
+        stopping.request_stop(name)
+        print(
+            f"\n{name}: stopping the run: the stage in flight ends, what is done is kept, then its servers stop "
+            f"(at most {self.grace:g} s, timeouts.stop); {name} again ends it at once",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
+        threading.Thread(target=self._deadline, name="stop-deadline", daemon=True).start()
+
+    def _deadline(self) -> None:
+        time.sleep(self.grace)
+        print(
+            f"\nthe run did not stop within {self.grace:g} s (timeouts.stop): ending now; its latest checkpoint "
+            f"is kept. Resume with: {self.command}",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
+        os._exit(self.exit_code)
+
+    def run(self, function: Callable[[], Any]) -> Any:
+        """`function()` on a thread of its own, in this thread's context (the temporary Prefect server's settings
+        live in a context variable); its result, or what it raised."""
+        outcome: dict[str, Any] = {}
+        context = contextvars.copy_context()
+
+        def target() -> None:
+            try:
+                outcome["result"] = context.run(function)
+            except BaseException as exc:  # handed to the main thread, which raises it
+                outcome["error"] = exc
+
+        thread = threading.Thread(target=target, name="flow", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.2)
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["result"]
 
 
 @contextlib.contextmanager

@@ -9,6 +9,13 @@ server's UI (deployments of these flows are in prefect.yaml).
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__":  # a twin of a live run is refused before Prefect is imported (seconds under load)
+    from flows.arguments import refuse_a_twin
+
+    refuse_a_twin(sys.argv[1:])
+
 import math
 import time
 from typing import Any
@@ -22,7 +29,7 @@ from flows.artifacts import artifact_key, publish_table
 from flows.evaluate import evaluate_at
 from flows.params import flow_prologue, flow_run_name
 from flows.rollouts import collect_rollouts, task_runner
-from lightning import raycluster, stages
+from lightning import raycluster, stages, stopping
 from lightning.algorithm.worker import UpdateLost
 from lightning.config import TrainConfig
 from lightning.run import Run
@@ -100,6 +107,7 @@ async def train(
         )  # fmt: skip
         iteration_flow = training_iteration.with_options(task_runner=task_runner(config))
         for iteration in range(first, config.iterations):
+            stopping.check(f"iteration {iteration}")
             done = await iteration_flow(run, iteration)
             step = iteration + 1
             if config.eval_every and step % config.eval_every == 0 and step < config.iterations:
@@ -119,6 +127,12 @@ async def train(
             stages.summary_markdown(run, summary), key=artifact_key(run, "summary"), description=f"How {run.name} went"
         )
         return summary
+    except stopping.RunStopped:
+        # Asked to stop (SIGINT, SIGTERM): the stage in flight ended early; what is unfinished is cancelled in the
+        # store for the next process to requeue, and the error says what was kept.
+        status = "KILLED"
+        cancelled = await stages.cancel_for_stop(run)
+        raise stopping.RunStopped(stages.stopped_summary(run, cancelled)) from None
     finally:
         await run.close(status)
         if connected:

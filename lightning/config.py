@@ -96,6 +96,10 @@ class CheckpointPolicy(BaseModel):
     """Upload every this many iterations' checkpoint to MLflow as artifacts; the last one always."""
     log_to_mlflow: bool = True
     """Upload checkpoints to MLflow as artifacts (every `log_every` iterations and the last)."""
+    reserve_mb: float = Field(default=0, ge=0)
+    """Megabytes the disk of the run directory must keep free beyond a checkpoint's size before one is written;
+    short of it the checkpoint stage fails, naming the directory and what is free (a full disk would fail in the
+    middle of writing)."""
     register_model: str | None = None
     """Register the final checkpoint in MLflow's model registry under this name, as a new version, with its held-out
     reward (`lightning mlflow promote NAME best` promotes the best). Every run that finishes with this set registers
@@ -146,6 +150,9 @@ class StageTimeouts(BaseModel):
     """One held-out evaluation."""
     stall_warning: float = Field(default=900, gt=0)
     """Nothing finished (a stage, a rollout) for this long: the run logs the stacks of its processes."""
+    stop: float = Field(default=30, gt=0)
+    """A run asked to stop (Ctrl-C, SIGTERM) ends its stage in flight, closes and exits within this; past it,
+    `python -m flows.*` ends at once (its servers die with it)."""
 
 
 class WarmStart(BaseModel):

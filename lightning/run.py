@@ -33,6 +33,7 @@ from typing import Any
 import httpx
 from pydantic import BaseModel, PrivateAttr
 
+from lightning import owner, stopping
 from lightning.config import TrainConfig, load_tasks
 from lightning.diagnose import collect_stacks, dump_stacks_on_signal
 from lightning.environment import PROXY_TOKEN, VLLM_PYTHON
@@ -90,6 +91,8 @@ class _Parts:
     datasets: dict[str, list[Any]] = field(default_factory=dict)
     history: list[dict[str, Any]] = field(default_factory=list)
     """One row per trained iteration (`stages.iteration_row`), as the latest checkpoint records it."""
+    lock: Any = None
+    """The run directory's owner lock, when this open took it (`lightning.owner`)."""
 
 
 class Run(BaseModel):
@@ -358,6 +361,27 @@ class Run(BaseModel):
             )
         await asyncio.to_thread(preflight.check, config)
         config.run_dir.mkdir(parents=True, exist_ok=True)
+        # One run, one owner: a second training of this run_name is refused here while the first lives.
+        lock = owner.acquire(config.run_dir, config.run_name) if train else None
+        try:
+            return await cls._open(config, train, weights, queue, mlflow_tags, track, report, lock)
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
+
+    @classmethod
+    async def _open(
+        cls,
+        config: TrainConfig,
+        train: bool,
+        weights: str | None,
+        queue: str | None,
+        mlflow_tags: dict[str, str] | None,
+        track: bool | None,
+        report: Callable[[str], None] | None,
+        lock: Any,
+    ) -> Run:
         dump_stacks_on_signal(config.run_dir / "stacks", "flow")
         # A run that neither trains nor serves the model itself (an external endpoint, a running server) builds or
         # checks no model before a stage asks for it (a tokenizer for the adapter).
@@ -368,7 +392,7 @@ class Run(BaseModel):
         # Checksums checked here, once: a damaged newest checkpoint is set aside and the run resumes before it.
         latest = await asyncio.to_thread(verified_latest_checkpoint, checkpoints_dir(config))
         serving_dir = Path(weights) if weights else latest or model_dir or Path(config.model)
-        parts = _Parts(store=open_run_store(config), model_dir=model_dir)
+        parts = _Parts(store=open_run_store(config), model_dir=model_dir, lock=lock)
         endpoints = Endpoints(proxy_url="", model_name=config.inference.served_model_name)
         run = cls(config=config, endpoints=endpoints, queue=queue or config.run_name)
         run._parts = parts
@@ -400,6 +424,7 @@ class Run(BaseModel):
             if parts.tracker is not None:
                 with contextlib.suppress(Exception):
                     await asyncio.to_thread(parts.tracker.log_failure, f"opening the run failed: {exc!r}")
+            parts.lock = None  # released by `open`, which took it
             await run.close("FAILED")
             raise
         return run
@@ -421,6 +446,8 @@ class Run(BaseModel):
             except Exception:
                 logger.exception("shutting down %s failed", close)
         await parts.store.close()
+        if parts.lock is not None:
+            parts.lock.release()
 
 
 # --- supervision -----------------------------------------------------------------------------------------
@@ -456,6 +483,8 @@ class Supervisor:
             try:
                 with parts.serving_lock:
                     self._check(parts)
+            except stopping.RunStopped:  # a restart cut short by the run's stop: the run stops its servers itself
+                return
             except Exception as exc:
                 self.failure = f"restarting the run's serving parts failed: {exc}"
                 logger.exception(self.failure)
@@ -476,7 +505,8 @@ class Supervisor:
     def _check(self, parts: _Parts) -> None:
         if parts.stack is not None:
             for child in parts.stack.processes:
-                if self._stop.is_set() or child.healthy():
+                # A run that is stopping stops its servers itself: none of them is restarted then.
+                if self._stop.is_set() or stopping.stop_requested() or child.healthy():
                     continue
                 if child.restarts >= self.max_restarts:
                     self.failure = (
@@ -495,7 +525,7 @@ class Supervisor:
                 if child.name == "LLM proxy":  # a new proxy starts paused at version 0
                     self.run.proxy_admin("resume", {"weight_version": parts.weight_version})
         for server in parts.vllm:
-            if not self._stop.is_set() and server.restart_if_dead():
+            if not (self._stop.is_set() or stopping.stop_requested()) and server.restart_if_dead():
                 self.restarts += 1
                 logger.warning("vLLM at %s exited; restarted it (restart %d)", server.base_url, server.restarts)
 
@@ -531,17 +561,32 @@ def serving_step(config: TrainConfig, checkpoint: str | None = None) -> int:
     return 0 if path is None else load_checkpoint(path).step
 
 
+STOPPED = "stopped"
+"""The metadata key on a rollout that a graceful stop cancelled (`lightning.stages.cancel_for_stop`): the run's
+next process requeues it."""
+
+
 async def requeue_orphans(store: LightningStore, queue: str) -> int:
-    """Take over what an earlier process of the run left in its queue (it was killed mid-iteration): rollouts whose
-    attempt was left preparing or running, with nobody to finish it, are requeued and that attempt marked
-    unresponsive. Call it only when no runner of the run is alive. Returns how many it requeued."""
+    """Take over what an earlier process of the run left in its queue: rollouts whose attempt was left preparing or
+    running (the process was killed mid-iteration), with nobody to finish it, are requeued and that attempt marked
+    unresponsive; rollouts a graceful stop cancelled are requeued. Call it only when no runner of the run is alive.
+    Returns how many it requeued."""
     orphans = await store.query_rollouts(queue=queue, status_in=sorted(lifecycle.ACTIVE_ROLLOUT))
     for rollout in orphans:
         await store.update_attempt(rollout.rollout_id, "latest", status="unresponsive")
         await store.update_rollout(rollout.rollout_id, status="requeuing")
     if orphans:
         logger.warning("requeued %d rollouts an earlier process of run %s left running", len(orphans), queue)
-    return len(orphans)
+    cancelled = await store.query_rollouts(queue=queue, status_in=["cancelled"])
+    stopped = [rollout for rollout in cancelled if (rollout.metadata or {}).get(STOPPED)]
+    for rollout in stopped:
+        metadata = {key: value for key, value in rollout.metadata.items() if key != STOPPED}
+        await store.update_rollout(rollout.rollout_id, status="requeuing", metadata=metadata)
+    if stopped:
+        logger.warning(
+            "requeued %d rollouts that the stop of an earlier process of run %s cancelled", len(stopped), queue
+        )
+    return len(orphans) + len(stopped)
 
 
 # --- bringing the parts up -------------------------------------------------------------------------------

@@ -110,3 +110,8 @@ def _unpack(typecode: str, encoded: str) -> list[Any]:
     if sys.byteorder == "big":
         packed.byteswap()
     return packed.tolist()
+
+
+REWARD_LIMIT = 1e6
+"""The largest reward magnitude taken (`emit_reward` refuses more; a reward span past it reads as no reward):
+past it, group statistics overflow (1e308 squared is inf) and one rollout swamps the batch."""

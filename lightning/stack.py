@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 
+from lightning import stopping
 from lightning.environment import BACKEND_API_KEY, INFERENCE_API_KEY, PROXY_TOKEN, STACKS_DIR, STORE_URL
 from lightning.store.base import LightningStore
 from lightning.types import POLICY_MODEL_NAME, ProxyLLM
@@ -63,13 +64,19 @@ class ServerProcess:
         with open(self.log_path, "ab") as log:
             log.write(f"\n==> {time.strftime('%Y-%m-%d %H:%M:%S')} starting {self.name} on {self.url}\n".encode())
             log.flush()
+            # A session of its own: Ctrl-C in a terminal signals the whole foreground process group, and the run
+            # stops its servers itself, in order (the supervisor would take one that stopped on it for a crash).
             self.process = subprocess.Popen(
-                self.command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=child_env(**self.env)
-            )
+                self.command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=child_env(**self.env),
+                start_new_session=True,
+            )  # fmt: skip
         started = time.monotonic()
         deadline = min(started + self.start_timeout, deadline or float("inf"))
         next_report = started + REPORT_EVERY
         while time.monotonic() < deadline:
+            if stopping.stop_requested():  # a run that is stopping waits for no server
+                self.stop()
+                raise stopping.RunStopped(f"the {self.name} was starting when the run was asked to stop")
             if self.process.poll() is not None:
                 raise RuntimeError(
                     f"the {self.name} ({self.url}) exited with code {self.process.returncode} while starting; the "

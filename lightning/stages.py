@@ -24,9 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from lightning import stopping
 from lightning.agent import Hook
 from lightning.config import load_agent, load_entry_point
-from lightning.run import Run, proxy_token
+from lightning.run import STOPPED, Run, proxy_token
 from lightning.seeding import rollout_seed
 from lightning.store.base import LightningStore
 from lightning.types import AttemptedRollout, EnqueueRolloutRequest, PromptTemplate, ProxyLLM, Triplet
@@ -40,6 +41,10 @@ class RolloutsFailed(RuntimeError):
     """Too few of an iteration's rollouts succeeded, even after running the others again."""
 
 
+class NoTrainingRows(RuntimeError):
+    """An iteration's rollouts left nothing to train on (no reward, no LLM call through the run, prompts too long)."""
+
+
 # --- the rollout phase ------------------------------------------------------------------------------------
 
 
@@ -47,6 +52,7 @@ async def update_resources(run: Run, mode: Mode = "train") -> str:
     """Point the run's LLM resource for `mode` at this process's proxy, with the mode's sampling parameters, beside
     the config's `resources` (and, with `apo` set, the seed prompt); its id (the same for every iteration of the
     run: rollouts of an earlier process of the run reach this proxy too)."""
+    stopping.check(f"update_resources ({mode})")
     run.check_serving()
     config = run.config
     prompt = {config.apo.resource_name: config.apo.seed()} if config.apo is not None else {}
@@ -105,6 +111,7 @@ async def enqueue_rollouts(
     one of each held-out task); their ids. Each carries its sampling seed (`lightning.seeding`) in its metadata.
     `refill` >= 1: `count` more tasks for dynamic sampling (at most `batch_size * max_sampling_rounds`), their task
     indices apart from the batch's and other refills'. Enqueued before (a retry, a resume): the same rollouts."""
+    stopping.check(f"enqueue_rollouts ({mode} {iteration})")
     config = run.config
     tasks = select_tasks(run, iteration, refill, count) if mode == "train" else run.dataset("val_data")
     samples = config.samples_per_task if mode == "train" else 1
@@ -157,11 +164,15 @@ async def run_runners(run: Run, rollout_ids: Sequence[str], index: int = 0, mode
         # bring the resources once.
         working = asyncio.create_task(run_fleet(fleet, store, stop_event=stop, queue=run.queue, idle_wait=0.05))
         try:
-            finished = await store.wait_for_rollouts(rollout_ids=list(rollout_ids), timeout=rollout_deadline(run, mode))
+            finished = await wait_unless_stopped(store, rollout_ids, rollout_deadline(run, mode))
         finally:
             stop.set()
+            if stopping.stop_requested():  # the rollouts in flight are cancelled, not waited for
+                working.cancel()
             (ran,) = await asyncio.gather(working, return_exceptions=True)
             await asyncio.to_thread(tracer.shutdown)
+    if stopping.stop_requested() and len(finished) < len(set(rollout_ids)):
+        raise stopping.RunStopped(f"runner task {index} stopped with {len(finished)} of its rollouts finished")
     if isinstance(ran, BaseException):
         logger.error("runner task %d stopped early: %r", index, ran)
     return {
@@ -170,6 +181,35 @@ async def run_runners(run: Run, rollout_ids: Sequence[str], index: int = 0, mode
         "finished": len(finished),
         "seconds": time.perf_counter() - started,
     }
+
+
+async def wait_unless_stopped(store: LightningStore, rollout_ids: Sequence[str], timeout: float) -> list[Any]:
+    """`store.wait_for_rollouts`, in slices of `stopping.POLL_SECONDS`, so that a stop asked for ends the wait
+    within one slice; the rollouts that finished."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        finished = await store.wait_for_rollouts(
+            rollout_ids=list(rollout_ids), timeout=max(min(left, stopping.POLL_SECONDS), 0.0)
+        )
+        if len(finished) >= len(set(rollout_ids)) or left <= 0 or stopping.stop_requested():
+            return finished
+
+
+async def cancel_for_stop(run: Run) -> int:
+    """A run that stops: every unfinished rollout of its queue is cancelled in the store (marked `stopped`, so the
+    run's next process requeues it: `lightning.run.requeue_orphans`) and its attempt in flight ended, so nothing
+    runs them meanwhile and their time stops counting. How many."""
+    unfinished = await run.store.query_rollouts(
+        queue=run.queue, status_in=["queuing", "requeuing", "preparing", "running"]
+    )
+    for rollout in unfinished:
+        await run.store.update_rollout(
+            rollout.rollout_id, status="cancelled", metadata={**(rollout.metadata or {}), STOPPED: True}
+        )
+        if isinstance(rollout, AttemptedRollout) and rollout.attempt.status in ("preparing", "running"):
+            await run.store.update_attempt(rollout.rollout_id, "latest", status="failed")
+    return len(unfinished)
 
 
 class _Progress(Hook):
@@ -187,7 +227,9 @@ async def wait_for_rollouts(run: Run, rollout_ids: Sequence[str], mode: Mode = "
     """Wait until the rollouts finish (at most the phase's deadline); those still unfinished then are cancelled, so
     no later stage's runners pick them up. Their counts and mean reward."""
     deadline = rollout_deadline(run, mode)
-    finished = await run.store.wait_for_rollouts(rollout_ids=list(rollout_ids), timeout=deadline)
+    finished = await wait_unless_stopped(run.store, rollout_ids, deadline)
+    if stopping.stop_requested() and len(finished) < len(set(rollout_ids)):
+        raise stopping.RunStopped(f"stopped waiting for the rollouts ({mode}) with {len(finished)} finished")
     done = {rollout.rollout_id for rollout in finished}
     leftovers = [rollout_id for rollout_id in rollout_ids if rollout_id not in done]
     for rollout_id in leftovers:
@@ -222,10 +264,14 @@ async def summarize_rollouts(store: LightningStore, rollout_ids: Sequence[str]) 
             groups.setdefault(group, []).append(by_rollout[rollout.rollout_id])
     several = {group: values for group, values in groups.items() if len(values) > 1}  # evaluations have none
     flat = flat_groups(several)
-    # From the first enqueue to the last finish, by the store's clock: the same when a retried flow run gets this
-    # summary back from Prefect's cache (the rollout stages then take no time at all).
-    starts = [rollout.start_time for rollout in rollouts]
-    ends = [rollout.end_time for rollout in rollouts if rollout.end_time is not None]
+    # The time some attempt of these rollouts was running, by the store's clock: the same when a retried flow run
+    # gets this summary back from Prefect's cache (the rollout stages then take no time at all), and without the
+    # break when a run stopped in the middle of them resumes.
+    intervals = [
+        (rollout.attempt.start_time, rollout.attempt.end_time)
+        for rollout in rollouts
+        if isinstance(rollout, AttemptedRollout) and rollout.attempt.end_time is not None
+    ]
     return {
         "rollouts": len(rollout_ids),
         "succeeded": statuses.count("succeeded"),
@@ -234,8 +280,18 @@ async def summarize_rollouts(store: LightningStore, rollout_ids: Sequence[str]) 
         "reward_mean": sum(rewards) / len(rewards) if rewards else float("nan"),
         **({"groups": len(several), "informative_groups": len(several) - len(flat)} if several else {}),
         **({"flat_group_reward": sum(flat.values()) / len(flat)} if flat else {}),
-        "seconds": max(ends) - min(starts) if starts and ends else None,
+        "seconds": busy_seconds(intervals) if intervals else None,
     }
+
+
+def busy_seconds(intervals: Sequence[tuple[float, float]]) -> float:
+    """The length of the union of the (start, end) intervals: the time at least one of them was running."""
+    total, covered_until = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > covered_until:
+            total += end - max(start, covered_until)
+            covered_until = end
+    return total
 
 
 def flat_groups(rewards: dict[str, list[float]]) -> dict[str, float]:
@@ -253,6 +309,7 @@ async def requeue_unsuccessful(run: Run, rollout_ids: Sequence[str]) -> int:
     """Put the rollouts that failed or were cancelled back in the run's queue for another round of runners; how
     many. First the run's serving processes must answer again (a dead one is being restarted): a run whose
     inference server or proxy is past its restarts fails here, naming it."""
+    stopping.check("running failed rollouts again")
     await run.serving_answers(timeout=run.config.timeouts.startup)
     again = await run.store.query_rollouts(rollout_id_in=list(rollout_ids), status_in=["failed", "cancelled"])
     for rollout in again:
@@ -268,15 +325,20 @@ async def rollouts_failed(run: Run, iteration: int, rollout_ids: Sequence[str], 
 
     rollouts = await run.store.query_rollouts(rollout_id_in=list(rollout_ids))
     endings = Counter(r.attempt.status if isinstance(r, AttemptedRollout) else "no attempt" for r in rollouts)
-    errors = "".join(f"\n  {line}" for line in await agent_errors(run.store, rollout_ids))
+    errors = await agent_errors(run.store, rollout_ids)
+    # The first line says why (what the agent raised first, or how the attempts ended): the command's last line.
+    if errors:
+        why = f"the agent raised {errors[0].split(': ', 1)[1]}"
+    else:
+        why = f"no agent error recorded; latest attempts {dict(endings)} (timed out, or their runners went silent)"
+    more = "".join(f"\n  {line}" for line in errors)
     return RolloutsFailed(
-        f"iteration {iteration}: {summary['succeeded']} of {summary['rollouts']} rollouts succeeded after "
-        f"{run.config.rollout_retries} more round(s) for the others, short of min_success_fraction "
-        f"{run.config.min_success_fraction:g}; latest attempts: {dict(endings)}; serving restarts so far: "
-        f"{run.restarts()}; "
-        + (f"the agent raised (the first failed rollouts; the rest in their spans):{errors}" if errors else
-           "no agent error recorded (the attempts timed out or their runners went silent)")
-    )  # fmt: skip
+        f"iteration {iteration}: {summary['succeeded']} of {summary['rollouts']} rollouts succeeded, short of "
+        f"min_success_fraction {run.config.min_success_fraction:g}: {why}\n"
+        f"after {run.config.rollout_retries} more round(s) for the others; latest attempts: {dict(endings)}; serving "
+        f"restarts so far: {run.restarts()}"
+        + (f"; the first failed rollouts (the rest in their spans):{more}" if errors else "")
+    )
 
 
 @dataclass(frozen=True)
@@ -361,15 +423,19 @@ async def adapt_spans(run: Run, iteration: int, rollout_ids: Sequence[str]) -> d
     from lightning.adapter import adapt_rollouts
     from lightning.algorithm.batch import TrainingBatch
 
+    stopping.check(f"adapt_spans ({iteration})")
     config = run.config
     adapted = await adapt_rollouts(run.store, list(rollout_ids), shape=config.adapter_shape)
     triplets, dropped_groups = adapted.triplets, 0
     if config.dynamic_sampling:
         triplets, dropped_groups = informative_groups(triplets, config.batch_size)
-    batch = TrainingBatch.from_triplets(
-        triplets, pad_token_id=run.tokenizer().pad_token_id, max_prompt_length=config.max_prompt_length,
-        max_response_length=config.max_response_length,
-    )  # fmt: skip
+    try:
+        batch = TrainingBatch.from_triplets(
+            triplets, pad_token_id=run.tokenizer().pad_token_id, max_prompt_length=config.max_prompt_length,
+            max_response_length=config.max_response_length,
+        )  # fmt: skip
+    except ValueError as exc:  # not one row: say why, from what the adapter and the batch dropped
+        raise NoTrainingRows(no_rows_reason(run, iteration, len(rollout_ids), adapted.report, str(exc))) from None
     path = run.run_dir / "batches" / f"iteration-{iteration:06d}"
     path.parent.mkdir(parents=True, exist_ok=True)
     batch.save(path)
@@ -382,6 +448,32 @@ async def adapt_spans(run: Run, iteration: int, rollout_ids: Sequence[str]) -> d
         "batch": batch.report(),
         "dropped_flat_groups": dropped_groups,
     }
+
+
+def no_rows_reason(run: Run, iteration: int, rollouts: int, report: Any, batch_error: str) -> str:
+    """Why an iteration has nothing to train on, each cause with its fix, on one line."""
+    causes = []
+    if report.rollouts_without_reward:
+        causes.append(
+            f"{report.rollouts_without_reward} had no reward (the agent returned None and emitted none: return a "
+            "number, or call emit_reward)"
+        )
+    if report.rollouts_without_llm_calls:
+        causes.append(
+            f"{report.rollouts_without_llm_calls} made no LLM call through the run's proxy (call the LLM resource's "
+            "endpoint)"
+        )
+    if report.calls_without_token_ids:
+        causes.append(f"{report.calls_without_token_ids} LLM calls came back without token ids")
+    if "'prompt_too_long': 0" not in batch_error and "prompt_too_long" in batch_error:
+        causes.append(
+            f"prompts longer than max_prompt_length {run.config.max_prompt_length} (raise it, or shorten them)"
+        )
+    return (
+        f"iteration {iteration}: nothing to train on from {rollouts} rollouts: "
+        + ("; ".join(causes) if causes else "see the adapter's report")
+        + f" ({batch_error})"
+    )
 
 
 def informative_groups(triplets: Sequence[Triplet], limit: int) -> tuple[list[Triplet], int]:
@@ -404,6 +496,7 @@ async def ppo_step(run: Run, iteration: int, batch_path: str) -> dict[str, float
     """One policy update in the trainer process (or verl's workers), stopped if it passes `timeouts.ppo_step`.
     Colocated vLLM (weight_sync: sleep) releases its GPU memory first; `checkpoint` wakes it on the new weights
     (`Run.release_weights`, `Run.load_weights`)."""
+    stopping.check(f"ppo_step ({iteration})")
     config = run.config
     await run.release_weights()
     metrics = await asyncio.to_thread(run.trainer.step, batch_path, timeout=config.timeouts.ppo_step)
@@ -458,8 +551,15 @@ async def warm_start(run: Run) -> dict[str, Any]:
 
 
 async def _publish(run: Run, step: int, meta: dict[str, Any]) -> str:
-    """Save checkpoint `step` in the trainer and have the run's inference servers serve it (`Run.load_weights`)."""
+    """Save checkpoint `step` in the trainer, after checking its disk has room for it (`lightning.diskspace`), and
+    have the run's inference servers serve it (`Run.load_weights`)."""
+    from lightning.checkpoint import latest_checkpoint
+    from lightning.diskspace import check_free_space, checkpoint_bytes
+
     config = run.config
+    latest = latest_checkpoint(run.checkpoints_dir)
+    needed = await asyncio.to_thread(checkpoint_bytes, latest, run.model_dir)
+    await asyncio.to_thread(check_free_space, run.checkpoints_dir, needed, config.checkpoint.reserve_mb)
     path = await asyncio.to_thread(
         run.trainer.save_checkpoint, step, meta=meta, keep_last=config.checkpoint.keep_last,
         timeout=config.timeouts.checkpoint,
@@ -539,6 +639,17 @@ def iteration_row(
         "mismatch_frac": metrics.get("mismatch_frac"),
     }
     return {name: value for name, value in row.items() if value is not None}
+
+
+def stopped_summary(run: Run, cancelled: int) -> str:
+    """What a stopped run kept: its checkpoints (each with the history up to it, in MLflow too) and the rollouts
+    that finished; what it cancelled, to run again when it resumes."""
+    done, total = run.completed_iterations(), run.config.iterations
+    kept = f"checkpoint {done} ({done} of {total} iterations trained) and " if done else ""
+    return (
+        f"run {run.name} stopped before finishing iteration {done}: kept {kept}every rollout that finished; "
+        f"{cancelled} unfinished rollouts cancelled, to run again when it resumes"
+    )
 
 
 def progress_line(run: Run, row: dict[str, Any], done: int, elapsed: float) -> str:

@@ -29,10 +29,12 @@ from prefect.exceptions import ObjectNotFound
 from lightning import stages
 from lightning.algorithm.worker import TrainerCrashed, UpdateLost
 from lightning.config import TrainConfig
+from lightning.diskspace import NoSpaceLeft
 from lightning.environment import FAULTS, PREFECT_UI
 from lightning.metrics import PREFECT_FLOW_RUN_ID, PREFECT_FLOW_RUN_URL, SOURCE_NAME
 from lightning.run import Run
 from lightning.stages import Mode
+from lightning.stopping import RunStopped
 from tasks.caching import TRAIN_FLOW_RUN_ID, ppo_step_cache_key, stage_cache_key
 
 FAULTS_ENV = FAULTS
@@ -41,7 +43,6 @@ makes that stage's task fail once per run (a marker file in the run directory re
 failed flow run goes through. Every task below takes part; for evaluations the iteration is the step evaluated."""
 
 STAGE = {"persist_result": True, "result_serializer": "json", "cache_key_fn": stage_cache_key}
-TRANSIENT = {"retries": 2, "retry_delay_seconds": [2, 10], "retry_jitter_factor": 0.5}
 MARGIN_SECONDS = 60.0
 """Prefect's timeout comes this long after the library's own deadline for the stage."""
 GPU_TAG = "gpu"
@@ -82,6 +83,13 @@ def _retry_only(*kinds: type[BaseException]) -> Any:
 
     return condition
 
+
+NOT_TRANSIENT = (RunStopped, NoSpaceLeft, stages.NoTrainingRows)
+"""Failures a retry would only repeat: the run was asked to stop; the disk is full; the rollouts left no row."""
+TRANSIENT = {
+    "retries": 2, "retry_delay_seconds": [2, 10], "retry_jitter_factor": 0.5,
+    "retry_condition_fn": _retry_unless(*NOT_TRANSIENT),
+}  # fmt: skip
 
 Deadline = Callable[[TrainConfig], float]
 _deadlines: dict[str, Deadline] = {}
@@ -244,8 +252,7 @@ async def ppo_step(run: Run, iteration: int, batch_path: str) -> dict[str, float
 
 @stage(
     "checkpoint", lambda config: config.timeouts.checkpoint, task_run_name="checkpoint-{iteration}", **STAGE,
-    **TRANSIENT,
-    retry_condition_fn=_retry_unless(UpdateLost),
+    **{**TRANSIENT, "retry_condition_fn": _retry_unless(UpdateLost, *NOT_TRANSIENT)},
 )  # fmt: skip
 async def checkpoint(run: Run, iteration: int, row: dict[str, Any]) -> dict[str, Any]:
     drill(run, "checkpoint", iteration)

@@ -16,9 +16,13 @@ import asyncio
 import contextlib
 import json
 import os
+import re
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -30,7 +34,7 @@ import psutil
 import pytest
 import yaml
 from mlflow.tracking import MlflowClient
-from prefect_server import PrefectServer, start_logged, stop_process_group, tail
+from prefect_server import PrefectServer, prefect_env, start_logged, stop_process_group, tail
 
 from lightning.checkpoint import latest_checkpoint, load_checkpoint
 from lightning.config import TrainConfig, validate_config
@@ -203,6 +207,15 @@ def _telling(line: str) -> bool:
 # --- what must hold ---------------------------------------------------------------------------------------
 
 
+def mlflow_run(config: TrainConfig) -> Any:
+    client = MlflowClient(config.tracking_uri)
+    [run] = client.search_runs(
+        [client.get_experiment_by_name(config.experiment).experiment_id],
+        filter_string=f"attributes.run_name = '{config.run_name}'",
+    )
+    return run
+
+
 def assert_invariants(config: TrainConfig, log: Path) -> None:
     rollouts = asyncio.run(_train_rollouts(config))
     keys = Counter((r.metadata["iteration"], r.metadata["task_index"]) for r in rollouts)
@@ -228,3 +241,251 @@ def assert_invariants(config: TrainConfig, log: Path) -> None:
 async def _train_rollouts(config: TrainConfig) -> list[Any]:
     async with SqlLightningStore(config.store_url, watchdog_interval=None) as store:
         return await store.query_rollouts(mode="train", queue=config.run_name)
+
+
+# --- stopping: Ctrl-C in a terminal, SIGINT and SIGTERM at three points, a twin ---------------------------------
+
+SLOW_AGENT = "support.agents:slow_copy_agent"
+"""The copy agent a quarter of a second slower per rollout: iteration 0's rollouts take a few seconds to stop in."""
+TWIN_REFUSED_SECONDS = 5.0
+
+
+def stop_config(tmp_path: Path, name: str) -> tuple[dict[str, Any], TrainConfig, Path]:
+    data = {**fault_config(tmp_path, name), "agent": SLOW_AGENT}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return data, validate_config(data), path
+
+
+def with_support(env: dict[str, str]) -> dict[str, str]:
+    """The environment with tests/ on PYTHONPATH (the slow agent is `support.agents`)."""
+    tests = str(Path(__file__).resolve().parent)
+    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [tests, env.get("PYTHONPATH")]))}
+
+
+class Terminal:
+    """A command in a pseudo-terminal of its own, as a user's shell runs it: Ctrl-C (`interrupt`) makes the terminal
+    send SIGINT to its whole foreground process group. What it prints goes to `log`."""
+
+    def __init__(self, command: list[str], env: dict[str, str], cwd: Path, log: Path) -> None:
+        import pty
+
+        self.log = log
+        self.returncode: int | None = None
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # the child: exec the command, the terminal its controlling one
+            os.chdir(cwd)
+            os.execve(command[0], command, env)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        with open(self.log, "ab") as out:
+            while True:
+                try:
+                    data = os.read(self.fd, 65536)
+                except OSError:  # the terminal closed: the command ended
+                    return
+                if not data:
+                    return
+                out.write(data)
+                out.flush()
+
+    def interrupt(self) -> None:
+        os.write(self.fd, b"\x03")
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired("terminal", timeout)
+            time.sleep(0.05)
+        self._reader.join(5)
+        os.close(self.fd)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, signal.SIGKILL)
+            self.wait(10)
+
+
+async def wait_for_rollouts(config: TrainConfig, iteration: int, process: Any, log: Path) -> None:
+    """Return when the run's training rollouts of `iteration` are part done."""
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while not Path(config.store_url.removeprefix("sqlite:///")).exists():
+        _still_running(process, deadline, log, "no store")
+        await asyncio.sleep(0.1)
+    async with SqlLightningStore(config.store_url, watchdog_interval=None) as store:
+        while True:
+            rollouts = await store.query_rollouts(mode="train", queue=config.run_name)
+            done = Counter(r.status for r in rollouts if r.metadata["iteration"] == iteration)["succeeded"]
+            if 0 < done < BATCH * SAMPLES:
+                return
+            _still_running(process, deadline, log, f"never saw iteration {iteration} part done")
+            await asyncio.sleep(0.02)
+
+
+def resume_command(log: Path) -> str:
+    """The command the stopped run's last line says resumes it."""
+    last = log.read_text(errors="replace").strip().splitlines()[-1]
+    assert "Resume with: " in last, f"the last line does not say how to resume: {last!r}\n{tail(log)}"
+    return last.split("Resume with: ", 1)[1].strip()
+
+
+def assert_stopped(code: int, took: float, number: int, config: TrainConfig, log: Path) -> None:
+    assert code == 128 + number, f"exit code {code}\n{tail(log)}"
+    assert took < config.timeouts.stop, f"the run took {took:.1f} s to stop (timeouts.stop {config.timeouts.stop:g})"
+    assert "did not stop within" not in log.read_text(errors="replace"), tail(log)
+
+
+def test_ctrl_c_in_a_terminal_stops_the_run_and_the_same_command_resumes_it(tmp_path: Path) -> None:
+    """The run as a user starts it (a terminal, Prefect's temporary server); Ctrl-C in iteration 1's rollouts."""
+    _, config, config_path = stop_config(tmp_path, "ctrl-c")
+    command = [sys.executable, "-m", "flows.train", str(config_path)]
+    env = with_support(prefect_env(tmp_path / "prefect"))
+    env.pop("PREFECT_API_URL", None)
+    log = tmp_path / "train.log"
+    terminal = Terminal(command, env, tmp_path, log)
+    try:
+        asyncio.run(wait_for_rollouts(config, 1, terminal, log))
+        family = run_processes(terminal.pid)
+        stopped_at = time.monotonic()
+        terminal.interrupt()
+        code = terminal.wait(config.timeouts.stop + 30)
+        took = time.monotonic() - stopped_at
+    finally:
+        terminal.kill()
+    assert_stopped(code, took, signal.SIGINT, config, log)
+    assert_gone(family, log, timeout=2.0)  # every server stopped by the run itself, the temporary Prefect one last
+    assert mlflow_run(config).info.status == "KILLED"
+    resume = resume_command(log)
+    assert resume == shlex.join(command)
+    with open(log, "a") as separator:
+        separator.write(f"\n=== Ctrl-C; stopped in {took:.1f} s; resumed with the command it printed ===\n")
+    second = start_logged(shlex.split(resume), log, env=env, cwd=tmp_path)
+    try:
+        assert second.wait(RUN_TIMEOUT) == 0, tail(log)
+    finally:
+        stop_process_group(second)
+    resumed_after = time.monotonic() - stopped_at
+    assert_invariants(config, log)
+    interrupted = recorded_history(config)[1]
+    # The break (the stop, the new process's start-up) is not the rollouts' time.
+    assert interrupted["rollout_seconds"] < resumed_after / 2, (interrupted, resumed_after)
+    print(f"\nCtrl-C: stopped in {took:.1f} s (exit {code}); iteration 1's rollout_seconds after the resume "
+          f"{interrupted['rollout_seconds']:.1f} s")  # fmt: skip
+
+
+@pytest.mark.parametrize("number", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_at_three_points_stops_the_run_and_it_resumes(
+    number: int, prefect_server: PrefectServer, tmp_path: Path
+) -> None:
+    """One run stopped three times, then finished: in iteration 0's rollouts (with a twin refused meanwhile), in
+    iteration 1's PPO step (its batch written), and while its servers start; each stop ends within timeouts.stop
+    with its resume command, and the run ends with nothing lost or trained twice."""
+    _, config, config_path = stop_config(tmp_path, f"stop-{signal.Signals(number).name}")
+    command = [sys.executable, "-m", "flows.train", str(config_path)]
+    env = with_support(prefect_server.env)
+    log = tmp_path / "train.log"
+    timings = []
+
+    def stop_at(reach: Callable[[subprocess.Popen], None], twin: bool = False) -> None:
+        process = start_logged(command, log, env=env, cwd=tmp_path)
+        try:
+            reach(process)
+            if twin:
+                check_twin_refused(command, env, tmp_path, process.pid)
+            stopped_at = time.monotonic()
+            process.send_signal(number)
+            code = process.wait(config.timeouts.stop + 30)
+            took = time.monotonic() - stopped_at
+        finally:
+            stop_process_group(process)
+        assert_stopped(code, took, number, config, log)
+        assert resume_command(log) == shlex.join(command)
+        timings.append(took)
+        with open(log, "a") as separator:
+            separator.write(f"\n=== {signal.Signals(number).name}; stopped in {took:.1f} s; started again ===\n")
+
+    def in_rollouts(process: subprocess.Popen) -> None:
+        asyncio.run(wait_for_rollouts(config, 0, process, log))
+
+    def in_ppo_step(process: subprocess.Popen) -> None:
+        deadline = time.monotonic() + RUN_TIMEOUT
+        while not (config.run_dir / "batches" / "iteration-000001").exists():
+            _still_running(process, deadline, log, "never reached iteration 1's PPO step")
+            time.sleep(0.01)
+
+    def starting(process: subprocess.Popen) -> None:
+        deadline, proxy_log = time.monotonic() + RUN_TIMEOUT, config.run_dir / "logs" / "proxy.log"
+        starts = proxy_log.read_text().count("starting LLM proxy") if proxy_log.exists() else 0
+        while not (proxy_log.exists() and proxy_log.read_text().count("starting LLM proxy") > starts):
+            _still_running(process, deadline, log, "never started its LLM proxy")
+            time.sleep(0.01)
+
+    stop_at(in_rollouts, twin=True)
+    stop_at(in_ppo_step)
+    stop_at(starting)
+    last = start_logged(command, log, env=env, cwd=tmp_path)
+    try:
+        assert last.wait(RUN_TIMEOUT) == 0, tail(log)
+    finally:
+        stop_process_group(last)
+    assert_invariants(config, log)
+    print(f"\n{signal.Signals(number).name} in rollouts, PPO step, start-up: stopped in "
+          + ", ".join(f"{took:.1f} s" for took in timings))  # fmt: skip
+
+
+def check_twin_refused(command: list[str], env: dict[str, str], cwd: Path, owner_pid: int) -> None:
+    """A second `train` of the live run's name is refused in seconds, in one line naming the owner."""
+    started = time.monotonic()
+    twin = subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - started
+    assert twin.returncode == 1, twin.stderr[-3000:]
+    last = twin.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: run ") and f"is being trained by pid {owner_pid} on " in last, last
+    assert took < TWIN_REFUSED_SECONDS, f"the twin took {took:.1f} s to be refused"
+    print(f"\ntwin refused in {took:.1f} s: {last}")
+
+
+def test_a_full_disk_at_checkpoint_time_fails_in_one_line_and_the_run_resumes_once_freed(
+    prefect_server: PrefectServer, tmp_path: Path
+) -> None:
+    """The disk is full for the first checkpoint (checkpoint.reserve_mb past what is free: a size-capped directory
+    that needs no mount); once freed, the same run resumes and finishes."""
+    data = {**fault_config(tmp_path, "disk-full"), "iterations": 2}
+    config = validate_config(data)
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(yaml.safe_dump(data))
+    command = [sys.executable, "-m", "flows.train", str(config_path)]
+    free_mb = shutil.disk_usage(tmp_path).free / 2**20
+    full = subprocess.run(
+        [*command, "--set", f"checkpoint.reserve_mb={free_mb + 1000:.0f}"], env=prefect_server.env, cwd=tmp_path,
+        capture_output=True, text=True, timeout=RUN_TIMEOUT,
+    )  # fmt: skip
+    assert full.returncode == 1, full.stderr[-5000:]
+    last = full.stderr.strip().splitlines()[-1]
+    checkpoints = config.run_dir / "checkpoints"
+    expected = rf"error: NoSpaceLeft: no space left on {checkpoints}: [\d.]+ MB needed, [\d.]+ free .*"
+    assert re.fullmatch(expected, last), last
+    assert "Retry 1/" not in full.stdout + full.stderr, "retried: a full disk stays full"
+    assert not list(checkpoints.glob("step-*")) and not list(checkpoints.glob(".tmp-*")), "a checkpoint was written"
+    log = tmp_path / "train.log"
+    log.write_text(full.stdout + full.stderr + "\n=== space freed; started again ===\n")
+    second = start_logged(command, log, env=prefect_server.env, cwd=tmp_path)
+    try:
+        assert second.wait(RUN_TIMEOUT) == 0, tail(log)
+    finally:
+        stop_process_group(second)
+    final = load_checkpoint(latest_checkpoint(checkpoints))
+    assert final.step == 2 and [row["iteration"] for row in recorded_history(config)] == [0, 1]
+    print(f"\ndisk full: {last}")

@@ -3,6 +3,7 @@ config and endpoints, and a wait that times out cancels its leftovers so no late
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import pickle
 import re
@@ -203,3 +204,25 @@ async def _until(condition: Any, what: str, timeout: float = 60.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not within {timeout:g} s")
         await asyncio.sleep(0.2)
+
+
+SLOW_START = (
+    "import os, sys, time; time.sleep(float(sys.argv[1])); os.execv(sys.executable, [sys.executable, *sys.argv[2:]])"
+)
+"""Runs the rest of the command line after sleeping: a server that takes that long to start."""
+
+
+@pytest.mark.slow
+async def test_a_slow_restart_is_one_restart_not_a_crash_loop(tmp_path: Path) -> None:
+    """A proxy whose restart takes 4 s (a loaded machine) answers again as one restart: the supervisor neither
+    counts its start-up as more failures nor gives up on it, and the rollouts go on."""
+    async with opened(tmp_path, inference={"max_restarts": 1}) as run:
+        proxy = next(child for child in run._parts.stack.processes if child.name == "LLM proxy")
+        proxy.command[1:1] = ["-c", SLOW_START, "4"]  # python -c SLOW_START 4 -m lightning.cli proxy serve ...
+        proxy.process.kill()
+        await _until(lambda: proxy.restarts == 1 and proxy.answers(), "the proxy restarted", timeout=60)
+        await asyncio.sleep(3)  # a few more supervisor checks after the slow start
+        assert run._parts.supervisor.failure is None and proxy.restarts == 1
+        ids, summary = await stages.collect_rollouts(run, 0)
+        assert summary["succeeded"] == len(ids) == 4 * 2
+        assert run.restarts() == 1

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+
+import numpy
 
 from lightning.types import Span
 
@@ -58,9 +61,14 @@ def build_forest(spans: Sequence[Span]) -> list[SpanNode]:
         else:
             orphans.append(node)
 
+    # In start order (as `nodes`): the candidates that start no later than a span are found by bisection, and
+    # those of them that end no earlier in one vectorised comparison (10,000 parentless spans took 40 s compared
+    # pair by pair in Python).
     timed = [node for node in nodes if _interval(node.span) is not None]
+    starts = [node.span.start_time for node in timed]
+    ends = numpy.array([node.span.end_time for node in timed], dtype=float)
     for node in orphans:
-        container = _innermost_container(node, timed)
+        container = _innermost_container(node, timed, starts, ends)
         if container is not None:
             _attach(node, container, by_time=True)
 
@@ -75,14 +83,20 @@ def iter_forest(roots: Iterable[SpanNode]) -> Iterator[SpanNode]:
         yield from root.walk()
 
 
-def _innermost_container(node: SpanNode, candidates: list[SpanNode]) -> SpanNode | None:
+def _innermost_container(
+    node: SpanNode, candidates: list[SpanNode], starts: list[float], ends: numpy.ndarray
+) -> SpanNode | None:
+    """The shortest of `candidates` (in start order; their `starts` and `ends`) whose interval contains the node's,
+    ties to the smaller sequence id (the first in that order), never one that would close a cycle."""
     interval = _interval(node.span)
     if interval is None:
         return None
     start, end = interval
+    count = bisect.bisect_right(starts, start)  # the candidates that start no later than the node
     best: SpanNode | None = None
     best_key: tuple[float, int] | None = None
-    for candidate in candidates:
+    for index in numpy.flatnonzero(ends[:count] >= end):
+        candidate = candidates[index]
         candidate_start, candidate_end = _interval(candidate.span)  # type: ignore[misc]
         if candidate is node or not (candidate_start <= start and end <= candidate_end):
             continue

@@ -19,6 +19,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lightning import stopping
+
 if TYPE_CHECKING:
     from lightning.algorithm.trainer import TorchTrainer, TrainerConfig
 
@@ -140,7 +142,7 @@ class TrainerWorker:
     def _receive(self, op: str, timeout: float) -> Any:
         assert self._conn is not None
         try:
-            answered = self._conn.poll(timeout)
+            answered = self._poll(self._conn, op, timeout)
         except BaseException:
             # Interrupted (Ctrl-C, cancellation): the reply still in flight would answer the next call instead.
             self._stop(kill=True)
@@ -162,6 +164,20 @@ class TrainerWorker:
                 raise UpdateLost(reply["error"].split(": ", 1)[1])
             raise TrainerError(f"trainer {op} failed: {reply['error']}\n{reply['traceback']}")
         return reply if op == "start" else reply["result"]
+
+    @staticmethod
+    def _poll(conn: Connection, op: str, timeout: float) -> bool:
+        """Wait for the child's reply; a start is given up when the run is asked to stop (an update in flight
+        finishes: it is checkpointed)."""
+        if op != "start":
+            return conn.poll(timeout)
+        deadline = time.monotonic() + timeout
+        while not conn.poll(max(min(deadline - time.monotonic(), stopping.POLL_SECONDS), 0.0)):
+            if stopping.stop_requested():
+                raise stopping.RunStopped("the trainer was starting when the run was asked to stop")
+            if time.monotonic() >= deadline:
+                return False
+        return True
 
     def _stop(self, *, kill: bool) -> int | None:
         """End the child (politely unless `kill`) and forget it; its exit code."""
@@ -200,6 +216,9 @@ def _serve(
     from lightning.diagnose import dump_stacks_on_signal
     from lightning.lifeline import exit_with_parent
 
+    # A process group of its own: Ctrl-C in a terminal reaches the run, which stops the trainer itself, after
+    # any update in flight.
+    os.setpgid(0, 0)
     exit_with_parent(parent)
     dump_stacks_on_signal(stacks_dir, "trainer")
     if deterministic:

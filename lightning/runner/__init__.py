@@ -150,7 +150,13 @@ class Runner:
         trace = self._trace_context(rollout_id, attempt_id)
         work = asyncio.create_task(self._traced_rollout(claimed, trace, resources))
         watch = asyncio.create_task(self._heartbeat_until_moved_on(rollout_id, attempt_id))
-        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the runner itself is cancelled (a run that stops): so is the agent
+            work.cancel()
+            watch.cancel()
+            await asyncio.gather(work, watch, return_exceptions=True)
+            raise
         if work not in done:
             # The store moved the attempt on: stop the agent (a sync agent's thread runs out on its own).
             work.cancel()

@@ -88,8 +88,13 @@ async def run_fleet(
                 task = asyncio.create_task(work(runner, rollout))
                 working.add(task)
                 task.add_done_callback(working.discard)
+    except asyncio.CancelledError:
+        # Cancelled (a run that stops): the rollouts in flight are cancelled too, not waited for.
+        for task in working:
+            task.cancel()
+        raise
     finally:
-        await asyncio.gather(*working)
+        await asyncio.gather(*working, return_exceptions=True)
     if errors:
         raise errors[0]
     return ran

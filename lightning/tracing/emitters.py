@@ -219,6 +219,11 @@ def _finite_reward(value: object, what: str) -> float:
     reward = float(value)
     if not math.isfinite(reward):
         raise ValueError(f"emit_reward: {what} must be a finite float, got {reward}")
+    if abs(reward) > semconv.REWARD_LIMIT:
+        raise ValueError(
+            f"emit_reward: {what} {reward:g} is past +-{semconv.REWARD_LIMIT:g}; scale the agent's rewards down "
+            "(GRPO's advantages are relative within a group: dividing every reward by one number changes nothing)"
+        )
     return reward
 
 

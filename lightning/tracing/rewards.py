@@ -69,4 +69,4 @@ async def get_final_reward(store: LightningStore, rollout_id: str, attempt_id: s
 def _finite(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
-    return float(value) if math.isfinite(value) else None
+    return float(value) if math.isfinite(value) and abs(value) <= semconv.REWARD_LIMIT else None

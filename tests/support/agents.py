@@ -34,3 +34,27 @@ def half_flat_agent(task: dict[str, Any], rollout: AttemptedRollout) -> float:
     """Reward by the sample's parity on a `mixed` task (its group's rewards differ), 1.0 on any other (a flat
     group: every sample alike)."""
     return float(rollout.metadata["sample"] % 2) if task["mixed"] else 1.0
+
+
+@rollout
+async def slow_copy_agent(task: dict[str, Any], llm: Any) -> float:
+    """The copy task's agent, a quarter of a second slower per rollout: a window to stop a run in its rollouts."""
+    import asyncio
+
+    await asyncio.sleep(0.25)
+    return await copy_reward(task, llm)
+
+
+async def copy_reward(task: dict[str, Any], llm: Any) -> float:
+    """One call of the copy task's agent to `llm`: its reward."""
+    import httpx
+    from openai import AsyncOpenAI
+
+    from examples.copy_task.agent import reward
+
+    async with httpx.AsyncClient(timeout=60) as http:
+        client = AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key or "unused", max_retries=0, http_client=http)
+        response = await client.chat.completions.create(
+            model=llm.model, messages=[{"role": "user", "content": task["letters"]}], **llm.sampling_parameters
+        )
+    return reward(response.choices[0].message.content or "", task["target"])
