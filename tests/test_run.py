@@ -176,6 +176,15 @@ async def test_a_server_that_does_not_start_in_time_fails_naming_it_and_what_it_
     import lightning.stack
 
     monkeypatch.setattr(lightning.stack, "REPORT_EVERY", 1.0)
+    # The inference server sleeps 60 s before it starts: on a fast machine the real one can answer within 4 s.
+    start_process = lightning.stack.LocalStack._start_process
+
+    def slow_inference(self: Any, name: str, command: list[str], *args: Any) -> str:
+        if name == "inference server":
+            command = [command[0], "-c", SLOW_START, "60", *command[1:]]
+        return start_process(self, name, command, *args)
+
+    monkeypatch.setattr(lightning.stack.LocalStack, "_start_process", slow_inference)
     config = small_config(tmp_path, timeouts={"startup": 4})
     reported: list[str] = []
     with pytest.raises(TimeoutError) as failed:
