@@ -24,6 +24,7 @@ import asyncio
 import json
 import logging
 import os
+import queue
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -105,6 +106,49 @@ def write_traces(tracker: Any, records: Sequence[tuple[AttemptedRollout, list[Sp
                 continue
             written.append(_write_trace(tracker, rollout, spans))
     return written
+
+
+class TraceWriter:
+    """One thread that writes a run's traces (`write_traces`) while the run goes on: the writes are most of
+    `adapt_spans` otherwise (433 of its 458 ms on the demo, 2 cores). Submitted in order, written in order;
+    `flush()` waits until every trace submitted is written (the checkpoint stage calls it, so the MLflow run is
+    complete at each checkpoint), `close()` flushes and ends the thread. A write that fails is logged with its
+    traceback and counted in `failures`, never dropped silently (the store keeps the spans)."""
+
+    def __init__(self, tracker: Any) -> None:
+        self.tracker = tracker
+        self.failures = 0
+        self.written = 0
+        self._queue: queue.Queue[Sequence[tuple[AttemptedRollout, list[Span]]] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._work, name="mlflow-trace-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, records: Sequence[tuple[AttemptedRollout, list[Span]]]) -> None:
+        if not self._thread.is_alive():
+            raise RuntimeError("the trace writer is closed")
+        if records:
+            self._queue.put(list(records))
+
+    def flush(self) -> None:
+        self._queue.join()
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+    def _work(self) -> None:
+        while True:
+            records = self._queue.get()
+            try:
+                if records is None:
+                    return
+                self.written += len(write_traces(self.tracker, records))
+            except Exception:
+                self.failures += 1
+                logger.exception("writing %d rollouts to MLflow as traces failed", len(records or ()))
+            finally:
+                self._queue.task_done()
 
 
 def trace_tags(rollout: AttemptedRollout, reward: float | None) -> dict[str, str]:

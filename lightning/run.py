@@ -72,6 +72,9 @@ class _Parts:
     it did not start and does not train (`Run.model_dir` prepares it then)."""
     trainer: Any = None
     tracker: Any = None
+    trace_writer: Any = None
+    """The thread that writes the run's training traces to MLflow in the background (`mlflow_traces.TraceWriter`),
+    started on the first traces."""
     stack: Any = None
     vllm: list[Any] = field(default_factory=list)
     """The vLLM servers this run started (inference.backend vllm), one per replica."""
@@ -163,6 +166,23 @@ class Run(BaseModel):
     def tracker(self) -> Any:
         """The MLflow run (None when the run was opened without training)."""
         return self._open_parts().tracker
+
+    @property
+    def trace_writer(self) -> Any:
+        """The run's background writer of MLflow traces (`lightning.mlflow_traces.TraceWriter`), started on first use;
+        None when the run has no MLflow run."""
+        parts = self._open_parts()
+        if parts.trace_writer is None and parts.tracker is not None:
+            from lightning.mlflow_traces import TraceWriter
+
+            parts.trace_writer = TraceWriter(parts.tracker)
+        return parts.trace_writer
+
+    def flush_traces(self) -> None:
+        """Block until every trace handed to the run's writer is in MLflow (or logged as failed)."""
+        parts = self._open_parts()
+        if parts.trace_writer is not None:
+            parts.trace_writer.flush()
 
     @property
     def vllm_servers(self) -> list[Any]:
@@ -437,6 +457,8 @@ class Run(BaseModel):
         if parts.supervisor is not None:  # first: nothing is restarted while the parts go down
             await asyncio.to_thread(parts.supervisor.stop)
         self._parts = None
+        if parts.trace_writer is not None:  # every trace submitted reaches MLflow before its run ends
+            await asyncio.to_thread(parts.trace_writer.close)
         if parts.tracker is not None:
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(parts.tracker.end, status)

@@ -439,7 +439,7 @@ async def adapt_spans(run: Run, iteration: int, rollout_ids: Sequence[str]) -> d
     path = run.run_dir / "batches" / f"iteration-{iteration:06d}"
     path.parent.mkdir(parents=True, exist_ok=True)
     batch.save(path)
-    await export_traces(run, rollout_ids, config.mlflow_traces.train_per_iteration)
+    await export_traces_later(run, rollout_ids, config.mlflow_traces.train_per_iteration)
     run.made_progress(f"adapt_spans ({iteration})")
     return {
         "batch_path": str(path),
@@ -513,6 +513,7 @@ async def checkpoint(run: Run, iteration: int, row: dict[str, Any]) -> dict[str,
     history = [earlier for earlier in run.history if earlier["iteration"] < iteration] + [row]
     path = await _publish(run, step, {"run_name": run.name, "iteration": iteration, "history": history})
     run.history[:] = history
+    await asyncio.to_thread(run.flush_traces)  # the iteration's traces, written meanwhile, are in MLflow now
     if run.tracker is not None:  # a run opened with track=False keeps its history in its checkpoints alone
         if config.checkpoint.log_to_mlflow and (step % config.checkpoint.log_every == 0 or step == config.iterations):
             await asyncio.to_thread(run.tracker.log_checkpoint, path, step)
@@ -580,6 +581,23 @@ async def export_traces(run: Run, rollout_ids: Sequence[str], count: int | Liter
     except Exception:
         logger.warning("exporting %d rollouts to MLflow as traces failed", len(rollout_ids), exc_info=True)
         return []
+
+
+async def export_traces_later(run: Run, rollout_ids: Sequence[str], count: int | Literal["all"]) -> int:
+    """`export_traces` off the critical path: the rollouts are read from the store now, and written as MLflow traces
+    by the run's background writer (`Run.trace_writer`) while the run goes on; the checkpoint stage and `Run.close`
+    wait for them. How many were handed over."""
+    from lightning.mlflow_traces import read_rollouts
+
+    if run.tracker is None or count == 0:
+        return 0
+    try:
+        records = await read_rollouts(run.store, rollout_ids, count)
+        run.trace_writer.submit(records)
+    except Exception:
+        logger.warning("exporting %d rollouts to MLflow as traces failed", len(rollout_ids), exc_info=True)
+        return 0
+    return len(records)
 
 
 # --- evaluation and reporting -----------------------------------------------------------------------------

@@ -5,14 +5,16 @@ against a real `mlflow server` after a training flow: tests/test_mlflow_server.p
 from __future__ import annotations
 
 import json
+import logging
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from lightning import semconv
+from lightning import mlflow_traces, semconv
 from lightning.metrics import MlflowTracker
-from lightning.mlflow_traces import choose, write_traces
+from lightning.mlflow_traces import TraceWriter, choose, write_traces
 from lightning.types import Attempt, AttemptedRollout, Span
 
 
@@ -81,3 +83,36 @@ def test_a_rollout_becomes_one_trace_of_the_run_once(tmp_path: Path) -> None:
     [assessment] = [each for each in trace.info.assessments if each.name == "reward"]
     assert assessment.value == 1.0 and assessment.source.source_type == "CODE"
     tracker.end()
+
+
+def test_the_trace_writer_writes_in_the_background_in_order_and_logs_failures(monkeypatch, caplog) -> None:
+    """The writer's thread (not the caller's) writes each batch, in order; `flush` waits for them all; a batch that
+    fails is logged and counted, and the ones after it are still written; `close` writes what is left."""
+    written: list[tuple[str, str]] = []
+    release = threading.Event()
+
+    def fake_write(tracker, records):
+        release.wait(5)
+        if records == ["bad"]:
+            raise RuntimeError("MLflow is down")
+        written.extend((threading.current_thread().name, record) for record in records)
+        return list(records)
+
+    monkeypatch.setattr(mlflow_traces, "write_traces", fake_write)
+    writer = TraceWriter(tracker=object())
+    writer.submit(["a", "b"])
+    writer.submit(["bad"])
+    writer.submit(["c"])
+    assert written == []  # submitting did not wait for the writes
+    with caplog.at_level(logging.ERROR, logger="lightning.mlflow_traces"):
+        release.set()
+        writer.flush()
+    assert [record for _, record in written] == ["a", "b", "c"]
+    assert {thread for thread, _ in written} == {"mlflow-trace-writer"}
+    assert writer.written == 3 and writer.failures == 1
+    assert "MLflow is down" in caplog.text
+    writer.submit(["d"])
+    writer.close()
+    assert written[-1][1] == "d"
+    with pytest.raises(RuntimeError, match="closed"):
+        writer.submit(["e"])
