@@ -453,6 +453,8 @@ class TrainConfig(BaseModel):
                 if getattr(self.algorithm, name) not in (None, False):
                     fix = f"verl's own is {instead}" if instead else "verl has no such option"
                     raise ValueError(f"algorithm.{name}: an option of the torch trainer; {fix}")
+            if self.algorithm.off_policy_correction != "none":
+                raise ValueError("algorithm.off_policy_correction: an option of the torch trainer; verl has none here")
         return self
 
     @property

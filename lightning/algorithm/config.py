@@ -105,6 +105,14 @@ class TrainerConfig(BaseModel):
     old_log_probs: Literal["trainer", "sampler"] = "trainer"
     """The PPO ratio's denominator: the trainer's own log-probs of the sampled tokens before the update (verl's
     default), or the inference engine's (`sampler`, when every row has them; the trainer's otherwise)."""
+    off_policy_correction: Literal["none", "decoupled", "tis"] = "none"
+    """Weigh each token's clipped loss by how the policy that sampled it (the behaviour policy: the sampler's
+    log-probs the proxy stored) differs from the old one (the trainer's log-probs before the update): `decoupled`,
+    decoupled PPO's weight pi_old / pi_behav (https://arxiv.org/abs/2110.00641); `tis`, truncated importance
+    sampling's min(pi_old / pi_behav, tis_cap). A batch whose rows do not all have the sampler's log-probs is not
+    weighed. Needs old_log_probs "trainer"; what makes samples off-policy is `max_staleness`."""
+    tis_cap: float = Field(default=2.0, gt=0)
+    """TIS's cap C on the importance weight pi_old / pi_behav."""
     mismatch_threshold: float = Field(default=0.1, gt=0)
     """A sampled token whose engine and trainer log-probs differ by more than this counts in `mismatch_frac`."""
     seed: int = 0
@@ -114,6 +122,11 @@ class TrainerConfig(BaseModel):
     def _consistent(self) -> TrainerConfig:
         if self.use_kl_loss and self.kl_in_reward:
             raise ValueError("use_kl_loss and kl_in_reward both apply the KL penalty; choose one")
+        if self.off_policy_correction != "none" and self.old_log_probs == "sampler":
+            raise ValueError(
+                "off_policy_correction weighs the sampler's log-probs against the trainer's old ones: use "
+                "old_log_probs 'trainer' with it"
+            )
         return self
 
     @property

@@ -113,12 +113,14 @@ def clipped_policy_loss(
     batch_num_tokens: float | torch.Tensor | None = None,
     batch_num_seqs: float | torch.Tensor | None = None,
     loss_scale_factor: float | None = None,
+    importance_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO's clipped surrogate with dual clip (verl's compute_policy_loss_vanilla).
 
     ratio = exp(log_probs - old_log_probs), the log-ratio clamped to [-20, 20]
     L     = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))
     where A < 0, also capped by dual clip: L = min(L, -A * dual_clip_c)   (https://arxiv.org/abs/1912.09729)
+    with `importance_weights` w (off-policy samples: `behaviour_weights`), each token's L becomes w * L
 
     Metrics: clip_frac (tokens where the clipped term wins), approx_kl (k1 of old vs new, mean over
     tokens), dual_clip_frac (tokens with A < 0 where the dual clip cap wins).
@@ -133,6 +135,8 @@ def clipped_policy_loss(
     dual_clip_cap = -advantages * dual_clip_c
     dual_clipped_loss = torch.minimum(clipped_loss, dual_clip_cap)
     loss_mat = torch.where(advantages < 0, dual_clipped_loss, clipped_loss)
+    if importance_weights is not None:
+        loss_mat = importance_weights.detach() * loss_mat
 
     loss = aggregate(loss_mat, response_mask, agg, batch_num_tokens, batch_num_seqs, loss_scale_factor)
     metrics = {
@@ -143,6 +147,37 @@ def clipped_policy_loss(
         ).detach(),
     }
     return loss, metrics
+
+
+def behaviour_weights(
+    old_log_probs: torch.Tensor, behaviour_log_probs: torch.Tensor, cap: float | None = None
+) -> torch.Tensor:
+    """The importance weight of each sampled token, from the policy that sampled it (the behaviour policy) to the
+    old (proximal) policy of the PPO ratio:
+
+    w = pi_old / pi_behav = exp(old_log_probs - behaviour_log_probs), the log-ratio clamped to [-20, 20]
+    decoupled PPO (https://arxiv.org/abs/2110.00641): w as is (cap None)
+    truncated IS (https://fengyao.notion.site/off-policy-rl): min(w, cap)
+    """
+    weights = torch.exp(torch.clamp(old_log_probs - behaviour_log_probs, min=-20.0, max=20.0))
+    return weights if cap is None else torch.clamp(weights, max=cap)
+
+
+def importance_metrics(
+    old_log_probs: torch.Tensor, behaviour_log_probs: torch.Tensor, mask: torch.Tensor, cap: float | None
+) -> dict[str, float]:
+    """is_ratio_mean and is_ratio_max of pi_old / pi_behav over the masked tokens (before any cap), and
+    is_ratio_clipped_frac: the share of them above `cap` (0 without one)."""
+    weights = behaviour_weights(old_log_probs, behaviour_log_probs)
+    chosen = weights[mask.bool()]
+    if chosen.numel() == 0:
+        return {"is_ratio_mean": 1.0, "is_ratio_max": 1.0, "is_ratio_clipped_frac": 0.0}
+    clipped = (chosen > cap).float().mean() if cap is not None else torch.tensor(0.0)
+    return {
+        "is_ratio_mean": float(chosen.mean()),
+        "is_ratio_max": float(chosen.max()),
+        "is_ratio_clipped_frac": float(clipped),
+    }
 
 
 def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: KLKind) -> torch.Tensor:

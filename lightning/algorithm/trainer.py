@@ -5,6 +5,8 @@ One `step(batch)` is verl's actor update for one training batch, on one device:
     old_log_probs   from the current policy (no grad); the sampler's if old_log_probs="sampler" and the batch has them;
                     when the batch is used once (one epoch, one mini-batch), the update's own forward, detached
     mismatch        |sampler's - trainer's log-prob| on the sampled tokens, when the batch has the sampler's
+    off-policy      with off_policy_correction, each token's loss weighed by pi_old / pi_behav (the trainer's old
+                    log-probs over the sampler's; capped at tis_cap for "tis")
     ref_log_prob    from a frozen copy of the initial policy, when KL is used
     advantages      from token_level_scores (minus kl_coef * KL first, with kl_in_reward)
     ppo_epochs x mini-batches: micro-batches accumulate gradients, then clip_grad_norm and one AdamW step
@@ -42,8 +44,10 @@ from lightning.algorithm.batch import TrainingBatch
 from lightning.algorithm.config import TrainerConfig
 from lightning.algorithm.losses import (
     aggregate,
+    behaviour_weights,
     clipped_policy_loss,
     entropy_from_logits,
+    importance_metrics,
     kl_penalty,
     masked_mean,
     token_log_probs,
@@ -176,6 +180,11 @@ class TorchTrainer:
         one_mini_batch = config.mini_batch_size is None or config.mini_batch_size >= len(batch)
         return config.ppo_epochs == 1 and one_mini_batch and not config.kl_in_reward
 
+    @property
+    def importance_cap(self) -> float | None:
+        """The cap on the off-policy weight pi_old / pi_behav: tis_cap for TIS, none for decoupled PPO."""
+        return self.config.tis_cap if self.config.off_policy_correction == "tis" else None
+
     # --- one training step --------------------------------------------------------------------
 
     def step(self, batch: TrainingBatch) -> dict[str, float]:
@@ -258,6 +267,8 @@ class TorchTrainer:
         if "rollout_log_probs" in batch:  # the engine's log-probs against ours, on the same weights
             sampled = batch["rollout_log_probs"].float()
             metrics.update(mismatch_metrics(sampled, ours, mask, self.config.mismatch_threshold))
+            if self.config.off_policy_correction != "none":
+                metrics.update(importance_metrics(ours, sampled, mask, self.importance_cap))
         if "ref_log_prob" in batch:
             old_kl = kl_penalty(old, batch["ref_log_prob"], self.config.kl_kind)
             metrics["kl"] = float(aggregate(old_kl, mask, self.config.loss_agg))
@@ -355,6 +366,9 @@ class TorchTrainer:
         mask = micro["response_mask"].float()
         log_probs, entropy = self.forward(self.model, micro)
         old_log_probs = micro.tensors.get("old_log_probs", log_probs.detach())
+        weights = None
+        if config.off_policy_correction != "none" and "rollout_log_probs" in micro:
+            weights = behaviour_weights(old_log_probs, micro["rollout_log_probs"].float(), self.importance_cap)
         pg_loss, pg_metrics = clipped_policy_loss(
             log_probs,
             old_log_probs,
@@ -365,6 +379,7 @@ class TorchTrainer:
             dual_clip_c=config.dual_clip_c,
             agg=config.loss_agg,
             **normalizers,
+            importance_weights=weights,
         )
         entropy_loss = aggregate(entropy, mask, config.loss_agg, **normalizers)
         loss = pg_loss - config.entropy_coef * entropy_loss
