@@ -16,6 +16,7 @@ if __name__ == "__main__":  # a twin of a live run is refused before Prefect is 
 
     refuse_a_twin(sys.argv[1:])
 
+import asyncio
 import math
 import time
 from typing import Any
@@ -50,6 +51,8 @@ async def training_iteration(run: Run, iteration: int) -> dict[str, Any]:
             f"({rollouts['failed']} failed); adapter report: {batch['adapter']}, batch report: {batch['batch']}"
         )
     update = timed(await gpu_limited(ppo_step), run)
+    # With max_staleness >= 1 the iteration before may still be updating: updates go in order, each from the last.
+    await stages.wait_for_checkpoint(run, iteration)
     for attempt in range(2):
         metrics = await update(run, iteration, batch["batch_path"])
         row = stages.iteration_row(iteration, rollouts, batch, metrics, rollout_seconds)
@@ -106,20 +109,46 @@ async def train(
             description=f"Iterations of {run.name} done",
         )  # fmt: skip
         iteration_flow = training_iteration.with_options(task_runner=task_runner(config))
-        for iteration in range(first, config.iterations):
-            stopping.check(f"iteration {iteration}")
-            done = await iteration_flow(run, iteration)
+        staleness = config.algorithm.max_staleness
+        # Iterations in flight, oldest first: one at a time with max_staleness 0; with k >= 1, iteration i starts
+        # its rollouts once iteration i-1-k is done (`stages.may_start`), while the ones before it update.
+        in_flight: dict[int, asyncio.Task[dict[str, Any]]] = {}
+
+        def evaluated(step: int) -> bool:
+            return bool(config.eval_every) and step % config.eval_every == 0 and step < config.iterations
+
+        async def finish_oldest() -> None:
+            nonlocal clock, table_id
+            iteration = min(in_flight)
+            done = await in_flight.pop(iteration)
             step = iteration + 1
-            if config.eval_every and step % config.eval_every == 0 and step < config.iterations:
+            if evaluated(step):  # nothing after it is in flight (below): the evaluation has the weights to itself
                 await evaluate_at(run, step)
             if clock is None:  # the first iteration's own time, the only rate there is yet
                 clock = (time.perf_counter(), step)
                 rate = (1, done["seconds"])
             else:
                 rate = (step - clock[1], time.perf_counter() - clock[0])
-            logger.info(stages.progress_line(run, run.history[-1], *rate))
+            [row] = [row for row in run.history if row["iteration"] == iteration]  # a later one may be there too
+            logger.info(stages.progress_line(run, row, *rate))
             await aupdate_progress_artifact(progress, 100.0 * step / config.iterations)
             table_id = await _publish(run, table_id)
+
+        try:
+            for iteration in range(first, config.iterations):
+                stopping.check(f"iteration {iteration}")
+                # After an evaluation's step, none starts until the iterations before it (and the evaluation) are done.
+                while in_flight and (
+                    evaluated(iteration) or not stages.may_start(iteration, run.completed_iterations(), staleness)
+                ):
+                    await finish_oldest()
+                in_flight[iteration] = asyncio.create_task(iteration_flow(run, iteration))
+            while in_flight:
+                await finish_oldest()
+        finally:  # an iteration failed or the run stops: the ones in flight beside it end with it
+            for task in in_flight.values():
+                task.cancel()
+            await asyncio.gather(*in_flight.values(), return_exceptions=True)
         after = await evaluate_at(run, config.iterations)
         status = "FINISHED"
         summary = stages.finish(run, before, after, initial)
@@ -143,7 +172,9 @@ async def _publish(run: Run, table_id: UUID | None) -> UUID:
     """The run's table of iterations as a Prefect artifact, updated in place each iteration, linking to MLflow."""
     columns = ["iteration", "reward", "val_reward", "zero_adv_groups", "entropy", "clip_frac", "grad_norm",
                "response_length", "pg_loss", "kl", "rollouts_ok", "rollouts_failed", "refills", "mismatch_mean",
-               "mismatch_max", "rollout_tokens_per_s", "train_tokens_per_s", "rollout_seconds"]  # fmt: skip
+               "mismatch_max", "stale_used", "stale_corrected", "stale_dropped", "staleness_mean", "staleness_max",
+               "is_ratio_mean", "is_ratio_max", "is_ratio_clipped_frac", "rollout_tokens_per_s", "train_tokens_per_s",
+               "rollout_seconds"]  # fmt: skip
     columns = [name for name in columns if any(name in row for row in run.history)]  # kl: only with a KL term
     table = [{name: _cell(row.get(name)) for name in columns} for row in run.history]
     description = (

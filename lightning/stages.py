@@ -426,7 +426,10 @@ async def adapt_spans(run: Run, iteration: int, rollout_ids: Sequence[str]) -> d
     stopping.check(f"adapt_spans ({iteration})")
     config = run.config
     adapted = await adapt_rollouts(run.store, list(rollout_ids), shape=config.adapter_shape)
-    triplets, dropped_groups = adapted.triplets, 0
+    triplets, dropped_groups, staleness = adapted.triplets, 0, {}
+    if config.algorithm.max_staleness:
+        corrected = config.algorithm.off_policy_correction != "none"
+        triplets, staleness = drop_stale(triplets, iteration, config.algorithm.max_staleness, corrected)
     if config.dynamic_sampling:
         triplets, dropped_groups = informative_groups(triplets, config.batch_size)
     try:
@@ -447,7 +450,72 @@ async def adapt_spans(run: Run, iteration: int, rollout_ids: Sequence[str]) -> d
         "adapter": adapted.report.model_dump(),
         "batch": batch.report(),
         "dropped_flat_groups": dropped_groups,
+        **staleness,
     }
+
+
+def sample_version(triplet: Triplet) -> int | None:
+    """The oldest policy version (checkpoint step) that sampled the triplet's tokens, as the proxy recorded it on
+    each LLM call's span (`weight_version`; a trajectory over several calls has `weight_versions`); None if unknown."""
+    metadata = triplet.metadata or {}
+    versions = metadata.get("weight_versions", [metadata.get("weight_version")])
+    known = [int(version) for version in versions if isinstance(version, int | str) and str(version).isdigit()]
+    return min(known) if known else None
+
+
+def drop_stale(
+    triplets: Sequence[Triplet], policy_version: int, max_staleness: int, corrected: bool
+) -> tuple[list[Triplet], dict[str, float]]:
+    """Bounded staleness (`algorithm.max_staleness`): each rollout's staleness is how many versions its oldest
+    sample lags behind `policy_version`, the checkpoint the update starts from (iteration i updates checkpoint i).
+    A rollout more than `max_staleness` behind is dropped; one behind by 1 to `max_staleness` is used, weighed by the
+    off-policy correction when `corrected` (and it has the sampler's log-probs). The triplets kept, and each decision
+    counted: stale_used, stale_corrected, stale_dropped (rollouts), staleness_mean and staleness_max (over the
+    rollouts whose version is known)."""
+    from lightning.algorithm.batch import ROLLOUT_LOG_PROBS_KEY
+
+    lag: dict[str, int] = {}
+    has_log_probs: dict[str, bool] = {}
+    for triplet in triplets:
+        rollout = triplet.metadata["rollout_id"]
+        version = sample_version(triplet)
+        if version is not None:
+            lag[rollout] = max(lag.get(rollout, 0), policy_version - version)
+        has_log_probs[rollout] = has_log_probs.get(rollout, True) and ROLLOUT_LOG_PROBS_KEY in triplet.metadata
+    dropped = {rollout for rollout, behind in lag.items() if behind > max_staleness}
+    stale = [rollout for rollout, behind in lag.items() if 0 < behind <= max_staleness]
+    weighed = sum(corrected and has_log_probs[rollout] for rollout in stale)
+    counts = {
+        "stale_used": len(stale) - weighed,
+        "stale_corrected": weighed,
+        "stale_dropped": len(dropped),
+        "staleness_mean": sum(max(behind, 0) for behind in lag.values()) / len(lag) if lag else 0.0,
+        "staleness_max": max([0, *lag.values()]),
+    }
+    if dropped:
+        logger.warning(
+            "%d rollouts sampled more than max_staleness %d versions before checkpoint %d: dropped",
+            len(dropped), max_staleness, policy_version,
+        )  # fmt: skip
+    return [triplet for triplet in triplets if triplet.metadata["rollout_id"] not in dropped], counts
+
+
+def may_start(iteration: int, completed: int, max_staleness: int) -> bool:
+    """The asynchronous loop's start rule: iteration i's rollouts start once iteration i-1-k is done (`completed`
+    iterations have their checkpoints), so they sample from a policy at most k = `max_staleness` versions older than
+    the one they will update. k = 0: the synchronous loop, each iteration after the last."""
+    return completed >= iteration - max_staleness
+
+
+async def wait_for_checkpoint(run: Run, iteration: int, poll: float = 0.05) -> float:
+    """Before iteration `iteration`'s update: wait until the iteration before it has checkpointed (its row is in the
+    run's history, which its checkpoint stage writes once the checkpoint is saved and served), so the updates stay
+    in order and each starts from the last. Seconds waited."""
+    started = time.monotonic()
+    while iteration > 0 and not any(row["iteration"] >= iteration - 1 for row in run.history):
+        stopping.check(f"waiting for checkpoint {iteration}")
+        await asyncio.sleep(poll)
+    return time.monotonic() - started
 
 
 def no_rows_reason(run: Run, iteration: int, rollouts: int, report: Any, batch_error: str) -> str:
@@ -621,6 +689,9 @@ async def log_evaluation(
     return result
 
 
+STALENESS_METRICS = ("stale_used", "stale_corrected", "stale_dropped", "staleness_mean", "staleness_max")
+
+
 def iteration_row(
     iteration: int, rollouts: dict[str, Any], batch: dict[str, Any], metrics: dict[str, Any], rollout_seconds: float
 ) -> dict[str, Any]:
@@ -639,6 +710,8 @@ def iteration_row(
         "flat_group_reward": rollouts.get("flat_group_reward"),
         "refills": rollouts.get("refills"),
         "dropped_flat_groups": batch.get("dropped_flat_groups") or None,
+        # Bounded staleness (algorithm.max_staleness >= 1): what adapt_spans did with the rollouts of older policies.
+        **{name: batch.get(name) for name in STALENESS_METRICS},
         "rows": batch["rows"],
         "rollout_seconds": rollout_seconds,
         "rollout_tokens_per_s": response_tokens / rollout_seconds if rollout_seconds > 0 else 0.0,
@@ -655,6 +728,8 @@ def iteration_row(
         "mismatch_mean": metrics.get("mismatch_mean"),
         "mismatch_max": metrics.get("mismatch_max"),
         "mismatch_frac": metrics.get("mismatch_frac"),
+        # Off-policy correction: the importance weights pi_old / pi_behav of the sampled tokens.
+        **{name: metrics.get(name) for name in ("is_ratio_mean", "is_ratio_max", "is_ratio_clipped_frac")},
     }
     return {name: value for name, value in row.items() if value is not None}
 

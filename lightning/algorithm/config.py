@@ -113,6 +113,11 @@ class TrainerConfig(BaseModel):
     weighed. Needs old_log_probs "trainer"; what makes samples off-policy is `max_staleness`."""
     tis_cap: float = Field(default=2.0, gt=0)
     """TIS's cap C on the importance weight pi_old / pi_behav."""
+    max_staleness: int = Field(default=0, ge=0)
+    """Versions of the policy a sample may lag behind the one it trains: 0, the synchronous loop (each iteration's
+    rollouts start after the last update was published); k >= 1, iteration i's rollouts start once iteration
+    i-1-k is done, so they run while the iterations before them update and checkpoint, and adapt_spans drops the
+    rollouts sampled more than k versions before the policy being updated."""
     mismatch_threshold: float = Field(default=0.1, gt=0)
     """A sampled token whose engine and trainer log-probs differ by more than this counts in `mismatch_frac`."""
     seed: int = 0
