@@ -12,6 +12,9 @@ held-out prompts) is excluded from both training clocks.
 
     .venv/bin/python benchmarks/trainer_bench.py [--seconds 120] [--only ours|trl] [--repeat 3]
 
+`--async-staleness 1` adds an `ours-async` row: our loop with `algorithm.max_staleness` 1, the next iteration's
+rollouts running while the last one adapts, updates and checkpoints (docs/architecture.md, "Asynchronous RL").
+
 With `--repeat N` the two sides take turns N times (seeds 0..N-1 for both) and the table gives each run and the
 medians. Our side also prints where its steps went (mean ms per step: rollouts, adapting spans, the update, the
 checkpoint with publishing the weights).
@@ -107,6 +110,11 @@ async def run_ours(
         "checkpoint + publish": 0.0,
     }
     run = await Run.open(run_config, track=track)
+    if run_config.algorithm.max_staleness:
+        try:
+            return await pipelined(run, seconds=seconds, eval_every_s=eval_every_s)
+        finally:
+            await run.close()
     try:
         while True:
             if train_clock - last_eval >= eval_every_s or train_clock >= seconds:
@@ -147,6 +155,69 @@ async def run_ours(
     }
 
 
+async def pipelined(run: Run, *, seconds: float, eval_every_s: float) -> dict[str, Any]:
+    """`run_ours`'s loop with `algorithm.max_staleness` k >= 1, as `flows.train` runs it: iteration i's rollouts
+    start once iteration i-1-k is done (`stages.may_start`), its update waits for the checkpoint before it
+    (`stages.wait_for_checkpoint`). The iterations in flight finish before each evaluation, which the training clock
+    leaves out. Its parts overlap: their mean ms per step add up to more than a step."""
+    staleness = run.config.algorithm.max_staleness
+    parts = {"rollouts": 0.0, "adapt": 0.0, "waiting for the update before": 0.0, "update": 0.0,
+             "checkpoint + publish": 0.0}  # fmt: skip
+
+    async def iteration(step: int) -> None:
+        started = time.perf_counter()
+        ids, rollouts = await stages.collect_rollouts(run, step, "train")
+        rollout_seconds = time.perf_counter() - started
+        batch = await stages.adapt_spans(run, step, ids)
+        adapted = time.perf_counter()
+        parts["waiting for the update before"] += await stages.wait_for_checkpoint(run, step)
+        waited = time.perf_counter()
+        metrics = await stages.ppo_step(run, step, batch["batch_path"])
+        updated = time.perf_counter()
+        await stages.checkpoint(run, step, stages.iteration_row(step, rollouts, batch, metrics, rollout_seconds))
+        parts["rollouts"] += rollout_seconds
+        parts["adapt"] += adapted - started - rollout_seconds
+        parts["update"] += updated - waited
+        parts["checkpoint + publish"] += time.perf_counter() - updated
+
+    curve: list[tuple[float, int, float]] = []
+    in_flight: dict[int, asyncio.Task[None]] = {}
+    train_clock, last_eval, time_to_one, step = 0.0, -eval_every_s, None, 0
+    resumed = time.perf_counter()
+    try:
+        while True:
+            if train_clock + time.perf_counter() - resumed - last_eval >= eval_every_s or train_clock >= seconds:
+                for started in sorted(in_flight):
+                    await in_flight.pop(started)
+                train_clock += time.perf_counter() - resumed
+                reward = (await stages.collect_rollouts(run, step, "val"))[1]["reward_mean"]
+                curve.append((train_clock, step, reward))
+                print(f"  ours-async: {train_clock:6.1f}s step {step:4d} held-out reward {reward:.3f}", flush=True)
+                last_eval = train_clock
+                if reward >= 1.0 and time_to_one is None:
+                    time_to_one = train_clock
+                if train_clock >= seconds or reward >= 1.0:
+                    break
+                resumed = time.perf_counter()
+            while in_flight and not stages.may_start(step, run.completed_iterations(), staleness):
+                await in_flight.pop(min(in_flight))
+            in_flight[step] = asyncio.create_task(iteration(step))
+            step += 1
+            await asyncio.sleep(0)  # let it start before the clock is read again
+    finally:
+        for task in in_flight.values():
+            task.cancel()
+        await asyncio.gather(*in_flight.values(), return_exceptions=True)
+    return {
+        "curve": curve,
+        "steps": step,
+        "seconds_per_step": train_clock / max(step, 1),
+        "time_to_1.0": time_to_one,
+        "best_heldout": max(r for _, _, r in curve),
+        "ms_per_step": {name: 1000 * total / max(step, 1) for name, total in parts.items()},
+    }
+
+
 RECIPE_FIELDS = ("algorithm", "batch_size", "samples_per_task", "dynamic_sampling", "max_sampling_rounds")
 
 
@@ -181,7 +252,11 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--server", choices=["process", "thread"], default="process", help="our inference server")
     parser.add_argument("--eval-every", type=float, default=5.0, help="seconds of training between evaluations")
-    parser.add_argument("--only", choices=["ours", "trl"], default=None)
+    parser.add_argument("--only", choices=["ours", "ours-async", "trl"], default=None)
+    parser.add_argument(
+        "--async-staleness", type=int, default=0, metavar="K",
+        help="add an ours-async row: our loop with algorithm.max_staleness K (rollouts overlap the update); 0: none",
+    )  # fmt: skip
     parser.add_argument("--task", choices=["last", "copy"], default="last", help="examples/copy_task: which rule")
     parser.add_argument("--warm-steps", type=int, default=15, help="supervised warm-start steps (0: none)")
     parser.add_argument("--warm-fraction", type=float, default=0.3, help="share of train prompts demonstrated")
@@ -202,7 +277,7 @@ def main() -> None:
         shown = train_tasks[: max(1, int(len(train_tasks) * args.warm_fraction))]
         model_dir = warm_start(model_dir, shown, steps=args.warm_steps, lr=args.warm_lr, root=workdir / "warm")
     recipe = our_recipe(args.recipe, args.set)
-    results: dict[str, list[dict[str, Any]]] = {"ours": [], "trl": []}
+    results: dict[str, list[dict[str, Any]]] = {"ours": [], "ours-async": [], "trl": []}
     for seed in range(args.repeat):
         if args.only in (None, "ours"):
             results["ours"].append(
@@ -211,6 +286,17 @@ def main() -> None:
                         model_dir, train_tasks, heldout_tasks, seconds=args.seconds, eval_every_s=args.eval_every,
                         workdir=workdir / f"ours-{seed}", server=args.server, seed=seed, track=not args.no_mlflow,
                         recipe={**recipe, "algorithm": {**recipe["algorithm"], "seed": seed}},
+                    )
+                )
+            )  # fmt: skip
+        if args.async_staleness and args.only in (None, "ours-async"):
+            algorithm = {**recipe["algorithm"], "seed": seed, "max_staleness": args.async_staleness}
+            results["ours-async"].append(
+                asyncio.run(
+                    run_ours(
+                        model_dir, train_tasks, heldout_tasks, seconds=args.seconds, eval_every_s=args.eval_every,
+                        workdir=workdir / f"ours-async-{seed}", server=args.server, seed=seed,
+                        track=not args.no_mlflow, recipe={**recipe, "algorithm": algorithm},
                     )
                 )
             )  # fmt: skip
@@ -250,10 +336,11 @@ def main() -> None:
             best = statistics.median(r["best_heldout"] for r in runs)
             per_step = statistics.median(r["seconds_per_step"] for r in runs)
             print(f"| {name} | median of {len(runs)} | {median_time} | {best:.3f} | | {per_step:.3f} |")
-    if results["ours"]:
-        parts = results["ours"][0]["ms_per_step"].keys()
-        means = {part: statistics.mean(r["ms_per_step"][part] for r in results["ours"]) for part in parts}
-        print("\nOur step, mean ms: " + ", ".join(f"{part} {ms:.0f}" for part, ms in means.items()))
+    for name in ("ours", "ours-async"):
+        if results[name]:
+            parts = results[name][0]["ms_per_step"].keys()
+            means = {part: statistics.mean(r["ms_per_step"][part] for r in results[name]) for part in parts}
+            print(f"\n{name}: step, mean ms: " + ", ".join(f"{part} {ms:.0f}" for part, ms in means.items()))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     print(
