@@ -74,6 +74,8 @@ class Scenario:
     """rollouts (iteration 1's, part done), ppo_step (iteration 1's batch written), checkpoint (step 2 saved)."""
     resumes: bool
     """The flow itself dies, so the run is started again; else the run recovers in flight."""
+    staleness: int = 0
+    """algorithm.max_staleness: 1 kills the flow while the next iteration's rollouts overlap the update."""
 
 
 SCENARIOS = [
@@ -84,12 +86,19 @@ SCENARIOS = [
     Scenario("inference server", "rollouts", resumes=False),
     Scenario("LLM proxy", "rollouts", resumes=False),
     Scenario("checkpoint", "checkpoint", resumes=True),
+    Scenario("flow", "ppo_step", resumes=True, staleness=1),
 ]
 
 
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: f"{s.target}@{s.point}".replace(" ", "-"))
+def scenario_id(scenario: Scenario) -> str:
+    async_mode = f"-max_staleness-{scenario.staleness}" if scenario.staleness else ""
+    return f"{scenario.target}@{scenario.point}{async_mode}".replace(" ", "-")
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=scenario_id)
 def test_the_run_survives(scenario: Scenario, prefect_server: PrefectServer, tmp_path: Path) -> None:
     data = fault_config(tmp_path, "faults")
+    data["algorithm"]["max_staleness"] = scenario.staleness
     config = validate_config(data)
     config_path = tmp_path / "config.yaml"
     config_path.write_text(yaml.safe_dump(data))
@@ -124,6 +133,8 @@ def test_the_run_survives(scenario: Scenario, prefect_server: PrefectServer, tmp
             stop_process_group(second)
 
     assert_invariants(config, log)
+    if scenario.staleness:  # every iteration counted its stale decisions, the resumed ones too
+        assert all("stale_dropped" in row for row in recorded_history(config)), recorded_history(config)
     outcome = [line for line in log.read_text().splitlines() if _telling(line)]
     print(f"\n{scenario.target} @ {scenario.point}: " + " | ".join(sorted(set(outcome)))[:1500])
 
