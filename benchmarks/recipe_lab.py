@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from examples.copy_task.agent import demonstrations, reward  # noqa: E402
-from examples.copy_task.data import train_tasks, val_tasks  # noqa: E402
+from examples.copy_task.data import TRAIN, split  # noqa: E402
 from lightning.algorithm.batch import TrainingBatch  # noqa: E402
 from lightning.algorithm.trainer import TorchTrainer, TrainerConfig  # noqa: E402
 from lightning.models import build_tiny_model  # noqa: E402
@@ -82,7 +82,7 @@ def run(seed: int, args: argparse.Namespace, config: TrainerConfig, model_dir: P
     """One seed: the warm start, then `iterations` of sample -> reward -> (filter) -> update; the held-out curve."""
     trainer = TorchTrainer(model_dir, config.model_copy(update={"seed": seed}), device="cpu")
     tokenizer = trainer.tokenizer
-    train, val = train_tasks(), val_tasks()
+    train, val = split(args.train)
     shown = train[: int(len(train) * args.warm_fraction)]
     warm = TrainingBatch.from_triplets(
         demonstrations(tokenizer, shown), pad_token_id=tokenizer.pad_token_id, max_prompt_length=MAX_PROMPT,
@@ -145,7 +145,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2, help="the tiny model's layers")
     parser.add_argument("--warm-steps", type=int, default=30)
     parser.add_argument("--warm-lr", type=float, default=1e-3)
-    parser.add_argument("--warm-fraction", type=float, default=0.3, help="share of the training tasks demonstrated")
+    parser.add_argument("--train", type=int, default=TRAIN, help="training tasks; the held-out ones stay the same")
+    parser.add_argument("--warm-fraction", type=float, default=0.075, help="share of the training tasks demonstrated")
     parser.add_argument("--keep-optimizer", action="store_true", help="RL goes on with the warm start's AdamW")
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--set", action="append", default=[], help="a TrainerConfig field as JSON, e.g. lr=1e-3")

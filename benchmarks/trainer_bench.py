@@ -37,6 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from examples.copy_task.agent import demonstrations, make_tasks  # noqa: E402
+from examples.copy_task.data import split  # noqa: E402
 from lightning import stages  # noqa: E402
 from lightning.algorithm.batch import TrainingBatch  # noqa: E402
 from lightning.algorithm.trainer import TorchTrainer, TrainerConfig  # noqa: E402
@@ -258,8 +259,9 @@ def main() -> None:
         help="add an ours-async row: our loop with algorithm.max_staleness K (rollouts overlap the update); 0: none",
     )  # fmt: skip
     parser.add_argument("--task", choices=["last", "copy"], default="last", help="examples/copy_task: which rule")
-    parser.add_argument("--warm-steps", type=int, default=15, help="supervised warm-start steps (0: none)")
-    parser.add_argument("--warm-fraction", type=float, default=0.3, help="share of train prompts demonstrated")
+    parser.add_argument("--data", choices=["demo", "small"], default="demo", help="demo: 768 train / 64 held-out")
+    parser.add_argument("--warm-steps", type=int, default=50, help="supervised warm-start steps (0: none)")
+    parser.add_argument("--warm-fraction", type=float, default=0.075, help="share of train prompts demonstrated")
     parser.add_argument("--warm-lr", type=float, default=1e-3)
     parser.add_argument("--max-tokens", type=int, default=MAX_NEW_TOKENS, help="tokens each answer may have")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each side, taking turns (seeds 0..N-1)")
@@ -271,8 +273,13 @@ def main() -> None:
 
     workdir = Path(tempfile.mkdtemp(prefix="trainer-bench-"))
     model_dir = build_tiny_model(workdir / "tiny", seed=0)
-    tasks = make_tasks(96, kind=args.task, seed=0)
-    train_tasks, heldout_tasks = tasks[:64], tasks[64:]
+    if args.data == "demo":  # the demo's: 768 training tasks, 64 held-out
+        if args.task != "last":
+            parser.error("--data demo is the 'last' task; give --data small for --task copy")
+        train_tasks, heldout_tasks = split()
+    else:  # the benchmark's tables before 2026-11-27: 64 training tasks, 32 held-out
+        tasks = make_tasks(96, kind=args.task, seed=0)
+        train_tasks, heldout_tasks = tasks[:64], tasks[64:]
     if args.warm_steps:
         shown = train_tasks[: max(1, int(len(train_tasks) * args.warm_fraction))]
         model_dir = warm_start(model_dir, shown, steps=args.warm_steps, lr=args.warm_lr, root=workdir / "warm")

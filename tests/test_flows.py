@@ -175,7 +175,7 @@ async def test_a_warm_start_runs_once_before_iteration_zero_and_is_reported(tmp_
     summary = await train(config)
 
     warmed = load_checkpoint(config.run_dir / "checkpoints" / "step-000000").meta["warm_start"]
-    assert warmed["steps"] == 3 and warmed["demonstrations"] == 192 // 4
+    assert warmed["steps"] == 3 and warmed["demonstrations"] == 768 // 4
     assert sorted(await val_rollouts(config)) == [-1, 0, 1]  # initial model, after the warm start, after training
     mlflow = MlflowClient(config.tracking_uri)
     run_id = summary["mlflow_run_id"]
