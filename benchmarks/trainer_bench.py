@@ -64,6 +64,14 @@ def warm_start(model_dir: Path, tasks: list[dict], *, steps: int, lr: float, roo
     return load_checkpoint(save_checkpoint(root, 0, trainer.model, trainer.tokenizer)).model_dir
 
 
+async def held_out(run: Run, step: int, clock: float, curve: list[tuple[float, int, float]], label: str) -> float:
+    """The policy's greedy held-out reward now (outside the training clock), added to `curve` and printed."""
+    reward = (await stages.collect_rollouts(run, step, "val"))[1]["reward_mean"]
+    curve.append((clock, step, reward))
+    print(f"  {label}: {clock:6.1f}s step {step:4d} held-out reward {reward:.3f}", flush=True)
+    return reward
+
+
 async def run_ours(
     model_dir: Path,
     train_tasks: list[dict],
@@ -119,12 +127,9 @@ async def run_ours(
     try:
         while True:
             if train_clock - last_eval >= eval_every_s or train_clock >= seconds:
-                reward = (await stages.collect_rollouts(run, step, "val"))[1]["reward_mean"]
-                curve.append((train_clock, step, reward))
-                print(f"  ours: {train_clock:6.1f}s step {step:4d} held-out reward {reward:.3f}", flush=True)
+                reward = await held_out(run, step, train_clock, curve, "ours")
                 last_eval = train_clock
-                if reward >= 1.0 and time_to_one is None:
-                    time_to_one = train_clock
+                time_to_one = train_clock if reward >= 1.0 and time_to_one is None else time_to_one
                 if train_clock >= seconds or reward >= 1.0:
                     break
             started = time.perf_counter()
@@ -191,12 +196,9 @@ async def pipelined(run: Run, *, seconds: float, eval_every_s: float) -> dict[st
                 for started in sorted(in_flight):
                     await in_flight.pop(started)
                 train_clock += time.perf_counter() - resumed
-                reward = (await stages.collect_rollouts(run, step, "val"))[1]["reward_mean"]
-                curve.append((train_clock, step, reward))
-                print(f"  ours-async: {train_clock:6.1f}s step {step:4d} held-out reward {reward:.3f}", flush=True)
+                reward = await held_out(run, step, train_clock, curve, "ours-async")
                 last_eval = train_clock
-                if reward >= 1.0 and time_to_one is None:
-                    time_to_one = train_clock
+                time_to_one = train_clock if reward >= 1.0 and time_to_one is None else time_to_one
                 if train_clock >= seconds or reward >= 1.0:
                     break
                 resumed = time.perf_counter()
