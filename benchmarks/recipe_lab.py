@@ -47,7 +47,14 @@ def prompt_ids(tokenizer: Any, task: dict[str, Any]) -> list[int]:
 
 @torch.no_grad()
 def generate(
-    model: Any, tokenizer: Any, prompts: list[list[int]], *, greedy: bool, max_tokens: int, seed: int
+    model: Any,
+    tokenizer: Any,
+    prompts: list[list[int]],
+    *,
+    greedy: bool,
+    max_tokens: int,
+    seed: int,
+    temperature: float = 1.0,
 ) -> tuple[list[list[int]], list[str]]:
     """Each prompt's response token ids (up to and with the first end token) and its text."""
     length = max(len(p) for p in prompts)
@@ -57,7 +64,7 @@ def generate(
     torch.manual_seed(seed)
     out = model.generate(
         input_ids=input_ids, attention_mask=attention, do_sample=not greedy, max_new_tokens=max_tokens,
-        temperature=None if greedy else 1.0, top_p=None, top_k=None, pad_token_id=pad,
+        temperature=None if greedy else temperature, top_p=None, top_k=None, pad_token_id=pad,
     )  # fmt: skip
     ends = set(model.generation_config.eos_token_id)
     responses = []
@@ -102,7 +109,13 @@ def run(seed: int, args: argparse.Namespace, config: TrainerConfig, model_dir: P
         prompts = [prompt_ids(tokenizer, t) for t in tasks for _ in range(args.samples)]
         sample_seed = seed * 100_003 + iteration
         responses, texts = generate(
-            trainer.model, tokenizer, prompts, greedy=False, max_tokens=args.max_tokens, seed=sample_seed
+            trainer.model,
+            tokenizer,
+            prompts,
+            greedy=False,
+            max_tokens=args.max_tokens,
+            seed=sample_seed,
+            temperature=config.temperature or 1.0,  # the trainer's log-probs are at the same temperature
         )
         triplets = [
             Triplet(

@@ -436,6 +436,14 @@ class TrainConfig(BaseModel):
         problem = ray_store_problem(self.task_runner, self.store_url)
         if problem is not None:
             raise ValueError(f"store_url: {problem}")
+        uses_sampler = self.algorithm.old_log_probs == "sampler" or self.algorithm.off_policy_correction != "none"
+        if uses_sampler and self.update_config.temperature != 1.0:
+            raise ValueError(
+                "algorithm.temperature: the sampler's stored log-probs (old_log_probs 'sampler', "
+                "off_policy_correction) are the model's raw distribution's, at temperature 1, and the trainer's would "
+                f"be at {self.update_config.temperature:g}; sample at temperature 1.0, or use old_log_probs 'trainer' "
+                "and off_policy_correction 'none'"
+            )
         if self.inference.weight_sync == "sleep" and self.inference.backend != "vllm":
             raise ValueError("inference.weight_sync: 'sleep' needs inference.backend 'vllm'")
         if self.trainer_backend == "verl":
@@ -460,10 +468,13 @@ class TrainConfig(BaseModel):
     @property
     def update_config(self) -> TrainerConfig:
         """`algorithm` as the trainer takes it: a cosine schedule without `total_steps` spans the run's
-        iterations (one update each)."""
+        iterations (one update each); without `temperature`, the log-probs are the sampling temperature's."""
+        update: dict[str, Any] = {}
         if self.algorithm.lr_schedule == "cosine" and self.algorithm.total_steps is None:
-            return self.algorithm.model_copy(update={"total_steps": self.iterations})
-        return self.algorithm
+            update["total_steps"] = self.iterations
+        if self.algorithm.temperature is None:
+            update["temperature"] = sampling_temperature(self.sampling)
+        return self.algorithm.model_copy(update=update) if update else self.algorithm
 
     @property
     def run_dir(self) -> Path:
@@ -495,6 +506,13 @@ def ray_store_problem(task_runner: str, store_url: str) -> str | None:
             f"working directory. {fix}"
         )
     return None
+
+
+def sampling_temperature(sampling: dict[str, Any]) -> float:
+    """The temperature a `sampling` dict draws at: the OpenAI default 1.0 when unset; 1.0 for greedy (0), whose
+    samples carry no temperature to match."""
+    value = sampling.get("temperature")
+    return float(value) if isinstance(value, int | float) and value > 0 else 1.0
 
 
 def load_config(source: str | Path | dict[str, Any], **overrides: Any) -> TrainConfig:

@@ -745,7 +745,7 @@ def _trainer(config: TrainConfig, model_dir: Path) -> Any:
         from lightning.algorithm.verl_backend import VerlTrainer
 
         return VerlTrainer(
-            model_dir, config.algorithm, checkpoints_dir(config), options=config.verl, run_name=config.run_name,
+            model_dir, config.update_config, checkpoints_dir(config), options=config.verl, run_name=config.run_name,
             rows_per_step=config.batch_size * config.samples_per_task, total_steps=config.iterations,
             ray_address=config.ray_address,
         )  # fmt: skip

@@ -82,6 +82,10 @@ class TrainerConfig(BaseModel):
     """Gradients are clipped to this global norm."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (subtracted from the loss); 0: none."""
+    temperature: float | None = Field(default=None, gt=0)
+    """The sampling temperature T the rollouts were drawn at: the trainer's log-probs and entropies are those of
+    softmax(logits / T), the policy that sampled (verl's actor does the same). None: the run's
+    `sampling.temperature` (1.0 outside a run)."""
     pack_sequences: bool = False
     """Run each micro-batch's rows as one sequence without padding: position ids restart at each row and attention
     stays within it (torch's varlen flash attention on CUDA in bf16/fp16, SDPA row by row otherwise). The same loss

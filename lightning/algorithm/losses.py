@@ -38,14 +38,16 @@ def log_probs_from_hidden(
     bias: torch.Tensor | None = None,
     chunk_tokens: int | None = None,
     entropy_grad: bool = False,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """token_log_probs and entropy_from_logits of the logits z = hidden @ weight.T + bias, for [N, H] hidden states
-    and [N] labels, `chunk_tokens` rows at a time (None: all at once). With gradients on and chunks, each chunk's
-    logits are recomputed in the backward pass instead of kept, so at most one chunk's [chunk_tokens x vocab] float32
-    logits exist at any time: N x vocab never does. The entropy carries gradient only with `entropy_grad`."""
+    """token_log_probs and entropy_from_logits of the logits z = (hidden @ weight.T + bias) / temperature, for
+    [N, H] hidden states and [N] labels, `chunk_tokens` rows at a time (None: all at once). With gradients on and
+    chunks, each chunk's logits are recomputed in the backward pass instead of kept, so at most one chunk's
+    [chunk_tokens x vocab] float32 logits exist at any time: N x vocab never does. The entropy carries gradient
+    only with `entropy_grad`."""
 
     def chunk(h: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = torch.nn.functional.linear(h, weight, bias)
+        logits = torch.nn.functional.linear(h, weight, bias) / temperature
         return token_log_probs(logits, y), entropy_from_logits(logits if entropy_grad else logits.detach())
 
     if chunk_tokens is None or len(hidden) <= chunk_tokens:

@@ -57,10 +57,11 @@ def hidden_state_log_probs(
     pack: bool,
     chunk_tokens: int | None,
     entropy_grad: bool,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, R] log-probs and entropies of the real response tokens (0 on padding), from the decoder's last hidden
-    states and the output layer: padded rows, or with `pack` the rows' real tokens as one sequence under
-    `lightning_varlen` attention (`use_varlen_attention` first)."""
+    """[B, R] log-probs and entropies of the real response tokens (0 on padding) at `temperature`, from the
+    decoder's last hidden states and the output layer: padded rows, or with `pack` the rows' real tokens as one
+    sequence under `lightning_varlen` attention (`use_varlen_attention` first)."""
     prompt_length = input_ids.shape[1] - responses.shape[1]
     decoder = model.get_decoder()
     if pack:
@@ -77,7 +78,7 @@ def hidden_state_log_probs(
     head = model.get_output_embeddings()
     log_probs, entropy = log_probs_from_hidden(
         hidden.flatten(0, 1)[index], head.weight, responses[rows, columns], bias=head.bias, chunk_tokens=chunk_tokens,
-        entropy_grad=entropy_grad,
+        entropy_grad=entropy_grad, temperature=temperature,
     )  # fmt: skip
     placed = torch.zeros(responses.shape, dtype=log_probs.dtype, device=log_probs.device)
     return placed.index_put((rows, columns), log_probs), placed.index_put((rows, columns), entropy)

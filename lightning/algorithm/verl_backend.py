@@ -177,7 +177,7 @@ def verl_config(
 
 def batch_to_dataproto(batch: Any, temperature: float = 1.0) -> Any:
     """A TrainingBatch as the DataProto verl's workers take: our tensors under their keys, the group ids as `uid`.
-    `temperature` divides the logits in verl's log-prob passes; 1.0 matches the torch trainer."""
+    `temperature` divides the logits in verl's log-prob passes, as the torch trainer's `temperature` does."""
     from verl import DataProto
 
     return DataProto.from_dict(
@@ -301,7 +301,7 @@ class VerlActorGroup:
 
         started = time.perf_counter()
         batch = TrainingBatch.load(batch_path)
-        proto = batch_to_dataproto(batch)
+        proto = batch_to_dataproto(batch, self.trainer.temperature or 1.0)
         metrics: dict[str, float] = {}
 
         def log_probs(group: Any, method: str, **flags: Any) -> Any:
