@@ -438,7 +438,8 @@ async def adapt_spans(run: Run, iteration: int, rollout_ids: Sequence[str]) -> d
             max_response_length=config.max_response_length,
         )  # fmt: skip
     except ValueError as exc:  # not one row: say why, from what the adapter and the batch dropped
-        raise NoTrainingRows(no_rows_reason(run, iteration, len(rollout_ids), adapted.report, str(exc))) from None
+        reason = no_rows_reason(run, iteration, len(rollout_ids), adapted.report, str(exc), staleness)
+        raise NoTrainingRows(reason) from None
     path = run.run_dir / "batches" / f"iteration-{iteration:06d}"
     path.parent.mkdir(parents=True, exist_ok=True)
     batch.save(path)
@@ -518,9 +519,18 @@ async def wait_for_checkpoint(run: Run, iteration: int, poll: float = 0.05) -> f
     return time.monotonic() - started
 
 
-def no_rows_reason(run: Run, iteration: int, rollouts: int, report: Any, batch_error: str) -> str:
+def no_rows_reason(
+    run: Run, iteration: int, rollouts: int, report: Any, batch_error: str, staleness: dict[str, float] | None = None
+) -> str:
     """Why an iteration has nothing to train on, each cause with its fix, on one line."""
     causes = []
+    if staleness and staleness.get("stale_dropped"):
+        causes.append(
+            f"{staleness['stale_dropped']:.0f} were sampled more than algorithm.max_staleness "
+            f"{run.config.algorithm.max_staleness} policy versions before checkpoint {iteration} and dropped (up to "
+            f"{staleness['staleness_max']:.0f} behind: raise max_staleness, or shorten the rollouts so they finish "
+            "sooner)"
+        )
     if report.rollouts_without_reward:
         causes.append(
             f"{report.rollouts_without_reward} had no reward (the agent returned None and emitted none: return a "

@@ -98,6 +98,17 @@ async def test_rollouts_more_than_k_versions_old_are_dropped_and_every_decision_
     assert len(kept) == 5 and counts["stale_dropped"] == 0 and counts["stale_used"] == 3
 
 
+def test_an_iteration_whose_rollouts_were_all_too_stale_says_so_and_what_to_change() -> None:
+    run = SimpleNamespace(config=SimpleNamespace(algorithm=SimpleNamespace(max_staleness=1), max_prompt_length=64))
+    report = SimpleNamespace(rollouts_without_reward=0, rollouts_without_llm_calls=0, calls_without_token_ids=0)
+    staleness = {"stale_used": 0, "stale_corrected": 0, "stale_dropped": 8, "staleness_mean": 2.5, "staleness_max": 3}
+    reason = stages.no_rows_reason(run, 7, 8, report, "no rows", staleness)  # type: ignore[arg-type]
+    assert reason.startswith(
+        "iteration 7: nothing to train on from 8 rollouts: 8 were sampled more than algorithm.max_staleness 1 policy "
+        "versions before checkpoint 7 and dropped (up to 3 behind: raise max_staleness"
+    ), reason
+
+
 def test_a_sample_without_a_version_is_kept_and_not_counted() -> None:
     from lightning.types import Triplet
 
