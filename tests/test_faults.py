@@ -71,7 +71,8 @@ class Scenario:
     target: str
     """flow, trainer, inference server, LLM proxy, or checkpoint (damaged, not killed)."""
     point: str
-    """rollouts (iteration 1's, part done), ppo_step (iteration 1's batch written), checkpoint (step 2 saved)."""
+    """rollouts (iteration 1's, part done; 1+k's with max_staleness k), ppo_step (iteration 1's batch written),
+    checkpoint (step 2 saved)."""
     resumes: bool
     """The flow itself dies, so the run is started again; else the run recovers in flight."""
     staleness: int = 0
@@ -163,13 +164,16 @@ async def wait_for(point: str, config: TrainConfig, process: subprocess.Popen, l
             _still_running(process, deadline, log, f"never reached {point}")
             await asyncio.sleep(0.01)
         return
+    # The rollouts running after checkpoint 1: iteration 1's; with max_staleness k, iteration 1+k's (iteration 1's
+    # ran beside iteration 0's update and are done by then).
+    iteration = 1 + config.algorithm.max_staleness
     async with SqlLightningStore(config.store_url, watchdog_interval=None) as store:
         while True:
             rollouts = await store.query_rollouts(mode="train", queue=config.run_name)
-            done = Counter(r.status for r in rollouts if r.metadata["iteration"] == 1)["succeeded"]
+            done = Counter(r.status for r in rollouts if r.metadata["iteration"] == iteration)["succeeded"]
             if 0 < done < BATCH * SAMPLES:
                 return
-            _still_running(process, deadline, log, "never saw iteration 1 half done")
+            _still_running(process, deadline, log, f"never saw iteration {iteration} half done")
             await asyncio.sleep(0.02)
 
 
