@@ -133,7 +133,8 @@ def generate_levels(path: Path, args: argparse.Namespace, levels: list[int], dev
     return rows
 
 
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
+    """The command line (gpu_check builds its parts' commands on it; tests/test_gpu_check.py checks them)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=sorted(SIZES), default="small")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -141,6 +142,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens each request decodes")
     parser.add_argument("--start-timeout", type=float, default=180)
     parser.add_argument("--json", type=Path, default=None)
+    return parser
+
+
+def main() -> None:
+    parser = arguments()
     args = parser.parse_args()
     levels = [int(level) for level in args.levels.split(",")]
     load_before = os.getloadavg()[0]

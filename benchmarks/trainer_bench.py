@@ -240,7 +240,8 @@ def changed(recipe: dict[str, Any]) -> dict[str, Any]:
     return {**recipe, "algorithm": algorithm}
 
 
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
+    """The command line (gpu_check builds its parts' commands on it; tests/test_gpu_check.py checks them)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=120, help="training wall time for each side")
     parser.add_argument("--recipe", type=Path, default=REPO / "examples/copy_task/demo.yaml", help="our recipe")
@@ -269,6 +270,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="runs of each side, taking turns (seeds 0..N-1)")
     parser.add_argument("--no-mlflow", action="store_true", help="our run without MLflow (Run.open(track=False))")
     parser.add_argument("--json", type=Path, default=None)
+    return parser
+
+
+def main() -> None:
+    parser = arguments()
     args = parser.parse_args()
     load_before = os.getloadavg()[0]
     globals()["MAX_NEW_TOKENS"] = args.max_tokens

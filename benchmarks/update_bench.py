@@ -193,7 +193,8 @@ def run_variant(name: str, args: argparse.Namespace, size: dict[str, int], batch
     return {"variant": name, "params": params, **result}
 
 
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
+    """The command line (gpu_check builds its parts' commands on it; tests/test_gpu_check.py checks them)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=sorted(SIZES), default="small")
     parser.add_argument("--lengths", choices=["mixed", "full"], default="mixed")
@@ -206,6 +207,11 @@ def main() -> None:
         "--threads", type=int, default=None, help="torch CPU threads (default: half the cores, as the trainer's)"
     )
     parser.add_argument("--json", type=Path, default=None)
+    return parser
+
+
+def main() -> None:
+    parser = arguments()
     args = parser.parse_args()
     unknown = set(args.variants.split(",")) - set(VARIANTS)
     if unknown:

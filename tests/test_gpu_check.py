@@ -4,7 +4,10 @@ SMALL=1` is its dry run on a CPU.)"""
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
+
+import pytest
 
 from benchmarks import gpu_check
 
@@ -34,3 +37,17 @@ def test_the_targets_read_off_the_update_results_by_hand() -> None:
         "- lean-kl / lean: 1.40x (target <= 1.3): MISSED",
     ]
     assert gpu_check.targets({}) == ["- not measured (the update part left no results)"]
+
+
+@pytest.mark.parametrize("small", [False, True], ids=["full", "small"])
+def test_every_part_command_is_one_its_script_takes(small: bool) -> None:
+    """A part's arguments that its benchmark no longer takes fail only on the GPU machine, after minutes: here, each
+    command of FULL and SMALL must parse under its script's own `arguments()`."""
+    for name, (_, command) in (gpu_check.SMALL if small else gpu_check.FULL).items():
+        script = importlib.import_module(f"benchmarks.{Path(command[0]).stem}")
+        try:
+            args = script.arguments().parse_args([*command[1:], "--json", "part.json"])
+        except SystemExit:  # argparse has printed which argument
+            pytest.fail(f"gpu_check's {name} part: {command[0]} does not take {command[1:]}")
+        if "variants" in vars(args):
+            assert set(args.variants.split(",")) <= set(script.VARIANTS), name
