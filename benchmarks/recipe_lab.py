@@ -115,7 +115,7 @@ def run(seed: int, args: argparse.Namespace, config: TrainerConfig, model_dir: P
             greedy=False,
             max_tokens=args.max_tokens,
             seed=sample_seed,
-            temperature=config.temperature or 1.0,  # the trainer's log-probs are at the same temperature
+            temperature=config.scoring_temperature,  # the trainer's log-probs are at the same temperature
         )
         triplets = [
             Triplet(

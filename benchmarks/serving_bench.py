@@ -146,8 +146,7 @@ def arguments() -> argparse.ArgumentParser:
 
 
 def main() -> None:
-    parser = arguments()
-    args = parser.parse_args()
+    args = arguments().parse_args()
     levels = [int(level) for level in args.levels.split(",")]
     load_before = os.getloadavg()[0]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -437,11 +437,12 @@ class TrainConfig(BaseModel):
         if problem is not None:
             raise ValueError(f"store_url: {problem}")
         uses_sampler = self.algorithm.old_log_probs == "sampler" or self.algorithm.off_policy_correction != "none"
-        if uses_sampler and self.update_config.temperature != 1.0:
+        temperature = self.update_config.scoring_temperature
+        if uses_sampler and temperature != 1.0:
             raise ValueError(
                 "algorithm.temperature: the sampler's stored log-probs (old_log_probs 'sampler', "
                 "off_policy_correction) are the model's raw distribution's, at temperature 1, and the trainer's would "
-                f"be at {self.update_config.temperature:g}; sample at temperature 1.0, or use old_log_probs 'trainer' "
+                f"be at {temperature:g}; sample at temperature 1.0, or use old_log_probs 'trainer' "
                 "and off_policy_correction 'none'"
             )
         if self.inference.weight_sync == "sleep" and self.inference.backend != "vllm":

@@ -16,6 +16,9 @@ from lightning.config import load_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py, as tiny_dir
 
+BASE = {"agent": "examples.copy_task.agent:copy_agent", "train_data": "examples.copy_task.data:train_tasks"}
+"""The least a run's config needs."""
+
 
 def test_log_probs_at_a_temperature_by_hand() -> None:
     # logits [2, 0], T = 2: z / T = [1, 0], log p(token 0) = 1 - log(e + 1) = -0.31326, log p(1) = -1.31326.
@@ -48,18 +51,16 @@ def test_the_trainer_scores_responses_at_its_temperature(tiny_dir: Path, lean: b
 
 
 def test_a_run_trains_at_its_sampling_temperature_unless_the_algorithm_names_one() -> None:
-    base = {"agent": "examples.copy_task.agent:copy_agent", "train_data": "examples.copy_task.data:train_tasks"}
-    assert load_config({**base, "sampling": {"temperature": 1.2}}).update_config.temperature == 1.2
-    assert load_config({**base, "sampling": {"max_tokens": 8}}).update_config.temperature == 1.0  # OpenAI's default
-    assert load_config({**base, "sampling": {"temperature": 0}}).update_config.temperature == 1.0  # greedy
-    chosen = {**base, "sampling": {"temperature": 1.2}, "algorithm": {"temperature": 1.0}}
+    assert load_config({**BASE, "sampling": {"temperature": 1.2}}).update_config.temperature == 1.2
+    assert load_config({**BASE, "sampling": {"max_tokens": 8}}).update_config.temperature == 1.0  # OpenAI's default
+    assert load_config({**BASE, "sampling": {"temperature": 0}}).update_config.temperature == 1.0  # greedy
+    chosen = {**BASE, "sampling": {"temperature": 1.2}, "algorithm": {"temperature": 1.0}}
     assert load_config(chosen).update_config.temperature == 1.0
 
 
 def test_the_sampler_log_probs_and_another_temperature_are_refused_naming_the_fix() -> None:
-    base = {"agent": "examples.copy_task.agent:copy_agent", "train_data": "examples.copy_task.data:train_tasks"}
     with pytest.raises(ValueError, match=r"algorithm.temperature: .* at 1.2; sample at temperature 1.0, or use"):
-        load_config({**base, "sampling": {"temperature": 1.2}, "algorithm": {"off_policy_correction": "tis"}})
+        load_config({**BASE, "sampling": {"temperature": 1.2}, "algorithm": {"off_policy_correction": "tis"}})
     with pytest.raises(ValueError, match="algorithm.temperature"):
-        load_config({**base, "sampling": {"temperature": 0.7}, "algorithm": {"old_log_probs": "sampler"}})
-    load_config({**base, "sampling": {"temperature": 1.0}, "algorithm": {"off_policy_correction": "tis"}})
+        load_config({**BASE, "sampling": {"temperature": 0.7}, "algorithm": {"old_log_probs": "sampler"}})
+    load_config({**BASE, "sampling": {"temperature": 1.0}, "algorithm": {"off_policy_correction": "tis"}})

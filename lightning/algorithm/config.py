@@ -142,6 +142,11 @@ class TrainerConfig(BaseModel):
     def uses_reference(self) -> bool:
         return self.use_kl_loss or self.kl_in_reward
 
+    @property
+    def scoring_temperature(self) -> float:
+        """The T of softmax(logits / T) the trainer scores tokens under: `temperature`, or 1.0 outside a run."""
+        return self.temperature or 1.0
+
 
 class VerlOptions(BaseModel):
     """What verl needs beyond the algorithm's hyperparameters: the cluster shape and FSDP's memory options."""

@@ -293,7 +293,7 @@ class TorchTrainer:
                 return hidden_state_log_probs(
                     model, batch["input_ids"], batch["attention_mask"], batch["position_ids"], batch["responses"],
                     pack=config.pack_sequences, chunk_tokens=config.logit_chunk_tokens,
-                    entropy_grad=bool(config.entropy_coef), temperature=config.temperature or 1.0,
+                    entropy_grad=bool(config.entropy_coef), temperature=config.scoring_temperature,
                 )  # fmt: skip
             logits = model(
                 input_ids=batch["input_ids"],
@@ -303,7 +303,7 @@ class TorchTrainer:
                 logits_to_keep=response_length + 1,
             ).logits
         # The logit at position t predicts token t + 1: the last prompt token predicts the first response token.
-        response_logits = logits[:, :-1] / (config.temperature or 1.0)  # the policy that sampled: softmax(z / T)
+        response_logits = logits[:, :-1] / config.scoring_temperature  # the policy that sampled: softmax(z / T)
         log_probs = token_log_probs(response_logits, batch["responses"])
         entropy = entropy_from_logits(response_logits if self.config.entropy_coef else response_logits.detach())
         return log_probs, entropy

@@ -301,7 +301,7 @@ class VerlActorGroup:
 
         started = time.perf_counter()
         batch = TrainingBatch.load(batch_path)
-        proto = batch_to_dataproto(batch, self.trainer.temperature or 1.0)
+        proto = batch_to_dataproto(batch, self.trainer.scoring_temperature)
         metrics: dict[str, float] = {}
 
         def log_probs(group: Any, method: str, **flags: Any) -> Any:
