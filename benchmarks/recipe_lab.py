@@ -159,7 +159,7 @@ def main() -> None:
     parser.add_argument("--warm-steps", type=int, default=30)
     parser.add_argument("--warm-lr", type=float, default=1e-3)
     parser.add_argument("--train", type=int, default=TRAIN, help="training tasks; the held-out ones stay the same")
-    parser.add_argument("--warm-fraction", type=float, default=0.075, help="share of the training tasks demonstrated")
+    parser.add_argument("--warm-fraction", type=float, default=0.0143, help="share of the training tasks demonstrated")
     parser.add_argument("--keep-optimizer", action="store_true", help="RL goes on with the warm start's AdamW")
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--set", action="append", default=[], help="a TrainerConfig field as JSON, e.g. lr=1e-3")

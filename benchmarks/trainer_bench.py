@@ -262,9 +262,12 @@ def arguments() -> argparse.ArgumentParser:
         help="add an ours-async row: our loop with algorithm.max_staleness K (rollouts overlap the update); 0: none",
     )  # fmt: skip
     parser.add_argument("--task", choices=["last", "copy"], default="last", help="examples/copy_task: which rule")
-    parser.add_argument("--data", choices=["demo", "small"], default="demo", help="demo: 768 train / 64 held-out")
+    parser.add_argument("--data", choices=["demo", "small"], default="demo", help="demo: examples/copy_task/data.py")
     parser.add_argument("--warm-steps", type=int, default=50, help="supervised warm-start steps (0: none)")
-    parser.add_argument("--warm-fraction", type=float, default=0.075, help="share of train prompts demonstrated")
+    parser.add_argument(
+        "--warm-fraction", type=float, default=None,
+        help="share of train prompts demonstrated (default: the demo's warm_start.fraction; --data small: 0.075)",
+    )  # fmt: skip
     parser.add_argument("--warm-lr", type=float, default=1e-3)
     parser.add_argument("--max-tokens", type=int, default=MAX_NEW_TOKENS, help="tokens each answer may have")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each side, taking turns (seeds 0..N-1)")
@@ -281,15 +284,18 @@ def main() -> None:
 
     workdir = Path(tempfile.mkdtemp(prefix="trainer-bench-"))
     model_dir = build_tiny_model(workdir / "tiny", seed=0)
-    if args.data == "demo":  # the demo's: 768 training tasks, 64 held-out
+    if args.data == "demo":  # the demo's training tasks and its 64 held-out
         if args.task != "last":
             parser.error("--data demo is the 'last' task; give --data small for --task copy")
         train_tasks, heldout_tasks = split()
+        warm_fraction = load_config(REPO / "examples/copy_task/demo.yaml").warm_start.fraction
     else:  # the benchmark's tables before 2026-11-27: 64 training tasks, 32 held-out
         tasks = make_tasks(96, kind=args.task, seed=0)
         train_tasks, heldout_tasks = tasks[:64], tasks[64:]
+        warm_fraction = 0.075
     if args.warm_steps:
-        shown = train_tasks[: max(1, int(len(train_tasks) * args.warm_fraction))]
+        fraction = warm_fraction if args.warm_fraction is None else args.warm_fraction
+        shown = train_tasks[: max(1, int(len(train_tasks) * fraction))]
         model_dir = warm_start(model_dir, shown, steps=args.warm_steps, lr=args.warm_lr, root=workdir / "warm")
     recipe = our_recipe(args.recipe, args.set)
     results: dict[str, list[dict[str, Any]]] = {"ours": [], "ours-async": [], "trl": []}

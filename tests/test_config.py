@@ -131,7 +131,7 @@ def test_datasets_from_jsonl_parquet_and_entry_points(tmp_path: Path) -> None:
     parquet = tmp_path / "tasks.parquet"
     pq.write_table(pa.Table.from_pylist(rows), parquet)
     assert load_tasks(str(parquet)) == rows
-    assert len(load_tasks("examples.copy_task.data:train_tasks")) == 768
+    assert len(load_tasks("examples.copy_task.data:train_tasks")) == 4000
     assert not {t["letters"] for t in load_tasks("examples.copy_task.data:train_tasks")} & {
         t["letters"] for t in load_tasks("examples.copy_task.data:val_tasks")
     }
