@@ -90,12 +90,13 @@ def select_tasks(run: Run, iteration: int, refill: int = 0, count: int | None = 
         wanted, indices = count or config.batch_size, range(len(tasks))
         picks = rng.sample(indices, wanted) if wanted <= len(tasks) else rng.choices(indices, k=wanted)
         return [tasks[index] for index in picks]
-    chosen = []
+    chosen, orders = [], {}
     for position in range(iteration * config.batch_size, (iteration + 1) * config.batch_size):
         epoch, index = divmod(position, len(tasks))
-        order = list(range(len(tasks)))
-        random.Random(f"{config.seed}/{epoch}").shuffle(order)
-        chosen.append(tasks[order[index]])
+        if epoch not in orders:  # each epoch's order, shuffled once
+            orders[epoch] = list(range(len(tasks)))
+            random.Random(f"{config.seed}/{epoch}").shuffle(orders[epoch])
+        chosen.append(tasks[orders[epoch][index]])
     return chosen
 
 
