@@ -105,13 +105,16 @@ def scenario_id(scenario: Scenario) -> str:
 def test_the_run_survives(scenario: Scenario, prefect_server: PrefectServer, tmp_path: Path) -> None:
     data = fault_config(tmp_path, "faults")
     data["algorithm"]["max_staleness"] = scenario.staleness
+    if scenario.point == "rollouts":  # iteration 1's rollouts must be seen part done, however fast they run
+        data["agent"] = PACED_AGENT
     config = validate_config(data)
     config_path = tmp_path / "config.yaml"
     config_path.write_text(yaml.safe_dump(data))
     command = [sys.executable, "-m", "flows.train", str(config_path)]
     log = tmp_path / "train.log"
+    env = with_support(prefect_server.env)
 
-    first = start_logged(command, log, env=prefect_server.env, cwd=tmp_path)
+    first = start_logged(command, log, env=env, cwd=tmp_path)
     try:
         asyncio.run(wait_for(scenario.point, config, first, log))
         family = run_processes(first.pid)
@@ -132,7 +135,7 @@ def test_the_run_survives(scenario: Scenario, prefect_server: PrefectServer, tmp
     if scenario.resumes:
         with open(log, "a") as separator:
             separator.write(f"\n=== {scenario.target} killed at {scenario.point}; started again ===\n")
-        second = start_logged(command, log, env=prefect_server.env, cwd=tmp_path)
+        second = start_logged(command, log, env=env, cwd=tmp_path)
         try:
             assert second.wait(RUN_TIMEOUT) == 0, tail(log)
         finally:
@@ -265,6 +268,8 @@ async def _train_rollouts(config: TrainConfig) -> list[Any]:
 
 # --- stopping: Ctrl-C in a terminal, SIGINT and SIGTERM at three points, a twin ---------------------------------
 
+PACED_AGENT = "support.agents:paced_copy_agent"
+"""The copy agent 50 ms slower per rollout, for the kills during rollouts."""
 SLOW_AGENT = "support.agents:slow_copy_agent"
 """The copy agent a quarter of a second slower per rollout: iteration 0's rollouts take a few seconds to stop in."""
 TWIN_REFUSED_SECONDS = 5.0
@@ -278,7 +283,7 @@ def stop_config(tmp_path: Path, name: str) -> tuple[dict[str, Any], TrainConfig,
 
 
 def with_support(env: dict[str, str]) -> dict[str, str]:
-    """The environment with tests/ on PYTHONPATH (the slow agent is `support.agents`)."""
+    """The environment with tests/ on PYTHONPATH (the slow and paced agents are `support.agents`)."""
     tests = str(Path(__file__).resolve().parent)
     return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [tests, env.get("PYTHONPATH")]))}
 

@@ -45,6 +45,16 @@ async def slow_copy_agent(task: dict[str, Any], llm: Any) -> float:
     return await copy_reward(task, llm)
 
 
+@rollout
+async def paced_copy_agent(task: dict[str, Any], llm: Any) -> float:
+    """The copy task's agent, 50 ms slower per rollout: an iteration's rollouts, two at a time, then take a second
+    or more, however fast the real agent gets: a window in which a fault test sees them part done."""
+    import asyncio
+
+    await asyncio.sleep(0.05)
+    return await copy_reward(task, llm)
+
+
 async def copy_reward(task: dict[str, Any], llm: Any) -> float:
     """One call of the copy task's agent to `llm`: its reward."""
     import httpx
