@@ -10,36 +10,33 @@ of training runs on the tiny local model.
 from __future__ import annotations
 
 import random
-import ssl
 from typing import Any
 
-import httpx
+import aiohttp
 
 from lightning.agent import rollout
 from lightning.types import LLM, Triplet
 
 ALPHABET = "bdfgjkmp"  # letters the tiny tokenizer never merges: one letter, one token
-
-
-# Built once: an HTTP client builds a TLS context of its own otherwise (about 20 ms), which dominated a rollout's
-# cost. Each rollout has a client of its own, closed with it: one kept per event loop would keep every loop a
-# long run creates (runner tasks each have one) alive, with its connections.
-_TLS = ssl.create_default_context()
+_TIMEOUT = aiohttp.ClientTimeout(total=60)
 
 
 @rollout
 async def copy_agent(task: dict[str, Any], llm: LLM) -> float:
-    # One chat completion, posted as the OpenAI API's JSON. The OpenAI SDK works the same here (examples/first_agent
-    # uses it), but building its request costs about 1.2 ms of CPU a call, more than the tiny model takes to
-    # answer: on a 2-core machine it was the largest cost of the demo's rollouts (docs/benchmarks.md).
+    # One chat completion, posted as the OpenAI API's JSON with aiohttp. The OpenAI SDK works the same here
+    # (examples/first_agent uses it), but on a CPU its request building (~1.2 ms a call) and httpx's client (~0.5 ms
+    # more than aiohttp's) cost more than the tiny model takes to answer: they were the largest costs of the demo's
+    # rollouts (docs/benchmarks.md, "The rollout stage").
     body = {"model": llm.model, "messages": [{"role": "user", "content": task["letters"]}], **llm.sampling_parameters}
     headers = {"Authorization": f"Bearer {llm.api_key or 'unused'}"}
-    # trust_env=False: the run's own proxy needs no HTTP proxy, and reading the environment's proxy settings is
-    # ~0.2 ms a client.
-    async with httpx.AsyncClient(timeout=60, verify=_TLS, trust_env=False) as http:
-        response = await http.post(f"{llm.base_url.rstrip('/')}/chat/completions", json=body, headers=headers)
-    response.raise_for_status()
-    return reward(response.json()["choices"][0]["message"]["content"] or "", task["target"])
+    url = f"{llm.base_url.rstrip('/')}/chat/completions"
+    async with (
+        aiohttp.ClientSession(timeout=_TIMEOUT) as session,
+        session.post(url, json=body, headers=headers) as response,
+    ):
+        response.raise_for_status()
+        answer = (await response.json())["choices"][0]["message"]["content"] or ""
+    return reward(answer, task["target"])
 
 
 def reward(answer: str, target: str) -> float:
