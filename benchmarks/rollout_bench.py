@@ -4,6 +4,7 @@ samples on the tiny model), without the trainer step in between. Prints seconds 
 writes a cProfile of the stages (this process only: the proxy and the inference server run in their own).
 
     .venv/bin/python benchmarks/rollout_bench.py [--iterations 20] [--prompts 16] [--generations 4]
+        [--runners 1] [--task-runner default|processes]
 """
 
 from __future__ import annotations
@@ -50,7 +51,11 @@ def process_cpu() -> dict[str, float]:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        name = "LLM proxy" if "proxy" in command else "inference server" if "inference" in command else "other"
+        name = (
+            "LLM proxy" if "proxy" in command else "inference server" if "inference" in command
+            else "runner processes" if "multiprocessing" in command  # the trainer's too: idle here
+            else "other"
+        )  # fmt: skip
         cpu[name] = cpu.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return cpu
 
@@ -65,8 +70,9 @@ async def bench(args: argparse.Namespace, workdir: Path) -> tuple[list[float], d
         {
             "run_name": "rollout-bench", "model": str(model_dir), "agent": "examples.copy_task.agent:copy_agent",
             "train_data": str(workdir / "train.jsonl"), "val_data": str(workdir / "val.jsonl"),
-            "batch_size": args.prompts, "samples_per_task": args.generations, "n_runners": 1,
-            "runner_concurrency": args.prompts * args.generations, "sampling": sampling,
+            "batch_size": args.prompts, "samples_per_task": args.generations, "n_runners": args.runners,
+            "runner_concurrency": -(-args.prompts * args.generations // args.runners),
+            "task_runner": args.task_runner, "sampling": sampling,
             "eval_sampling": {**sampling, "temperature": 0.0}, "max_prompt_length": 64, "max_response_length": 6,
             "iterations": 100_000, "checkpoint": {"keep_last": 1, "log_to_mlflow": False},
             "store_url": f"sqlite:///{workdir}/store.db", "tracking_uri": f"sqlite:///{workdir}/mlflow.db",
@@ -106,6 +112,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="rollout stages run first, not measured")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--generations", type=int, default=4)
+    parser.add_argument("--runners", type=int, default=1, help="runner tasks (n_runners), sharing the rollouts")
+    parser.add_argument(
+        "--task-runner", choices=["default", "processes"], default="default",
+        help="default: the runners on this process's event loop; processes: in runner processes of the run",
+    )  # fmt: skip
     parser.add_argument("--profile", type=Path, default=None, help="write a cProfile of the measured stages here")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="rollout-bench-"))

@@ -82,6 +82,8 @@ async def run_ours(
     workdir: Path,
     recipe: dict[str, Any],
     server: str = "process",
+    task_runner: str = "default",
+    runners: int = 1,
     seed: int = 0,
     track: bool = True,
 ) -> dict[str, Any]:
@@ -96,8 +98,9 @@ async def run_ours(
     run_config = load_config(
         {
             "run_name": "bench", "model": str(model_dir), "agent": "examples.copy_task.agent:copy_agent",
-            "train_data": str(workdir / "train.jsonl"), "val_data": str(workdir / "val.jsonl"), "n_runners": 1,
-            "runner_concurrency": 256, "sampling": sampling, "mlflow_traces": {"train_per_iteration": 0},
+            "train_data": str(workdir / "train.jsonl"), "val_data": str(workdir / "val.jsonl"), "n_runners": runners,
+            "runner_concurrency": -(-256 // runners), "task_runner": task_runner, "sampling": sampling,
+            "mlflow_traces": {"train_per_iteration": 0},
             "eval_sampling": {**sampling, "temperature": 0.0}, "max_prompt_length": 64,
             "max_response_length": MAX_NEW_TOKENS + 1, **recipe, "iterations": 100_000,
             "inference": {"in_process": server == "thread"}, "proxy_in_process": server == "thread",
@@ -163,14 +166,16 @@ async def run_ours(
 
 async def pipelined(run: Run, *, seconds: float, eval_every_s: float) -> dict[str, Any]:
     """`run_ours`'s loop with `algorithm.max_staleness` k >= 1, as `flows.train` runs it: iteration i's rollouts
-    start once iteration i-1-k is done (`stages.may_start`), its update waits for the checkpoint before it
-    (`stages.wait_for_checkpoint`). The iterations in flight finish before each evaluation, which the training clock
-    leaves out. Its parts overlap: their mean ms per step add up to more than a step."""
+    start once iteration i-1-k is done and the rollouts before them are in (`stages.wait_for_turn`), its update
+    waits for the checkpoint before it (`stages.wait_for_checkpoint`). The iterations in flight finish before each
+    evaluation, which the training clock leaves out. Its parts overlap: their mean ms per step add up to more than a
+    step."""
     staleness = run.config.algorithm.max_staleness
     parts = {"rollouts": 0.0, "adapt": 0.0, "waiting for the update before": 0.0, "update": 0.0,
              "checkpoint + publish": 0.0}  # fmt: skip
 
     async def iteration(step: int) -> None:
+        await stages.wait_for_turn(run, step)
         started = time.perf_counter()
         ids, rollouts = await stages.collect_rollouts(run, step, "train")
         rollout_seconds = time.perf_counter() - started
@@ -202,7 +207,7 @@ async def pipelined(run: Run, *, seconds: float, eval_every_s: float) -> dict[st
                 if train_clock >= seconds or reward >= 1.0:
                     break
                 resumed = time.perf_counter()
-            while in_flight and not stages.may_start(step, run.completed_iterations(), staleness):
+            while len(in_flight) > staleness:
                 await in_flight.pop(min(in_flight))
             in_flight[step] = asyncio.create_task(iteration(step))
             step += 1
@@ -255,6 +260,11 @@ def arguments() -> argparse.ArgumentParser:
         help="TRL's torch threads (ours: the trainer and the inference server take 1 each on 2 cores); 0: torch's",
     )  # fmt: skip
     parser.add_argument("--server", choices=["process", "thread"], default="process", help="our inference server")
+    parser.add_argument(
+        "--task-runner", choices=["default", "processes"], default="default",
+        help="our runners: on the loop's event loop, or in runner processes of the run (task_runner processes)",
+    )  # fmt: skip
+    parser.add_argument("--runners", type=int, default=1, help="our runner tasks (n_runners), 256 rollouts among them")
     parser.add_argument("--eval-every", type=float, default=5.0, help="seconds of training between evaluations")
     parser.add_argument("--only", choices=["ours", "ours-async", "trl"], default=None)
     parser.add_argument(
@@ -305,7 +315,8 @@ def main() -> None:
                 asyncio.run(
                     run_ours(
                         model_dir, train_tasks, heldout_tasks, seconds=args.seconds, eval_every_s=args.eval_every,
-                        workdir=workdir / f"ours-{seed}", server=args.server, seed=seed, track=not args.no_mlflow,
+                        workdir=workdir / f"ours-{seed}", server=args.server, task_runner=args.task_runner,
+                        runners=args.runners, seed=seed, track=not args.no_mlflow,
                         recipe={**recipe, "algorithm": {**recipe["algorithm"], "seed": seed}},
                     )
                 )
@@ -316,7 +327,8 @@ def main() -> None:
                 asyncio.run(
                     run_ours(
                         model_dir, train_tasks, heldout_tasks, seconds=args.seconds, eval_every_s=args.eval_every,
-                        workdir=workdir / f"ours-async-{seed}", server=args.server, seed=seed,
+                        workdir=workdir / f"ours-async-{seed}", server=args.server, task_runner=args.task_runner,
+                        runners=args.runners, seed=seed,
                         track=not args.no_mlflow, recipe={**recipe, "algorithm": algorithm},
                     )
                 )

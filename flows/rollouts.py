@@ -54,11 +54,12 @@ async def run_rollouts(run: Run, iteration: int, rollout_ids: list[str], mode: M
 
 
 def task_runner(config: TrainConfig) -> Any:
-    """Where the runner tasks run: threads of this process, or Ray workers (prefect-ray) on the cluster `train`
+    """Where the runner tasks run: threads of this process (their fleets there, or in the run's runner processes),
+    or Ray workers (prefect-ray) on the cluster `train`
     connected to (`lightning.raycluster`). Ray workers are other processes, on other machines of a cluster: they
     need a store and a proxy they can reach (TrainConfig checks the store), get the tokens through the job's
     runtime_env, and import the agent from their own Python environment (install the project on every node)."""
-    if config.task_runner == "default":
+    if config.task_runner in ("default", "processes"):  # processes: the tasks wait here, their fleets run there
         return ThreadPoolTaskRunner(max_workers=max(config.n_runners, 4))
     try:
         from prefect_ray import RayTaskRunner

@@ -40,6 +40,9 @@ from tasks import adapt_spans, checkpoint, gpu_limited, open_run, ppo_step, time
 @flow(name="training_iteration", flow_run_name="{run.name}-iteration-{iteration}", task_runner=ThreadPoolTaskRunner())
 async def training_iteration(run: Run, iteration: int) -> dict[str, Any]:
     """rollouts (update resources -> enqueue -> runners fanned out -> wait) -> adapt spans -> PPO step -> checkpoint."""
+    run.note_iteration(iteration, "begun")
+    if run.config.algorithm.max_staleness:
+        await stages.wait_for_turn(run, iteration)
     started = time.perf_counter()
     rollout_ids, rollouts = await collect_rollouts(run, iteration, "train")
     # The store's timing of the rollouts: a retried run's cached rollout stages took no time here.
@@ -110,8 +113,10 @@ async def train(
         )  # fmt: skip
         iteration_flow = training_iteration.with_options(task_runner=task_runner(config))
         staleness = config.algorithm.max_staleness
-        # Iterations in flight, oldest first: one at a time with max_staleness 0; with k >= 1, iteration i starts
-        # its rollouts once iteration i-1-k is done (`stages.may_start`), while the ones before it update.
+        # Iterations in flight, oldest first: one at a time with max_staleness 0; with k >= 1, up to k + 2, each
+        # subflow started an iteration or more ahead of its turn (Prefect takes seconds to start one while others
+        # run): iteration i's rollouts start once iteration i-1-k is done and the rollouts before it are in
+        # (`stages.wait_for_turn`), while the ones before it update.
         in_flight: dict[int, asyncio.Task[dict[str, Any]]] = {}
 
         def evaluated(step: int) -> bool:
@@ -134,14 +139,24 @@ async def train(
             await aupdate_progress_artifact(progress, 100.0 * step / config.iterations)
             table_id = await _publish(run, table_id)
 
+        async def make_room(iteration: int) -> None:
+            """Until iteration `iteration`'s subflow may be started; meanwhile the iterations that end are reported,
+            in order."""
+            while in_flight:
+                oldest, newest = min(in_flight), max(in_flight)
+                # After an evaluation's step, none starts until the iterations before it (and the evaluation) are
+                # done.
+                if evaluated(iteration) or len(in_flight) > (staleness and staleness + 1) or in_flight[oldest].done():
+                    await finish_oldest()
+                elif run.iteration_reached(newest, "begun"):  # one subflow starting at a time: they slow each other
+                    return
+                else:
+                    await asyncio.sleep(0.02)
+
         try:
             for iteration in range(first, config.iterations):
                 stopping.check(f"iteration {iteration}")
-                # After an evaluation's step, none starts until the iterations before it (and the evaluation) are done.
-                while in_flight and (
-                    evaluated(iteration) or not stages.may_start(iteration, run.completed_iterations(), staleness)
-                ):
-                    await finish_oldest()
+                await make_room(iteration)
                 in_flight[iteration] = asyncio.create_task(iteration_flow(run, iteration))
             while in_flight:
                 await finish_oldest()

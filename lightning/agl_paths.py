@@ -85,8 +85,8 @@ _LEGACY = (
 )
 _ENV = "a run's settings are TrainConfig fields (`lightning config defaults` lists them) and LIGHTNING_* variables"
 _STRATEGY = (
-    "a run's runners are threads of the flow (task_runner='default') or Ray tasks (task_runner='ray'); size them with "
-    "Trainer(n_runners=...) and runner_concurrency"
+    "a run's runners are threads of the flow (task_runner='default'), processes of the run (task_runner='processes') "
+    "or Ray tasks (task_runner='ray'); size them with Trainer(n_runners=...) and runner_concurrency"
 )
 _INSTRUMENT = (
     "nothing to instrument: every call through the rollout's LLM resource is recorded by the run's LLM proxy, token "

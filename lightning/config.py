@@ -344,8 +344,10 @@ class TrainConfig(BaseModel):
     trainer_threads: int | None = Field(default=None, ge=1)
     """torch threads of the trainer process (None: half the cores on a CPU, where the trainer shares them with the
     inference server and the runners; torch's default on a GPU)."""
-    task_runner: Literal["default", "ray"] = "default"
-    """default: runner tasks on threads of the flow's process; ray: prefect-ray's RayTaskRunner."""
+    task_runner: Literal["default", "processes", "ray"] = "default"
+    """default: runner tasks on threads of the flow's process, their agents too; processes: the tasks on threads, each
+    task's runners and agents in a process of the run's own (another interpreter, another core:
+    `lightning.runner.processes`); ray: prefect-ray's RayTaskRunner."""
     ray_address: str | None = None
     """The Ray cluster (ray://host:10001 or auto) for task_runner ray and the verl backend; None: a local one."""
     seed: int = 0
@@ -436,6 +438,12 @@ class TrainConfig(BaseModel):
         problem = ray_store_problem(self.task_runner, self.store_url)
         if problem is not None:
             raise ValueError(f"store_url: {problem}")
+        if self.task_runner == "processes" and in_memory_sqlite(self.store_url):
+            raise ValueError(
+                f"store_url: {self.store_url!r} is an in-memory SQLite store, which the runner processes of "
+                "task_runner 'processes' cannot see; give a SQLite file (the default), postgresql:// or an http:// "
+                "store server, or use task_runner 'default'"
+            )
         uses_sampler = self.algorithm.old_log_probs == "sampler" or self.algorithm.off_policy_correction != "none"
         temperature = self.update_config.scoring_temperature
         if uses_sampler and temperature != 1.0:
@@ -482,6 +490,14 @@ class TrainConfig(BaseModel):
         return Path(self.output_dir) / self.run_name
 
 
+def in_memory_sqlite(url: str) -> bool:
+    """Whether `url` names an in-memory SQLite store (seen by the process that opens it, no other)."""
+    scheme, _, rest = url.partition("://")
+    if scheme.split("+", 1)[0] != "sqlite":
+        return False
+    return rest.removeprefix("/").split("?", 1)[0] in ("", ":memory:") or "mode=memory" in rest
+
+
 def ray_store_problem(task_runner: str, store_url: str) -> str | None:
     """Why runner tasks on Ray workers could not reach the run's store (None: nothing known against it). The
     workers are other processes, with their own working directory: an in-memory SQLite store is not theirs to
@@ -499,7 +515,7 @@ def ray_store_problem(task_runner: str, store_url: str) -> str | None:
         "absolute SQLite path on a single-machine cluster"
     )
     path = rest.removeprefix("/").split("?", 1)[0]
-    if path in ("", ":memory:") or "mode=memory" in rest:
+    if in_memory_sqlite(url):
         return f"store_url {url!r} is an in-memory SQLite store, which only the flow's process sees. {fix}"
     if not path.startswith("/"):
         return (

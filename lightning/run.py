@@ -28,7 +28,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 from pydantic import BaseModel, PrivateAttr
@@ -76,6 +76,8 @@ class _Parts:
     """The thread that writes the run's training traces to MLflow in the background (`mlflow_traces.TraceWriter`),
     started on the first traces."""
     stack: Any = None
+    runner_processes: Any = None
+    """The run's runner processes (task_runner processes: `lightning.runner.processes`), started when first asked."""
     vllm: list[Any] = field(default_factory=list)
     """The vLLM servers this run started (inference.backend vllm), one per replica."""
     closers: list[Any] = field(default_factory=list)
@@ -92,6 +94,9 @@ class _Parts:
     inference_headers: dict[str, str] = field(default_factory=dict)
     """What the run's own embedded inference server wants on admin calls (its random per-run key)."""
     datasets: dict[str, list[Any]] = field(default_factory=dict)
+    iterations: dict[str, set[int]] = field(default_factory=dict)
+    """The training iterations that reached each phase in this process: "begun" (the flow's iteration started),
+    "collected" (its rollouts are all in: `stages.collect_rollouts` says so at its end)."""
     history: list[dict[str, Any]] = field(default_factory=list)
     """One row per trained iteration (`stages.iteration_row`), as the latest checkpoint records it."""
     lock: Any = None
@@ -296,6 +301,29 @@ class Run(BaseModel):
         finally:
             lock.release()
 
+    def runner_processes(self) -> Any:
+        """The run's runner processes (task_runner processes: `lightning.runner.processes.RunnerProcesses`); each
+        child starts when a runner task first needs it, and all end when the run closes."""
+        processes = self._open_parts().runner_processes
+        if processes is None:
+            raise RunNotOpen(f"run {self.name!r} has no runner processes: its task_runner is {self.config.task_runner}")
+        return processes
+
+    def served_iterations(self) -> int:
+        """Iterations trained whose weights the inference servers serve now: one past the last row of the history,
+        which the checkpoint stage writes once the checkpoint is saved and loaded (`completed_iterations` counts a
+        checkpoint from when its files exist)."""
+        return max((row["iteration"] + 1 for row in self.history), default=0)
+
+    def note_iteration(self, iteration: int, phase: Literal["begun", "collected"]) -> None:
+        """Training iteration `iteration` reached `phase` in this process: "begun" (its flow started), "collected"
+        (its rollouts are all in)."""
+        if self._parts is not None:
+            self._parts.iterations.setdefault(phase, set()).add(iteration)
+
+    def iteration_reached(self, iteration: int, phase: Literal["begun", "collected"]) -> bool:
+        return iteration in self._open_parts().iterations.get(phase, set())
+
     def made_progress(self, what: str) -> None:
         """A stage finished, or a rollout: the run is not stuck (the supervisor warns when nothing finishes for
         `timeouts.stall_warning` seconds)."""
@@ -416,6 +444,12 @@ class Run(BaseModel):
         endpoints = Endpoints(proxy_url="", model_name=config.inference.served_model_name)
         run = cls(config=config, endpoints=endpoints, queue=queue or config.run_name)
         run._parts = parts
+        if config.task_runner == "processes":
+            from lightning.runner.processes import RunnerProcesses
+
+            parts.runner_processes = RunnerProcesses(
+                run, start_timeout=config.timeouts.startup, stacks_dir=config.run_dir / "stacks"
+            )
         # The MLflow run first, beside the rest: a run that fails to open still leaves one, FAILED, saying why.
         tracking = None
         if train if track is None else track:
@@ -457,6 +491,8 @@ class Run(BaseModel):
         if parts.supervisor is not None:  # first: nothing is restarted while the parts go down
             await asyncio.to_thread(parts.supervisor.stop)
         self._parts = None
+        if parts.runner_processes is not None:  # the runners stop before the store and servers they use
+            await asyncio.to_thread(parts.runner_processes.close)
         if parts.trace_writer is not None:  # every trace submitted reaches MLflow before its run ends
             await asyncio.to_thread(parts.trace_writer.close)
         if parts.tracker is not None:

@@ -160,9 +160,9 @@ class Trainer:
         elif "val_data" not in self._base:
             data["val_data"] = None
         config = validate_config(data, "Trainer's configuration")
-        if config.task_runner == "ray" and agent_spec.startswith(REGISTRY_SPEC):
+        if config.task_runner in ("ray", "processes") and agent_spec.startswith(REGISTRY_SPEC):
             raise ValueError(
-                "Trainer: task_runner 'ray' runs the agent in other processes, which cannot see "
+                f"Trainer: task_runner {config.task_runner!r} runs the agent in other processes, which cannot see "
                 f"{type(agent).__name__} defined here; define it at the top level of an importable module (not the "
                 "script you run), or use task_runner 'default'"
             )

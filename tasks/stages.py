@@ -205,11 +205,12 @@ async def enqueue_rollouts(
 async def run_runner(
     run: Run, iteration: int, rollout_ids: list[str], index: int, mode: Mode, round_: int = 0
 ) -> dict[str, Any]:
-    """One runner task, on a thread of the flow's process or a Ray worker; its result says where it ran. `round_`:
-    0, or the round of running failed rollouts again."""
+    """One runner task, on a thread of the flow's process or a Ray worker; its result says where its rollouts ran
+    (with task_runner processes, the runner process's id). `round_`: 0, or the round of running failed rollouts
+    again."""
     drill(run, "run_runner", iteration)
     done = await stages.run_runners(run, rollout_ids, index, mode)
-    return {**done, "host": socket.gethostname(), "pid": os.getpid()}
+    return {"host": socket.gethostname(), "pid": os.getpid(), **done}
 
 
 @stage("wait_for_rollouts", _rollouts, task_run_name="wait_for_rollouts-{mode}-{iteration}", **STAGE, **TRANSIENT)

@@ -128,6 +128,30 @@ async def test_an_update_waits_for_the_checkpoint_of_the_iteration_before() -> N
     assert await asyncio.wait_for(waiting, 1) >= 0.1
 
 
+async def test_an_iteration_waits_for_its_turn_one_rollout_phase_at_a_time() -> None:
+    collected: set[int] = set()
+    history = [{"iteration": 0}]  # iteration 0's weights are served
+    run: Any = SimpleNamespace(
+        config=SimpleNamespace(algorithm=SimpleNamespace(max_staleness=1)),
+        served_iterations=lambda: max((row["iteration"] + 1 for row in history), default=0),
+        iteration_reached=lambda iteration, phase: phase == "collected" and iteration in collected,
+    )
+    assert await stages.wait_for_turn(run, 1) < 0.05  # the iteration before is done
+    # Iteration 2 may sample one version behind (iteration 0 is done), but not beside iteration 1's rollouts.
+    waiting = asyncio.create_task(stages.wait_for_turn(run, 2, poll=0.01))
+    await asyncio.sleep(0.1)
+    assert not waiting.done()
+    collected.add(1)
+    assert await asyncio.wait_for(waiting, 1) >= 0.1
+    # Iteration 3: iteration 2's rollouts are in, but sampling now would be two versions behind.
+    collected.add(2)
+    waiting = asyncio.create_task(stages.wait_for_turn(run, 3, poll=0.01))
+    await asyncio.sleep(0.1)
+    assert not waiting.done()
+    history.append({"iteration": 1})
+    assert await asyncio.wait_for(waiting, 1) >= 0.1
+
+
 # --- the flow ---------------------------------------------------------------------------------------------
 
 

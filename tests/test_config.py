@@ -249,3 +249,9 @@ def test_prompt_optimisation_names_its_missing_keys_before_anything_starts(tmp_p
         assert "inference.api_key_env: the environment variable OPENAI_API_KEY" in done.stderr, done.stderr
         assert "apo.api_key_env: the environment variable OPENAI_API_KEY (the optimiser's key)" in done.stderr
         assert "Traceback" not in done.stderr and "Prefect server" not in done.stderr, done.stderr
+
+
+def test_runner_processes_refuse_an_in_memory_store_naming_the_field() -> None:
+    with pytest.raises(ConfigError, match="store_url: 'sqlite://' is an in-memory SQLite store, which the runner"):
+        load_config({"task_runner": "processes", "store_url": "sqlite://"})
+    assert load_config({"task_runner": "processes", "store_url": "sqlite:///runs/store.db"}).task_runner == "processes"

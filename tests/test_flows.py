@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -146,6 +147,20 @@ async def test_train_runs_two_iterations_of_seven_stages_and_reports_them(tmp_pa
         assert f"`{Path(summary['checkpoint']).resolve()}`" in summary_artifact.data
         assert "Training reward by iteration: `" in summary_artifact.data
         assert {"t-evaluation-0", "t-evaluation-2"} <= set(by_name)
+
+
+async def test_train_with_runner_processes_runs_the_agents_outside_the_flow_s_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = tmp_path / "pids.log"
+    monkeypatch.setenv("LIGHTNING_TEST_LOG", str(log))
+    config = small_config(tmp_path, iterations=1, task_runner="processes", agent="support.agents:pid_copy_agent")
+    summary = await train(config)
+    assert summary["iterations"] == 1
+    rollouts = await train_rollouts(config)
+    assert len(rollouts) == 8 * 4 and {r.status for r in rollouts} == {"succeeded"}
+    agents = {int(line) for line in log.read_text().split()}  # training and held-out rollouts alike
+    assert agents and os.getpid() not in agents
 
 
 async def test_a_finished_run_resumes_for_more_iterations_without_redoing_any(tmp_path: Path) -> None:

@@ -55,6 +55,20 @@ async def paced_copy_agent(task: dict[str, Any], llm: Any) -> float:
     return await copy_reward(task, llm)
 
 
+@rollout
+async def pid_copy_agent(task: dict[str, Any], llm: Any) -> float:
+    """The copy task's agent, writing the process id it runs in to $LIGHTNING_TEST_LOG (a line a rollout), and 50
+    ms slower: where a run's agents run, and a window to stop or kill them in."""
+    import asyncio
+
+    log = os.environ.get("LIGHTNING_TEST_LOG")
+    if log:
+        with open(log, "a") as out:  # O_APPEND: whole lines from several processes
+            out.write(f"{os.getpid()}\n")
+    await asyncio.sleep(0.05)
+    return await copy_reward(task, llm)
+
+
 async def copy_reward(task: dict[str, Any], llm: Any) -> float:
     """One call of the copy task's agent to `llm`: its reward."""
     import httpx
