@@ -14,17 +14,14 @@ import multiprocessing
 import os
 import sys
 import time
-import traceback
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning import stopping
+from lightning import pipes, stopping
 
 if TYPE_CHECKING:
     from lightning.algorithm.trainer import TorchTrainer, TrainerConfig
-
-CLOSE_TIMEOUT = 10.0
 
 
 class TrainerTimeout(TimeoutError):
@@ -136,7 +133,7 @@ class TrainerWorker:
         self.start()
         assert self._conn is not None
         with contextlib.suppress(OSError):  # a broken pipe: the receive below reports the death and exit code
-            _send(self._conn, request)
+            pipes.send(self._conn, request)
         return self._receive(request["op"], timeout)
 
     def _receive(self, op: str, timeout: float) -> Any:
@@ -183,19 +180,7 @@ class TrainerWorker:
         """End the child (politely unless `kill`) and forget it; its exit code."""
         process, conn = self._process, self._conn
         self._process, self._conn = None, None
-        if conn is not None and not kill and process is not None and process.is_alive():
-            with contextlib.suppress(OSError):
-                _send(conn, {"op": "close"})
-        if process is not None:
-            if kill:
-                process.kill()
-            process.join(CLOSE_TIMEOUT)
-            if process.is_alive():
-                process.kill()
-                process.join()
-        if conn is not None:
-            conn.close()
-        return process.exitcode if process is not None else None
+        return pipes.end(process, conn, kill=kill)
 
 
 # --- the child --------------------------------------------------------------------------------
@@ -229,21 +214,15 @@ def _serve(
     try:
         trainer, resumed_from = _load_trainer(model_dir, config, checkpoint_root, threads)
     except Exception as exc:
-        _send(conn, _error_reply(exc))
+        pipes.send(conn, pipes.error_reply(exc))
         return
-    _send(conn, {"ready": True, "resumed_from": resumed_from})
+    pipes.send(conn, {"ready": True, "resumed_from": resumed_from})
     session = _Session(trainer, checkpoint_root, saved_step=resumed_from)
-    while True:
+    for request in pipes.requests(conn):
         try:
-            request = json.loads(conn.recv_bytes())
-        except EOFError:
-            break  # the parent is gone
-        if request["op"] == "close":
-            break
-        try:
-            _send(conn, {"result": session.handle(request)})
+            pipes.send(conn, {"result": session.handle(request)})
         except Exception as exc:
-            _send(conn, _error_reply(exc))
+            pipes.send(conn, pipes.error_reply(exc))
     # Skip the interpreter's teardown, over a second with torch and transformers loaded: checkpoints are fsynced
     # when saved, so stdio is all there is to flush.
     sys.stdout.flush()
@@ -337,11 +316,3 @@ class _Session:
         )  # fmt: skip
         self.saved_step, self.pending = step, False
         return str(path)
-
-
-def _send(conn: Connection, message: dict[str, Any]) -> None:
-    conn.send_bytes(json.dumps(message).encode())
-
-
-def _error_reply(exc: Exception) -> dict[str, str]:
-    return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}

@@ -22,13 +22,12 @@ import signal
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning import stopping
+from lightning import pipes, stopping
 
 if TYPE_CHECKING:
     from lightning.run import Run
@@ -36,7 +35,6 @@ if TYPE_CHECKING:
 MARGIN_SECONDS = 60.0
 """How long past the phase's deadline a silent child is given before it is killed (its fleet stops at the deadline
 and answers)."""
-CLOSE_TIMEOUT = 10.0
 PROGRESS_EVERY = 1.0
 """Seconds between a child's progress notes (at most one a second, however many rollouts finish)."""
 
@@ -157,7 +155,7 @@ class _Child:
         assert self._conn is not None
         conn = self._conn
         with contextlib.suppress(OSError):  # a broken pipe: the wait below reports the death and exit code
-            _send(conn, request)
+            pipes.send(conn, request)
         deadline = time.monotonic() + timeout
         while True:
             if stopping.stop_requested() and not self._signalled:
@@ -199,18 +197,7 @@ class _Child:
     def stop(self, *, kill: bool) -> None:
         process, conn = self._process, self._conn
         self._process, self._conn = None, None
-        if conn is not None and not kill and process is not None and process.is_alive():
-            with contextlib.suppress(OSError):
-                _send(conn, {"op": "close"})
-        if process is not None:
-            if kill:
-                process.kill()
-            process.join(CLOSE_TIMEOUT)
-            if process.is_alive():
-                process.kill()
-                process.join()
-        if conn is not None:
-            conn.close()
+        pipes.end(process, conn, kill=kill)
 
 
 # --- the child --------------------------------------------------------------------------------
@@ -230,23 +217,17 @@ def _serve(conn: Connection, run: Run, parent: int, stacks_dir: str | None) -> N
     try:
         store = loop.run_until_complete(_open_store(run))
     except Exception as exc:
-        _send(conn, _error_reply(exc))
+        pipes.send(conn, pipes.error_reply(exc))
         return
-    _send(conn, {"ready": True})
-    while True:
-        try:
-            request = json.loads(conn.recv_bytes())
-        except EOFError:
-            break  # the parent is gone
-        if request["op"] == "close":
-            break
+    pipes.send(conn, {"ready": True})
+    for request in pipes.requests(conn):
         try:
             result = loop.run_until_complete(_run_request(run, store, request, conn))
-            _send(conn, {"result": result})
+            pipes.send(conn, {"result": result})
         except stopping.RunStopped as exc:
-            _send(conn, {"stopped": str(exc)})
+            pipes.send(conn, {"stopped": str(exc)})
         except Exception as exc:
-            _send(conn, _error_reply(exc))
+            pipes.send(conn, pipes.error_reply(exc))
     with contextlib.suppress(Exception):
         loop.run_until_complete(store.close())
     sys.stdout.flush()
@@ -271,17 +252,9 @@ async def _run_request(run: Run, store: Any, request: dict[str, Any], conn: Conn
         now = time.monotonic()
         if now - last[0] >= PROGRESS_EVERY:
             last[0] = now
-            _send(conn, {"progress": 1})
+            pipes.send(conn, {"progress": 1})
 
     done = await stages.run_fleet_until(
         run, store, request["rollout_ids"], request["index"], request["mode"], on_rollout_end=progress
     )
     return {**done, "pid": os.getpid()}  # where the runner task's rollouts ran
-
-
-def _send(conn: Connection, message: dict[str, Any]) -> None:
-    conn.send_bytes(json.dumps(message).encode())
-
-
-def _error_reply(exc: Exception) -> dict[str, str]:
-    return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
