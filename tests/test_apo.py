@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -219,9 +220,13 @@ def _edited_ids(summary: dict[str, Any]) -> set[str]:
 def test_dev_dry_runs_the_seed_prompt_and_shows_what_the_optimiser_would_see(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prefect_harness: None
 ) -> None:
+    import flows.dev
     from flows.dev import dev
 
     monkeypatch.setenv("APO_TEST_KEY", "sk-test")
+    # A dry run draws its tasks by the clock (`iteration = int(time.time())`); at some seconds the seed prompt scored
+    # 0.5 on the 8 drawn (a full run failed so): the second is fixed here, so the same 8 tasks run every time.
+    monkeypatch.setattr(flows.dev, "time", types.SimpleNamespace(time=lambda: 1_800_000_000.0))
     with serving(scripted_apo_app()) as url:
         config = apo_config(tmp_path, url).model_copy(update={"batch_size": 8, "samples_per_task": 1})
         result = asyncio.run(dev(config))

@@ -77,6 +77,8 @@ class Scenario:
     """The flow itself dies, so the run is started again; else the run recovers in flight."""
     staleness: int = 0
     """algorithm.max_staleness: 1 kills the flow while the next iteration's rollouts overlap the update."""
+    task_runner: str = "default"
+    """processes: the runners and agents in runner processes of the run (killed with the flow, or alone)."""
 
 
 SCENARIOS = [
@@ -88,23 +90,31 @@ SCENARIOS = [
     Scenario("LLM proxy", "rollouts", resumes=False),
     Scenario("checkpoint", "checkpoint", resumes=True),
     Scenario("flow", "ppo_step", resumes=True, staleness=1),
+    Scenario("flow", "rollouts", resumes=True, task_runner="processes"),
+    Scenario("runner process", "rollouts", resumes=False, task_runner="processes"),
 ]
 ASYNC = int(os.environ.get("LIGHTNING_FAULTS_MAX_STALENESS", "0"))
 """`LIGHTNING_FAULTS_MAX_STALENESS=1 pytest tests/test_faults.py -k survives`: every scenario with
 algorithm.max_staleness 1 (CI runs the one above; the whole suite in async mode by hand, docs/operations.md)."""
 if ASYNC:
-    SCENARIOS = [Scenario(s.target, s.point, s.resumes, staleness=ASYNC) for s in SCENARIOS if not s.staleness]
+    SCENARIOS = [
+        Scenario(s.target, s.point, s.resumes, staleness=ASYNC, task_runner=s.task_runner)
+        for s in SCENARIOS
+        if not s.staleness
+    ]
 
 
 def scenario_id(scenario: Scenario) -> str:
     async_mode = f"-max_staleness-{scenario.staleness}" if scenario.staleness else ""
-    return f"{scenario.target}@{scenario.point}{async_mode}".replace(" ", "-")
+    processes = "-task_runner-processes" if scenario.task_runner == "processes" else ""
+    return f"{scenario.target}@{scenario.point}{async_mode}{processes}".replace(" ", "-")
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=scenario_id)
 def test_the_run_survives(scenario: Scenario, prefect_server: PrefectServer, tmp_path: Path) -> None:
     data = fault_config(tmp_path, "faults")
     data["algorithm"]["max_staleness"] = scenario.staleness
+    data["task_runner"] = scenario.task_runner
     if scenario.point == "rollouts":  # iteration 1's rollouts must be seen part done, however fast they run
         data["agent"] = PACED_AGENT
     config = validate_config(data)
@@ -122,7 +132,7 @@ def test_the_run_survives(scenario: Scenario, prefect_server: PrefectServer, tmp
             os.kill(first.pid, signal.SIGKILL)
             damage_newest_checkpoint(config)
         else:
-            victim = first.pid if scenario.target == "flow" else find(family, scenario.target, log)
+            victim = first.pid if scenario.target == "flow" else find(family, scenario.target, log, config)
             os.kill(victim, signal.SIGKILL)
         if scenario.resumes:
             first.wait(30)
@@ -189,8 +199,12 @@ def run_processes(flow_pid: int) -> list[psutil.Process]:
     return [psutil.Process(flow_pid), *psutil.Process(flow_pid).children(recursive=True)]
 
 
-def find(family: list[psutil.Process], target: str, log: Path) -> int:
+def find(family: list[psutil.Process], target: str, log: Path, config: TrainConfig) -> int:
+    if target == "runner process":  # spawned as the trainer is: told apart by the stacks file each registers
+        pids = {int(path.stem.split("-")[-1]) for path in (config.run_dir / "stacks").glob("runner-*.txt")}
+        family = [process for process in family if process.pid in pids]
     marks = {
+        "runner process": "multiprocessing.spawn",
         "trainer": "multiprocessing.spawn",
         "inference server": "lightning.inference",
         "LLM proxy": "proxy serve",
