@@ -177,14 +177,15 @@ async def test_three_iterations_with_max_staleness_1_overlap_and_count_staleness
         "run_name": "a", "iterations": 3, "batch_size": 4, "samples_per_task": 4, "n_runners": 1,
         "runner_concurrency": 16, "sampling": {"temperature": 1.0, "max_tokens": 2},
         "eval_sampling": {"temperature": 0.0, "max_tokens": 2}, "max_prompt_length": 64, "max_response_length": 4,
-        "algorithm": {"lr": 1e-3, "kl_coef": 0.0, "micro_batch_size": 1, "ppo_epochs": 40, "max_staleness": 1,
+        "algorithm": {"lr": 1e-3, "kl_coef": 0.0, "micro_batch_size": 1, "ppo_epochs": 100, "max_staleness": 1,
                       "off_policy_correction": "tis"},
         "checkpoint": {"keep_last": 5}, "mlflow_traces": {"train_per_iteration": 2, "evaluation": 0},
         "store_url": f"sqlite:///{tmp_path}/store.db", "tracking_uri": f"sqlite:///{tmp_path}/mlflow.db",
         "output_dir": str(tmp_path / "runs"),
     })  # fmt: skip
-    # The update takes seconds (40 epochs, a row at a time): longer than Prefect's temporary server takes to start the
-    # next iteration's subflow beside it, so the overlap shows on a loaded machine too.
+    # The update takes seconds (100 epochs, a row at a time): longer than Prefect's temporary server takes to start the
+    # next iteration's subflow beside it (with 40, a full `make test` once saw it begin 0.65 s after the update), so
+    # the overlap shows on a loaded machine too.
     summary = await train(config)
     assert summary["iterations"] == 3
 
