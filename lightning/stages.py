@@ -400,22 +400,21 @@ async def collect_rollouts(
     resources_id = await steps.update_resources(run, iteration, mode)
     rollout_ids = await steps.enqueue_rollouts(run, iteration, resources_id, mode, 0, None)
     summary = await run_rollouts(run, iteration, rollout_ids, mode, steps)
-    if mode != "train" or not config.dynamic_sampling:
-        if mode == "train":
-            run.note_iteration(iteration, "collected")
-        return rollout_ids, summary
-    informative, groups, refills = summary.get("informative_groups", 0), summary.get("groups", 0), 0
-    budget = config.batch_size * config.max_sampling_rounds  # tasks the refills may add, all rounds together
-    while informative < config.batch_size and refills < config.max_sampling_rounds and budget > 0:
-        refills += 1
-        count = min(budget, math.ceil((config.batch_size - informative) * groups / max(informative, 1)))
-        more = await steps.enqueue_rollouts(run, iteration, resources_id, mode, refills, count)
-        added = await run_rollouts(run, iteration, more, mode, steps)
-        informative, groups = informative + added.get("informative_groups", 0), groups + added.get("groups", 0)
-        rollout_ids, budget = rollout_ids + more, budget - count
+    refills = 0
+    if mode == "train" and config.dynamic_sampling:
+        informative, groups = summary.get("informative_groups", 0), summary.get("groups", 0)
+        budget = config.batch_size * config.max_sampling_rounds  # tasks the refills may add, all rounds together
+        while informative < config.batch_size and refills < config.max_sampling_rounds and budget > 0:
+            refills += 1
+            count = min(budget, math.ceil((config.batch_size - informative) * groups / max(informative, 1)))
+            more = await steps.enqueue_rollouts(run, iteration, resources_id, mode, refills, count)
+            added = await run_rollouts(run, iteration, more, mode, steps)
+            informative, groups = informative + added.get("informative_groups", 0), groups + added.get("groups", 0)
+            rollout_ids, budget = rollout_ids + more, budget - count
     if refills:
         summary = {**await summarize_rollouts(run.store, rollout_ids), "refills": refills}
-    run.note_iteration(iteration, "collected")
+    if mode == "train":
+        run.note_iteration(iteration, "collected")
     return rollout_ids, summary
 
 
