@@ -304,7 +304,9 @@ class InferenceEngine:
     def _admit(self, batches: list[_Batch], rows: list[_Row]) -> list[_Batch]:
         """Prefill the new rows' prompts and add them to the running batch (batch_invariant: a batch each)."""
         for row in rows:
-            row.generator = torch.Generator(device=self.device).manual_seed(row.seed)
+            # On the CPU whatever the model's device: a draw is one number a step, and a GPU generator would cost a
+            # device sync per row.
+            row.generator = torch.Generator().manual_seed(row.seed)
             row.request.model_version = self.version
         if self.batch_invariant:
             return batches + [self._prefill([row]) for row in rows]
@@ -356,18 +358,21 @@ class InferenceEngine:
         rows = batch.rows
         self.steps_run += 1
         self.max_rows_seen = max(self.max_rows_seen, len(rows))
-        logprobs = torch.log_softmax(batch.logits, -1) if any(r.params.logprobs is not None for r in rows) else None
+        # The whole batch is sampled, and its log-probs read, in one pass each: one device sync a step, not a few
+        # per row (on a GPU those syncs were most of a decode step).
+        tokens = self._sample(batch.logits, rows)
+        logprobs = self._logprobs(batch.logits, tokens, [row.params.logprobs for row in rows])
         next_ids = []
         for i, row in enumerate(rows):
             if row.request.cancelled:
                 row.finish_reason = "abort"
                 next_ids.append(self.pad_token_id)
                 continue
-            token = self._sample(batch.logits[i], row)
+            token = tokens[i]
             row.token_ids.append(token)
             row.unsent_ids.append(token)
-            if row.params.logprobs is not None:
-                row.unsent_logprobs.append(self._token_logprob(logprobs[i], token, row.params.logprobs))
+            if logprobs[i] is not None:
+                row.unsent_logprobs.append(logprobs[i])
             self._update_text_and_finish(row, token)
             next_ids.append(token)
         self._send(rows)
@@ -395,25 +400,47 @@ class InferenceEngine:
         )
 
     @staticmethod
-    def _sample(logits: torch.Tensor, row: _Row) -> int:
-        temperature, top_p = row.params.temperature, row.params.top_p
-        if temperature == 0:
-            return int(logits.argmax())
-        probs = torch.softmax(logits / temperature, -1)
-        if top_p < 1:
-            sorted_probs, order = probs.sort(descending=True)
+    def _sample(logits: torch.Tensor, rows: list[_Row]) -> list[int]:
+        """One next token for each row (`logits`: rows x vocabulary). Temperature 0 takes the argmax. Otherwise the
+        logits are divided by the temperature, cut to the top_p nucleus, and drawn from by inverse CDF: row i takes
+        the first token whose cumulative probability passes u_i times the kept mass, u_i a uniform from the row's
+        own seeded generator. So a row's tokens depend only on its logits and its seed, whatever shares its batch."""
+        device = logits.device
+        greedy = logits.argmax(-1)
+        temperature = torch.tensor([row.params.temperature for row in rows], dtype=logits.dtype, device=device)
+        sampled = temperature > 0
+        if not any(row.params.temperature > 0 for row in rows):
+            return greedy.tolist()
+        probs = torch.softmax(logits / torch.where(sampled, temperature, 1.0)[:, None], -1)
+        top_p = torch.tensor([row.params.top_p for row in rows], dtype=probs.dtype, device=device)
+        if any(row.params.top_p < 1 for row in rows):
+            sorted_probs, order = probs.sort(-1, descending=True)
             # Keep the smallest set of most likely tokens whose mass reaches top_p (always the top token).
-            sorted_probs[sorted_probs.cumsum(-1) - sorted_probs >= top_p] = 0
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        return int(torch.multinomial(probs, 1, generator=row.generator))
+            sorted_probs[sorted_probs.cumsum(-1) - sorted_probs >= top_p[:, None]] = 0
+            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        cdf = probs.cumsum(-1)
+        u = [float(torch.rand((), generator=row.generator)) if row.params.temperature > 0 else 0.0 for row in rows]
+        threshold = torch.tensor(u, dtype=cdf.dtype, device=device) * cdf[:, -1]
+        drawn = torch.searchsorted(cdf, threshold[:, None], right=True).squeeze(1).clamp_(max=cdf.shape[-1] - 1)
+        return torch.where(sampled, drawn, greedy).tolist()
 
     @staticmethod
-    def _token_logprob(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprob:
-        top: list[tuple[int, float]] = []
-        if k > 0:
-            values, ids = logprobs.topk(k)
-            top = list(zip(ids.tolist(), values.tolist(), strict=True))
-        return TokenLogprob(token, float(logprobs[token]), top)
+    def _logprobs(logits: torch.Tensor, tokens: list[int], wanted: list[int | None]) -> list[TokenLogprob | None]:
+        """Each row's sampled token's log-prob and its top-k (k = `wanted[i]`; None: the row wants none), under the
+        raw distribution, read for the whole batch at once."""
+        if all(k is None for k in wanted):
+            return [None] * len(tokens)
+        logprobs = torch.log_softmax(logits, -1)
+        chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None]).squeeze(1).tolist()
+        k_max = max(k or 0 for k in wanted)
+        values, ids = logprobs.topk(k_max, -1) if k_max else (None, None)
+        values, ids = (values.tolist(), ids.tolist()) if k_max else ([], [])
+        return [
+            None
+            if k is None
+            else TokenLogprob(token, chosen[i], list(zip(ids[i][:k], values[i][:k], strict=True)) if k else [])
+            for i, (token, k) in enumerate(zip(tokens, wanted, strict=True))
+        ]
 
     def _update_text_and_finish(self, row: _Row, token: int) -> None:
         params = row.params
