@@ -308,8 +308,8 @@ class TrainConfig(BaseModel):
     `max_sampling_rounds` more rounds). Costs rollouts; keeps every update full of signal."""
     max_sampling_rounds: int = Field(default=3, ge=1)
     """dynamic_sampling: at most this many rounds of extra tasks per iteration, and `batch_size` extra tasks per round
-    on average (each round asks for as many as the share of informative groups so far says are needed); after them
-    the update takes what differs."""
+    on average (each round asks for as many as the share of informative groups so far says are needed; the first
+    runs with the batch, sized by the share an earlier iteration had); after them the update takes what differs."""
     n_runners: int = Field(default=2, ge=1)
     """Runner tasks fanned out per iteration."""
     runner_concurrency: int = Field(default=32, ge=1)

@@ -394,16 +394,21 @@ async def collect_rollouts(
 
     With `dynamic_sampling` (training only), groups whose rewards are all equal teach nothing: while fewer than
     `batch_size` groups differ, more tasks run (`max_sampling_rounds` refills at most, each as many tasks as the
-    share of informative groups so far says are needed, `batch_size * max_sampling_rounds` tasks in all);
-    `adapt_spans` keeps the informative groups (DAPO's dynamic sampling, https://arxiv.org/abs/2503.14476)."""
+    share of informative groups so far says are needed, `batch_size * max_sampling_rounds` tasks in all; the first
+    runs with the batch, sized by an earlier iteration's share: `refill_ahead`); `adapt_spans` keeps the
+    informative groups (DAPO's dynamic sampling, https://arxiv.org/abs/2503.14476)."""
     config = run.config
     resources_id = await steps.update_resources(run, iteration, mode)
     rollout_ids = await steps.enqueue_rollouts(run, iteration, resources_id, mode, 0, None)
+    refills, budget = 0, config.batch_size * config.max_sampling_rounds  # tasks the refills may add, all together
+    dynamic = mode == "train" and config.dynamic_sampling
+    ahead = refill_ahead(run, iteration, budget) if dynamic else 0
+    if ahead:  # the first refill runs with the batch, in the same round
+        refills, budget = 1, budget - ahead
+        rollout_ids = rollout_ids + await steps.enqueue_rollouts(run, iteration, resources_id, mode, 1, ahead)
     summary = await run_rollouts(run, iteration, rollout_ids, mode, steps)
-    refills = 0
-    if mode == "train" and config.dynamic_sampling:
+    if dynamic:
         informative, groups = summary.get("informative_groups", 0), summary.get("groups", 0)
-        budget = config.batch_size * config.max_sampling_rounds  # tasks the refills may add, all rounds together
         while informative < config.batch_size and refills < config.max_sampling_rounds and budget > 0:
             refills += 1
             count = min(budget, math.ceil((config.batch_size - informative) * groups / max(informative, 1)))
@@ -416,6 +421,22 @@ async def collect_rollouts(
     if mode == "train":
         run.note_iteration(iteration, "collected")
     return rollout_ids, summary
+
+
+def refill_ahead(run: Run, iteration: int, budget: int) -> int:
+    """Dynamic sampling's first refill, sized before the batch runs, so that the two run as one round: the tasks
+    that the share of informative groups in iteration `iteration - 1 - max_staleness` says the batch will lack (the
+    latest iteration sure to be recorded when this one's rollouts start, so a retried or resumed iteration sizes it
+    the same); none before that iteration. A round costs a fan-out and a wait: on the demo, the second round was a
+    third of the rollout phase. Where the share has fallen since, the refills after the round make up the rest."""
+    config = run.config
+    source = iteration - 1 - config.algorithm.max_staleness
+    flat = next((row.get("zero_adv_groups") for row in run.history if row["iteration"] == source), None)
+    if flat is None:
+        return 0
+    share = 1.0 - flat
+    wanted = budget if share <= 0 else math.ceil(config.batch_size * (1 - share) / share - 1e-9)
+    return max(0, min(budget, wanted))
 
 
 async def run_rollouts(

@@ -99,3 +99,23 @@ def test_the_progress_line_says_when_most_groups_teach_nothing_and_what_to_do() 
     assert never is not None and "100% of groups" in never and "warm_start" in never and "samples_per_task" in never
     solved = stages.no_signal(_row(0.95, 1.0))
     assert solved is not None and "solves these tasks" in solved
+
+
+def test_the_first_refill_is_sized_by_the_share_of_the_iteration_sure_to_be_recorded() -> None:
+    from types import SimpleNamespace
+
+    def ahead(flat_by_iteration: dict[int, float], iteration: int, staleness: int = 0, budget: int = 64) -> int:
+        config = load_config({"batch_size": 32, "algorithm": {"max_staleness": staleness}})
+        history = [{"iteration": i, "zero_adv_groups": flat} for i, flat in flat_by_iteration.items()]
+        return stages.refill_ahead(SimpleNamespace(config=config, history=history), iteration, budget)
+
+    # Iteration 5 reads iteration 4's share: informative share s -> 32 * (1 - s) / s more tasks, at most the budget.
+    assert ahead({4: 0.2}, 5) == 8  # s = 0.8: 32 * 0.2 / 0.8
+    assert ahead({4: 0.5}, 5) == 32
+    assert ahead({4: 0.75}, 5) == 64  # 96, cut to the budget
+    assert ahead({4: 0.75}, 5, budget=40) == 40
+    assert ahead({4: 1.0}, 5) == 64  # nothing differed: the whole budget
+    assert ahead({4: 0.0}, 5) == 0  # every group differed: the batch alone
+    # With max_staleness 1 iteration 5 starts before 4 is recorded: it reads iteration 3; none recorded: no refill.
+    assert ahead({3: 0.5, 4: 0.2}, 5, staleness=1) == 32
+    assert ahead({4: 0.2}, 5, staleness=1) == 0 and ahead({}, 0) == 0
