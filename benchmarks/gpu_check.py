@@ -11,7 +11,8 @@ fails or is cut off leaves what it printed, and the next one runs.
   update   benchmarks/update_bench.py at issue 28's shape (a 0.47B Llama, 64 rows of 512 + 512 tokens): the plain
            torch step (micro-batches of 8) beside TorchTrainer.step's paths (micro-batches of 16 rows' tokens)
   serving  benchmarks/serving_bench.py: the embedded server (bf16) against model.generate, 1, 16 and 64 requests
-  loop     benchmarks/trainer_bench.py: our whole loop without MLflow, then TRL's GRPOTrainer, both on the GPU
+  loop     benchmarks/trainer_bench.py: our whole loop without MLflow (4 runner processes), the same with
+           max_staleness 1, then TRL's GRPOTrainer, all on the GPU
   mixed    update_bench.py again on a batch of mixed lengths: padded rows against packed ones
 
 The project's own requirements beyond torch and transformers (pydantic, SQLModel, FastAPI, TRL, ...) may be missing
@@ -44,7 +45,8 @@ FULL = {
     "update": (110, ["benchmarks/update_bench.py", "--size", "issue", "--lengths", "full", "--micro", "16",
                      "--plain-micro", "8", "--variants", "plain,ours,lean,lean-kl,lean-ckpt,lean-bf16"]),
     "serving": (80, ["benchmarks/serving_bench.py", "--size", "issue", "--levels", "1,16,64", "--max-tokens", "64"]),
-    "loop": (170, ["benchmarks/trainer_bench.py", "--seconds", "25", "--async-staleness", "1", "--no-mlflow"]),
+    "loop": (240, ["benchmarks/trainer_bench.py", "--seconds", "40", "--async-staleness", "1", "--no-mlflow",
+                   "--task-runner", "processes", "--runners", "4"]),
     "mixed": (60, ["benchmarks/update_bench.py", "--size", "issue", "--lengths", "mixed", "--micro", "16",
                    "--plain-micro", "8", "--variants", "plain,ours,lean"]),
 }  # fmt: skip
@@ -55,7 +57,8 @@ SMALL = {
     "serving": (200, ["benchmarks/serving_bench.py", "--levels", "1,4", "--max-tokens", "8"]),
     "loop": (400, ["benchmarks/trainer_bench.py", "--seconds", "8", "--data", "small", "--set", "batch_size=8",
                    "--set", "samples_per_task=2", "--trl-prompts", "8", "--trl-generations", "2", "--warm-steps", "2",
-                   "--eval-every", "4", "--async-staleness", "1", "--no-mlflow"]),
+                   "--eval-every", "4", "--async-staleness", "1", "--no-mlflow", "--task-runner", "processes",
+                   "--runners", "2"]),
     "mixed": (300, ["benchmarks/update_bench.py", "--variants", "ours,packed", "--steps", "1", "--warmup", "0"]),
 }  # fmt: skip
 
