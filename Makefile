@@ -92,7 +92,7 @@ bench: venv
 	$(PY) benchmarks/store_bench.py
 
 # The GPU check (benchmarks/gpu_check.py, docs/benchmarks.md): on a GPU machine that has torch, without a venv or a
-# network, under 7 minutes; its results go to $OUT (or gpu-check-out/). SMALL=1: a dry run of every part on a CPU.
+# network, under 9 minutes; its results go to $OUT (or gpu-check-out/). SMALL=1: a dry run of every part on a CPU.
 GPU_CHECK_PYTHON ?= python3
 gpu-check:
 	$(GPU_CHECK_PYTHON) benchmarks/gpu_check.py $(if $(filter 1,$(SMALL)),--small)
