@@ -407,10 +407,10 @@ class InferenceEngine:
         own seeded generator. So a row's tokens depend only on its logits and its seed, whatever shares its batch."""
         device = logits.device
         greedy = logits.argmax(-1)
+        if all(row.params.temperature == 0 for row in rows):
+            return greedy.tolist()
         temperature = torch.tensor([row.params.temperature for row in rows], dtype=logits.dtype, device=device)
         sampled = temperature > 0
-        if not any(row.params.temperature > 0 for row in rows):
-            return greedy.tolist()
         probs = torch.softmax(logits / torch.where(sampled, temperature, 1.0)[:, None], -1)
         top_p = torch.tensor([row.params.top_p for row in rows], dtype=probs.dtype, device=device)
         if any(row.params.top_p < 1 for row in rows):

@@ -390,9 +390,9 @@ class SqlLightningStore(LightningStore):
         """The rollouts among `rollout_ids` that finished, waiting up to `timeout` seconds (None: until all
         finish). Polls with a growing interval; a rollout finished through this store object wakes the wait.
 
-        A poll reads only the pending rollouts' statuses, and whole rollouts only for those that finished since the
-        last one: a runner process's fleet wakes its wait at every rollout it finishes, and reading every pending
-        rollout whole each time was half of that process's time (768 rollouts a phase, the demo)."""
+        A poll reads only the pending rollouts that have finished (the status is filtered in SQL), each once: a
+        runner process's fleet wakes its wait at every rollout it finishes, and reading every pending rollout whole
+        each time was half of that process's time (768 rollouts a phase, the demo)."""
         wanted = list(dict.fromkeys(request.rollout_ids))
         deadline = None if request.timeout is None else time.monotonic() + request.timeout
         finished: dict[str, Rollout] = {}
