@@ -412,8 +412,8 @@ class InferenceEngine:
         temperature = torch.tensor([row.params.temperature for row in rows], dtype=logits.dtype, device=device)
         sampled = temperature > 0
         probs = torch.softmax(logits / torch.where(sampled, temperature, 1.0)[:, None], -1)
-        top_p = torch.tensor([row.params.top_p for row in rows], dtype=probs.dtype, device=device)
         if any(row.params.top_p < 1 for row in rows):
+            top_p = torch.tensor([row.params.top_p for row in rows], dtype=probs.dtype, device=device)
             sorted_probs, order = probs.sort(-1, descending=True)
             # Keep the smallest set of most likely tokens whose mass reaches top_p (always the top token).
             sorted_probs[sorted_probs.cumsum(-1) - sorted_probs >= top_p[:, None]] = 0
@@ -432,13 +432,14 @@ class InferenceEngine:
             return [None] * len(tokens)
         logprobs = torch.log_softmax(logits, -1)
         chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None]).squeeze(1).tolist()
+        values: list[list[float]] = [[] for _ in tokens]
+        ids: list[list[int]] = [[] for _ in tokens]
         k_max = max(k or 0 for k in wanted)
-        values, ids = logprobs.topk(k_max, -1) if k_max else (None, None)
-        values, ids = (values.tolist(), ids.tolist()) if k_max else ([], [])
+        if k_max:
+            top = logprobs.topk(k_max, -1)
+            values, ids = top.values.tolist(), top.indices.tolist()
         return [
-            None
-            if k is None
-            else TokenLogprob(token, chosen[i], list(zip(ids[i][:k], values[i][:k], strict=True)) if k else [])
+            None if k is None else TokenLogprob(token, chosen[i], list(zip(ids[i][:k], values[i][:k], strict=True)))
             for i, (token, k) in enumerate(zip(tokens, wanted, strict=True))
         ]
 
