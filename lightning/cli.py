@@ -137,6 +137,12 @@ def _parser() -> argparse.ArgumentParser:
         help='JSON list of {"model_name": ..., "litellm_params": {...}} answered through LiteLLM',
     )  # fmt: skip
     proxy_serve.add_argument(
+        "--tokenizer", default=None, metavar="DIR",
+        help="the policy's model directory (its tokenizer and chat template): a chat call that continues an earlier "
+        "call of its attempt is then sent token-exactly (the earlier prompt and response ids, then the new messages'), "
+        "so a multi-turn trajectory trains as one row",
+    )  # fmt: skip
+    proxy_serve.add_argument(
         "--any-agent-key", action="store_true",
         help="serve agents' model calls whatever API key they send (agent-lightning's habit: agents send 'dummy' or "
         "their own OPENAI_API_KEY); the admin routes still need the token. Loopback addresses only",
@@ -430,6 +436,7 @@ def _proxy_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         external_models=external,
         token=token,
         agents_need_token=not args.any_agent_key,
+        tokenizer=args.tokenizer,
     )
     proxy.url = f"http://{args.host}:{args.port}"
     try:

@@ -731,7 +731,12 @@ def _start_serving(
     # On loopback, agents' calls are served whatever key they send, as agent-lightning's proxy serves them; beyond it,
     # the token is required (the admin routes need it everywhere).
     need_token = not is_loopback(config.proxy_host)
-    proxy = LLMProxy(parts.store, backends, model_name=name, token=parts.proxy_token, agents_need_token=need_token)
+    # The policy's tokenizer (it does not change with the weights): multi-turn calls go to the backends token-exactly.
+    tokenizer = str(serving_dir) if inference.endpoint is None else None
+    proxy = LLMProxy(
+        parts.store, backends, model_name=name, token=parts.proxy_token, agents_need_token=need_token,
+        tokenizer=tokenizer,
+    )  # fmt: skip
     proxy_url = proxy.start(host=config.proxy_host)
     parts.closers.append(proxy.stop)
     return Endpoints(proxy_url=proxy_url, model_name=name)

@@ -67,6 +67,10 @@ spans; a training batch takes it when every row has it)."""
 LLM_CHOICE_PROMPT_TOKEN_IDS = "lightning.llm.choice_prompt_token_ids"
 """Only for a completions call with several prompts: one encoded prompt per choice."""
 LLM_BACKEND = "lightning.llm.backend"
+LLM_CONTINUATION = "lightning.llm.continuation"
+"""On a chat call that continues an earlier call of its attempt: "joined" when the proxy sent the earlier call's
+prompt and response ids plus the new messages' ids (`lightning.chat`), else why it could not (the server then
+rendered the whole conversation, and a trajectory row splits there)."""
 LLM_STREAM = "lightning.llm.stream"
 LLM_LATENCY_MS = "lightning.llm.latency_ms"
 LLM_TIME_TO_FIRST_CHUNK_MS = "lightning.llm.time_to_first_chunk_ms"

@@ -216,13 +216,15 @@ class LocalStack:
             if proxy == "thread":
                 backends = [Backend(url=backend, api_key=self.inference_key)]
                 self.proxy = LLMProxy(
-                    store, backends, model_name=model_name, token=self.proxy_token, agents_need_token=False
-                )
+                    store, backends, model_name=model_name, token=self.proxy_token, agents_need_token=False,
+                    tokenizer=str(model_dir),
+                )  # fmt: skip
                 self.proxy_url = self.proxy.start()
             else:
                 port = free_port()
                 command = [sys.executable, "-m", "lightning.cli", "proxy", "serve", "--backend", backend]
                 command += ["--model-name", model_name, "--port", str(port), "--any-agent-key"]
+                command += ["--tokenizer", str(model_dir)]
                 env = {
                     STORE_URL: str(store_url),
                     PROXY_TOKEN: self.proxy_token,

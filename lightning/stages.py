@@ -799,8 +799,27 @@ def iteration_row(
         "mismatch_frac": metrics.get("mismatch_frac"),
         # Off-policy correction: the importance weights pi_old / pi_behav of the sampled tokens.
         **{name: metrics.get(name) for name in ("is_ratio_mean", "is_ratio_max", "is_ratio_clipped_frac")},
+        **multi_turn_metrics(batch.get("adapter") or {}),
     }
     return {name: value for name, value in row.items() if value is not None}
+
+
+def multi_turn_metrics(report: dict[str, Any]) -> dict[str, Any]:
+    """From the adapter's report, for agents that make several LLM calls or call tools: LLM calls (turns) and tool
+    calls a rollout, the share of rollouts that called a tool, response tokens trained and masked (tool results and
+    template text inside a trajectory row), and trajectory splits. Empty for a one-call agent without tools."""
+    with_calls = report.get("rollouts", 0) - report.get("rollouts_without_llm_calls", 0)
+    turns = report.get("llm_calls", 0)
+    if with_calls <= 0 or (turns <= with_calls and not report.get("tool_calls")):
+        return {}
+    return {
+        "turns": turns / with_calls,
+        "tool_calls": report.get("tool_calls", 0) / with_calls,
+        "tool_use": report.get("rollouts_with_tool_calls", 0) / with_calls,
+        "tokens_trained": report.get("tokens_trained"),
+        "tokens_masked": report.get("tokens_masked"),
+        "trajectory_splits": report.get("trajectory_splits"),
+    }
 
 
 def stopped_summary(run: Run, cancelled: int) -> str:
@@ -824,12 +843,31 @@ def progress_line(run: Run, row: dict[str, Any], done: int, elapsed: float) -> s
     kl = f" | kl {row['kl']:.4f}" if "kl" in row else ""
     mismatch = f" | mismatch {row['mismatch_mean']:.1e}" if "mismatch_mean" in row else ""
     signal = no_signal(row)
+    tools = f" | turns {row['turns']:.2f}, tool use {row['tool_use']:.0%}" if "tool_use" in row else ""
+    collapse = tool_use_collapse(run.history, row)
+    signal = "; ".join(part for part in (signal, collapse) if part)
     return (
         f"iteration {row['iteration']} ({row['iteration'] + 1}/{iterations}) | reward {row['reward']:.3f}{val} | "
-        f"pg_loss {row.get('pg_loss', float('nan')):.4f}{kl}{mismatch} | rollouts {row['rollouts_ok']} ok, "
+        f"pg_loss {row.get('pg_loss', float('nan')):.4f}{kl}{mismatch}{tools} | rollouts {row['rollouts_ok']} ok, "
         f"{row['rollouts_failed']} failed | {row['rollout_tokens_per_s']:.0f} tok/s | {rate:.1f} s/it | "
         f"ETA {_duration(rate * left)}" + (f" | {signal}" if signal else "")
     )
+
+
+TOOL_USE_COLLAPSE = 0.5
+"""The progress line warns when the share of rollouts that call a tool falls below this fraction of its peak."""
+
+
+def tool_use_collapse(history: list[dict[str, Any]], row: dict[str, Any]) -> str | None:
+    """A warning when tool use collapses: the share of rollouts calling a tool fell below half its peak so far (the
+    failure agent-lightning's users report for multi-turn GRPO), else None."""
+    shares = [earlier["tool_use"] for earlier in history if "tool_use" in earlier and earlier["iteration"] < row["iteration"]]
+    if "tool_use" not in row or not shares or max(shares) <= 0:
+        return None
+    peak = max(shares)
+    if row["tool_use"] >= TOOL_USE_COLLAPSE * peak:
+        return None
+    return f"tool use collapsed: {row['tool_use']:.0%} of rollouts call a tool (peak {peak:.0%})"
 
 
 NO_SIGNAL_SHARE = 0.5

@@ -20,14 +20,18 @@ The rules, each applied in one place below:
   triplet whose policy finds no reward in a rollout that has some is dropped and counted too.
 - An empty response is kept when its prompt is not empty (the reward still applies), and counted.
 - Trajectory rows grow turn by turn only while each prompt starts with the previous prompt + response;
-  otherwise the row ends and a new one starts (counted as a split). A row's reward is its last turn's. Of
-  a call's n>1 choices a row follows the one the next prompt extends (else the first); the others are
-  counted as unused choices.
+  otherwise the row ends and a new one starts (counted as a split, with its reason: the proxy's note on the call,
+  `lightning.llm.continuation`, when it could not join it). A row's reward is its last turn's. Of a call's n>1
+  choices a row follows the one the next prompt extends (else the first); the others are counted as unused choices.
+- Groups for group-relative advantages: a trajectory row is grouped with the rows of its task (`group_id`); a
+  transition with the transitions of the same task and the same turn index (`advantage_group`), so a group never
+  mixes a first call's prompt with a later call's.
 """
 
 from __future__ import annotations
 
 import binascii
+import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -81,6 +85,15 @@ class AdaptReport(BaseModel):
     trajectory_splits: int = 0
     unused_choices: int = 0
     """Trajectory shape: choices of n>1 calls that the conversation did not continue from."""
+    split_reasons: dict[str, int] = Field(default_factory=dict)
+    """Trajectory splits by reason."""
+    tool_calls: int = 0
+    """Tool calls in the LLM calls' answers (each call's first choice)."""
+    rollouts_with_tool_calls: int = 0
+    tokens_trained: int = 0
+    """Response tokens of the triplets kept that the model generated (mask 1)."""
+    tokens_masked: int = 0
+    """Response tokens of the triplets kept that it did not (mask 0: tool results, user text, template glue)."""
     problems: list[str] = Field(default_factory=list)
     """The first MAX_PROBLEMS problems, one line each, naming the rollout."""
 
@@ -88,10 +101,16 @@ class AdaptReport(BaseModel):
         if len(self.problems) < MAX_PROBLEMS:
             self.problems.append(line)
 
+    def split(self, reason: str) -> None:
+        self.trajectory_splits += 1
+        self.split_reasons[reason] = self.split_reasons.get(reason, 0) + 1
+
     def add(self, other: AdaptReport) -> None:
         for name in type(self).model_fields:
-            if name != "problems":
+            if name not in ("problems", "split_reasons"):
                 setattr(self, name, getattr(self, name) + getattr(other, name))
+        for reason, count in other.split_reasons.items():
+            self.split_reasons[reason] = self.split_reasons.get(reason, 0) + count
         for line in other.problems:
             self.problem(line)
 
@@ -237,6 +256,9 @@ def _adapt_attempt(
         else:
             usable.append((call, tokens))
 
+    tool_calls = sum(_tool_call_count(call.span) for call in calls)
+    report.tool_calls += tool_calls
+    report.rollouts_with_tool_calls += 1 if tool_calls else 0
     base = {"rollout_id": rollout_id, "attempt_id": attempt_id, "group_id": group_id}
     if shape == "transition":
         triplets = _transitions(usable, base, report, where)
@@ -254,6 +276,10 @@ def _adapt_attempt(
             f"{where}: {len(triplets) - len(kept)} triplet(s) found no reward under reward_match={reward_match!r}"
         )
     report.rollouts_with_triplets += 1 if kept else 0
+    for triplet in kept:
+        trained = sum(triplet.response_mask) if triplet.response_mask is not None else len(triplet.response)
+        report.tokens_trained += trained
+        report.tokens_masked += len(triplet.response) - trained
     return AdaptResult(triplets=kept, report=report)
 
 
@@ -403,6 +429,17 @@ def _finish_reason(span: Span, choice: int) -> str | None:
     return None
 
 
+def _tool_call_count(span: Span) -> int:
+    """The tool calls in the call's first choice, from its GenAI output messages."""
+    try:
+        messages = json.loads(span.attributes.get(semconv.GEN_AI_OUTPUT_MESSAGES) or "[]")
+    except (TypeError, json.JSONDecodeError):
+        return 0
+    first = messages[0] if isinstance(messages, list) and messages else None
+    calls = first.get("tool_calls") if isinstance(first, dict) else None
+    return len(calls) if isinstance(calls, list) else 0
+
+
 def _weight_version(span: Span) -> dict[str, Any]:
     version = span.attributes.get(semconv.LLM_WEIGHT_VERSION)
     return {} if version is None else {"weight_version": version}
@@ -428,6 +465,7 @@ def _transitions(
                     continue
             metadata = {
                 **base,
+                "advantage_group": f"{base['group_id']}/turn-{call.turn_index}",
                 "turn_index": call.turn_index,
                 "choice_index": choice,
                 "sequence_id": call.span.sequence_id,
@@ -481,10 +519,14 @@ def _trajectories(
             )
             continue
         if row is not None:
-            report.trajectory_splits += 1
-            report.problem(
-                f"{where}: turn {call.turn_index}'s prompt does not extend the conversation so far; a new row starts"
+            continuation = call.span.attributes.get(semconv.LLM_CONTINUATION)
+            reason = (
+                continuation
+                if isinstance(continuation, str) and continuation != "joined"
+                else "the prompt does not extend the conversation so far"
             )
+            report.split(reason)
+            report.problem(f"{where}: turn {call.turn_index} starts a new row: {reason}")
         logprobs = None if tokens.logprobs is None else list(tokens.logprobs[choice])
         rows.append(_Row(prompt, list(response), [1] * len(response), prompt + response, [(call, choice)], logprobs))
 

@@ -263,7 +263,7 @@ def _kept_row(index: int, triplet: Any, report: DropReport, max_prompt_length: i
     log_probs = metadata.pop(ROLLOUT_LOG_PROBS_KEY, None)
     if log_probs is not None and len(log_probs) != len(response):
         raise ValueError(f"triplet {index}: {len(log_probs)} response log-probs for {len(response)} response tokens")
-    group_id = metadata.get("group_id")
+    group_id = metadata.get("advantage_group", metadata.get("group_id"))  # transitions: task and turn
     if group_id is None:
         report.missing_group_id.append(index)
     return {

@@ -79,6 +79,14 @@ class ChatCompletionRequest(_GenerationRequest):
         return bool(self.tools) and self.tool_choice != "none"
 
 
+class ChatCompletionWithTokensRequest(ChatCompletionRequest):
+    """vLLM's token-in chat request (`POST /v1/chat/completions/tokens`): a chat request whose prompt is `tokens`, as
+    given, instead of its messages rendered by the chat template; the answer is a chat completion as usual (tool
+    calls parsed). The LLM proxy sends a multi-turn conversation's later calls this way (`lightning.chat`)."""
+
+    tokens: list[int] = Field(min_length=1)
+
+
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[int]
     logprobs: int | None = Field(None, ge=0, le=20)
@@ -191,12 +199,20 @@ def create_inference_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest) -> Any:
+        return await chat(body, None)
+
+    @app.post("/v1/chat/completions/tokens")
+    async def chat_completions_with_tokens(body: ChatCompletionWithTokensRequest) -> Any:
+        return await chat(body, completion_prompt_token_ids(engine, body.tokens, "tokens"))
+
+    async def chat(body: ChatCompletionRequest, prompt_ids: list[int] | None) -> Any:
         check_model(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise OpenAIError(400, "top_logprobs: needs logprobs set to true", "top_logprobs")
         check_tool_choice(body.tool_choice)
         check_response_format(body.response_format)
-        prompt_ids = chat_prompt_token_ids(engine, body)
+        if prompt_ids is None:
+            prompt_ids = chat_prompt_token_ids(engine, body)
         max_tokens = body.max_completion_tokens or body.max_tokens
         params = sampling_params(
             engine, body, prompt_ids, max_tokens, (body.top_logprobs or 0) if body.logprobs else None
@@ -317,7 +333,7 @@ def chat_prompt_token_ids(engine: InferenceEngine, body: ChatCompletionRequest) 
     return engine.tokenizer.encode(text, add_special_tokens=False)
 
 
-def completion_prompt_token_ids(engine: InferenceEngine, prompt: str | list[int]) -> list[int]:
+def completion_prompt_token_ids(engine: InferenceEngine, prompt: str | list[int], field: str = "prompt") -> list[int]:
     if isinstance(prompt, str):
         ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
     else:
@@ -325,11 +341,11 @@ def completion_prompt_token_ids(engine: InferenceEngine, prompt: str | list[int]
         bad = [token for token in prompt if not 0 <= token < vocab_size]
         if bad:
             raise OpenAIError(
-                400, f"prompt: token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})", "prompt"
+                400, f"{field}: token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})", field
             )
         ids = list(prompt)
     if not ids:
-        raise OpenAIError(400, "prompt: is empty; give at least one token", "prompt")
+        raise OpenAIError(400, f"{field}: is empty; give at least one token", field)
     return ids
 
 

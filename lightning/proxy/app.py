@@ -27,6 +27,7 @@ from pydantic import BaseModel, Field
 
 from lightning import semconv
 from lightning.proxy.capture import Call, SseReader
+from lightning.proxy.continuation import Continuation, Conversations
 from lightning.proxy.writer import SpanWriter
 from lightning.seeding import turn_seed
 from lightning.serving import BearerAuth
@@ -111,6 +112,10 @@ class LLMProxy:
       process of the machine can then call the models, as with agl's proxy.
     - `max_tries`: backends tried per call; connection errors and 5xx move on to the next one
       after `retry_backoff` seconds (doubling).
+    - `tokenizer`: the policy's tokenizer (or its model directory). With it, a chat call that continues an earlier
+      call of its attempt is sent as that call's prompt and response ids plus the new messages' ids
+      (`lightning.chat`), on the backend's `chat/completions/tokens` route, so a multi-turn trajectory is one
+      token-exact row. Without it the backend renders every call's messages itself.
     """
 
     def __init__(
@@ -126,6 +131,7 @@ class LLMProxy:
         retry_backoff: float = 0.05,
         timeout: float = 600.0,
         max_connections: int = 512,
+        tokenizer: Any = None,
     ) -> None:
         self.store = store
         self.backends = [b if isinstance(b, Backend) else Backend(url=b) for b in backends]
@@ -139,6 +145,13 @@ class LLMProxy:
         self.max_connections = max_connections
         self.weight_version: str | int | None = None
         self.writer = SpanWriter(store)
+        if isinstance(tokenizer, str | os.PathLike):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        self.conversations = Conversations(tokenizer) if tokenizer is not None else None
+        self._token_route = True
+        """False once a backend answered 404 on `chat/completions/tokens`: continuations then go as plain chat."""
         self.calls = 0
         self.retries = 0
         self._in_flight = 0
@@ -309,7 +322,12 @@ class LLMProxy:
             return await self._guarded(self._external(body, operation, rollout_id, attempt_id, request))
         if not self.backends:
             raise ProxyError(503, "the proxy has no backends; register inference servers with PUT /admin/backends")
-        return await self._guarded(self._forward(raw, body, path, operation, rollout_id, attempt_id, request))
+        continuation = Continuation()
+        if routed and operation == "chat" and self.conversations is not None:
+            continuation = self.conversations.prompt_for((rollout_id, attempt_id), body)  # type: ignore[arg-type]
+        return await self._guarded(
+            self._forward(raw, body, path, operation, rollout_id, attempt_id, request, continuation)
+        )
 
     async def _guarded(self, handler: Any) -> Response:
         """Run a call while counting it in flight (a stream stays in flight until its last byte)."""
@@ -343,13 +361,16 @@ class LLMProxy:
         rollout_id: str | None,
         attempt_id: str | None,
         request: Request,
+        continuation: Continuation,
     ) -> Response:
         started = time.time()
         stream = bool(body.get("stream"))
-        upstream, backend, tries = await self._send(raw, body, path, operation, rollout_id)
+        upstream, backend, tries = await self._send_continued(raw, body, path, operation, rollout_id, continuation)
         if operation is None or rollout_id is None or attempt_id is None:
             return await _pass_through(upstream, stream)  # not an LLM call of an attempt: no span
         call = Call(operation=operation, request=body, stream=stream, status_code=upstream.status)
+        if continuation.continues:
+            call.continuation = continuation.reason or "joined"
         context = (rollout_id, attempt_id, request.headers.get("traceparent"), backend, tries, started)
         if not stream or upstream.status != 200:
             content = await upstream.read()
@@ -390,6 +411,30 @@ class LLMProxy:
                 yield rest
 
         return StreamingResponse(relay(), status_code=200, media_type="text/event-stream")
+
+    async def _send_continued(
+        self,
+        raw: bytes,
+        body: dict[str, Any],
+        path: str,
+        operation: str | None,
+        rollout_id: str | None,
+        continuation: Continuation,
+    ) -> tuple[aiohttp.ClientResponse, Backend, int]:
+        """`_send`, with a continued chat call's token-exact prompt on the backend's `chat/completions/tokens` route
+        (vLLM's token-in chat route: the request's fields plus `tokens`, the prompt ids). A backend without the route
+        (404) gets the call as plain chat, and the continuation says why it was not joined."""
+        if continuation.prompt_ids is not None and self._token_route:
+            joined = {**body, "tokens": continuation.prompt_ids}
+            sent = await self._send(json.dumps(joined).encode(), joined, "chat/completions/tokens", operation, rollout_id)
+            if sent[0].status != 404:
+                return sent
+            sent[0].release()
+            self._token_route = False
+            logger.warning("LLM proxy: the backend has no chat/completions/tokens route; multi-turn rows will split")
+        if continuation.prompt_ids is not None:
+            continuation.reason = "the inference server has no chat/completions/tokens route"
+        return await self._send(raw, body, path, operation, rollout_id)
 
     async def _send(
         self, raw: bytes, body: dict[str, Any], path: str, operation: str | None, rollout_id: str | None
@@ -470,6 +515,8 @@ class LLMProxy:
     ) -> None:
         if rollout_id is None or attempt_id is None:
             return
+        if self.conversations is not None and call.operation == "chat":
+            self.conversations.remember((rollout_id, attempt_id), call.request, call)
         ended = time.time()
         attributes = call.attributes()
         attributes[semconv.LLM_BACKEND] = backend.url if backend else "litellm"

@@ -57,6 +57,8 @@ class Call:
     prompt_token_ids: list[int] | None = None
     usage: dict[str, Any] | None = None
     choices: dict[int, Choice] = field(default_factory=dict)
+    continuation: str | None = None
+    """A call that continues an earlier one of its attempt: "joined", or why its ids could not be (see semconv)."""
 
     def choice(self, index: int) -> Choice:
         if index not in self.choices:
@@ -138,6 +140,8 @@ class Call:
         attrs[semconv.GEN_AI_INPUT_MESSAGES] = json.dumps(prompt, ensure_ascii=False)
         if request.get("tools"):
             attrs[semconv.GEN_AI_TOOL_DEFINITIONS] = json.dumps(request["tools"], ensure_ascii=False)
+        if self.continuation is not None:
+            attrs[semconv.LLM_CONTINUATION] = self.continuation
         if self.response_id:
             attrs[semconv.GEN_AI_RESPONSE_ID] = self.response_id
         if self.response_model:

@@ -1,0 +1,141 @@
+"""A multi-turn, tool-calling agent: it answers the value of a key that only its `lookup` tool knows.
+
+A task is `{"key": "bd", "table": 17, "value": "k", "calls": 1}`: a key, and which of many tables the tool reads
+(say, a user's own records). The model sees only the key, so it cannot know the value: it earns its reward only by
+calling `lookup` (OpenAI's `tools` and `tool_calls`), reading the result and answering with it. In some tables a
+key points to another key (`next fg`), so its task needs two tool calls. Reward 1.0 for the right value, else 0.0.
+
+The tool runs in the agent's process, as a user's tool would. Each rollout keeps one HTTP session for its turns.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import aiohttp
+
+from lightning.agent import rollout
+from lightning.chat import continue_conversation
+from lightning.types import LLM, Triplet
+
+ALPHABET = "bdfgjkmp"  # letters the tiny tokenizer never merges: one letter, one token
+MAX_TURNS = 4
+LOOKUP_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "The value of a key.",
+        "parameters": {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]},
+    },
+}
+_TIMEOUT = aiohttp.ClientTimeout(total=120)
+
+
+KEYS = [a + b for a in ALPHABET for b in ALPHABET]
+
+
+def table(number: int) -> dict[str, str]:
+    """Table `number`: every two-letter key's entry, a value letter, or for a third of the keys `next <key>` naming a
+    key that has a value. The same number gives the same table."""
+    rng = random.Random(number)
+    keys = list(KEYS)
+    rng.shuffle(keys)
+    pointers, direct = keys[: len(keys) // 3], keys[len(keys) // 3 :]
+    entries = {key: rng.choice(ALPHABET) for key in direct}
+    for key in pointers:
+        entries[key] = f"next {rng.choice(direct)}"
+    return entries
+
+
+def run_tool(entries: dict[str, str], name: str, arguments: str) -> str:
+    """A tool call's result as the model reads it; a malformed call is told to the model, never raised."""
+    if name != "lookup":
+        return f"error: no tool {name!r}"
+    try:
+        key = json.loads(arguments)["key"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return 'error: give {"key": "<two letters>"}'
+    return entries.get(str(key).strip(), f"no key {key!r}")
+
+
+@rollout
+async def lookup_agent(task: dict[str, Any], llm: LLM) -> float:
+    messages: list[dict[str, Any]] = [{"role": "user", "content": task["key"]}]
+    headers = {"Authorization": f"Bearer {llm.api_key or 'unused'}"}
+    url = f"{llm.base_url.rstrip('/')}/chat/completions"
+    entries = table(task["table"])
+    answer = ""
+    async with aiohttp.ClientSession(timeout=_TIMEOUT) as session:
+        for _ in range(MAX_TURNS):
+            body = {"model": llm.model, "messages": messages, "tools": [LOOKUP_TOOL], **llm.sampling_parameters}
+            async with session.post(url, json=body, headers=headers) as response:
+                response.raise_for_status()
+                message = (await response.json())["choices"][0]["message"]
+            if not message.get("tool_calls"):
+                answer = message.get("content") or ""
+                break
+            messages.append(message)
+            for call in message["tool_calls"]:
+                result = run_tool(entries, call["function"]["name"], call["function"]["arguments"])
+                messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+    return 1.0 if answer.strip() == task["value"] else 0.0
+
+
+def make_tasks(count: int, *, first_table: int = 0, seed: int = 0) -> list[dict[str, Any]]:
+    """`count` tasks, task i asking a random key of table `first_table + i` (reproducible by `seed`)."""
+    rng = random.Random(seed)
+    tasks = []
+    for number in range(first_table, first_table + count):
+        key = rng.choice(KEYS)
+        entries = table(number)
+        entry, calls = entries[key], 1
+        if entry.startswith("next "):
+            entry, calls = entries[entry.removeprefix("next ")], 2
+        tasks.append({"key": key, "table": number, "value": entry, "calls": calls})
+    return tasks
+
+
+def demonstrations(tokenizer: Any, tasks: list[dict[str, Any]]) -> list[Triplet]:
+    """The right conversations as trajectory rows for a supervised warm start: the first prompt as the chat template
+    renders it, then each assistant turn (trained: mask 1) and what the template puts between turns (the tool's
+    result and the next turn's header: mask 0), token for token as the proxy stitches a live conversation."""
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    triplets = []
+    for index, task in enumerate(tasks):
+        messages: list[dict[str, Any]] = [{"role": "user", "content": task["key"]}]
+        text = tokenizer.apply_chat_template(messages, tools=[LOOKUP_TOOL], add_generation_prompt=True, tokenize=False)
+        prompt = tokenizer.encode(text, add_special_tokens=False)
+        response: list[int] = []
+        mask: list[int] = []
+        key, entries = task["key"], table(task["table"])
+        while True:
+            entry = entries[key]
+            call = {"name": "lookup", "arguments": {"key": key}}
+            turn = tokenizer.encode(f"<tool_call>{json.dumps(call)}</tool_call>", add_special_tokens=False) + [end]
+            assistant = {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": f"call_{len(messages)}", "type": "function",
+                     "function": {"name": "lookup", "arguments": json.dumps({"key": key})}},
+                ],
+            }  # fmt: skip
+            tool = {"role": "tool", "tool_call_id": f"call_{len(messages)}", "content": entry}
+            bridge = continue_conversation(tokenizer, messages + [assistant], [tool], tools=[LOOKUP_TOOL], last=end)
+            response += turn + bridge
+            mask += [1] * len(turn) + [0] * len(bridge)
+            messages += [assistant, tool]
+            if not entry.startswith("next "):
+                break
+            key = entry.removeprefix("next ")
+        answer = tokenizer.encode(task["value"], add_special_tokens=False) + [end]
+        response += answer
+        mask += [1] * len(answer)
+        triplets.append(
+            Triplet(
+                prompt=prompt, response=response, reward=1.0, response_mask=mask, metadata={"group_id": f"demo-{index}"}
+            )
+        )
+    return triplets

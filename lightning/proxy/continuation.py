@@ -1,0 +1,130 @@
+"""The LLM proxy's memory of each attempt's conversation, so that a call continuing an earlier one gets its prompt as
+that call's exact prompt and response ids plus the new messages' ids (`lightning.chat`), not the whole conversation
+rendered and encoded again."""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from lightning.chat import NotAContinuation, continue_conversation
+from lightning.proxy.capture import Call
+
+MAX_ATTEMPTS = 20_000
+"""Attempts remembered (the least recently called are forgotten first)."""
+MAX_CALLS = 64
+"""Calls remembered per attempt: a continuation is looked for among the latest ones."""
+
+
+@dataclass
+class _Answered:
+    messages: list[dict[str, Any]]
+    tools: Any
+    prompt_ids: list[int]
+    choices: list[tuple[dict[str, Any], list[int]]]
+    """(the assistant message as answered, its response ids), per choice."""
+
+
+@dataclass
+class Continuation:
+    """What the proxy found for a chat call: the prompt ids to send (None: let the server render the messages) and,
+    when a call continued an earlier one but could not be joined token-exactly, why."""
+
+    prompt_ids: list[int] | None = None
+    continues: bool = False
+    reason: str | None = None
+
+
+class Conversations:
+    """The answered chat calls of each attempt, and the prompt ids of a call that continues one of them."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._calls: OrderedDict[tuple[str, str], list[_Answered]] = OrderedDict()
+
+    def prompt_for(self, attempt: tuple[str, str], body: dict[str, Any]) -> Continuation:
+        """The token-exact prompt of `body` if it continues an earlier call of `attempt`: its messages begin with that
+        call's messages and the assistant message it answered, then new ones."""
+        messages = body.get("messages")
+        if not isinstance(messages, list) or attempt not in self._calls:
+            return Continuation()
+        self._calls.move_to_end(attempt)
+        for earlier in reversed(self._calls[attempt]):
+            count = len(earlier.messages)
+            if len(messages) <= count + 1 or _canonical(messages[:count]) != _canonical(earlier.messages):
+                continue
+            if _canonical(body.get("tools")) != _canonical(earlier.tools):
+                return Continuation(continues=True, reason="the tools differ from the earlier call's")
+            for answer, response_ids in earlier.choices:
+                if not response_ids or not _same_answer(messages[count], answer):
+                    continue
+                try:
+                    bridge = continue_conversation(
+                        self.tokenizer, messages[: count + 1], messages[count + 1 :],
+                        tools=body.get("tools"), last=response_ids[-1],
+                    )  # fmt: skip
+                except NotAContinuation as exc:
+                    return Continuation(continues=True, reason=str(exc))
+                except Exception as exc:  # the template is user data (jinja): its errors are the request's
+                    return Continuation(continues=True, reason=f"the chat template failed: {exc}")
+                return Continuation(earlier.prompt_ids + response_ids + bridge, continues=True)
+            return Continuation(continues=True, reason="the assistant message is not what the model answered")
+        return Continuation()
+
+    def remember(self, attempt: tuple[str, str], body: dict[str, Any], call: Call) -> None:
+        """Keep an answered chat call (prompt and response ids known) for the calls that continue it."""
+        choices = [call.choices[i] for i in sorted(call.choices)]
+        prompt_ids = call.prompt_token_ids or (choices[0].prompt_token_ids if choices else None)
+        if call.status_code != 200 or prompt_ids is None or not choices:
+            return
+        if any(choice.token_ids is None for choice in choices):
+            return
+        answered = [(_message(choice), list(choice.token_ids or [])) for choice in choices]
+        calls = self._calls.setdefault(attempt, [])
+        self._calls.move_to_end(attempt)
+        calls.append(_Answered(list(body["messages"]), body.get("tools"), list(prompt_ids), answered))
+        del calls[:-MAX_CALLS]
+        while len(self._calls) > MAX_ATTEMPTS:
+            self._calls.popitem(last=False)
+
+
+def _message(choice: Any) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": choice.role, "content": choice.text or None}
+    if choice.tool_calls:
+        message["tool_calls"] = [choice.tool_calls[i] for i in sorted(choice.tool_calls)]
+    return message
+
+
+def _same_answer(sent: Any, answer: dict[str, Any]) -> bool:
+    """Whether the agent's assistant message is the model's answer: the same text (blank as none) and the same tool
+    calls (names, and arguments as JSON values), whatever ids and key order the agent's client gave them."""
+    if not isinstance(sent, dict) or sent.get("role") != "assistant":
+        return False
+    if (_text(sent.get("content")) or "").strip() != (answer.get("content") or "").strip():
+        return False
+    return _tool_calls(sent.get("tool_calls")) == _tool_calls(answer.get("tool_calls"))
+
+
+def _text(content: Any) -> str | None:
+    if isinstance(content, list):  # content parts
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return content if isinstance(content, str) else None
+
+
+def _tool_calls(calls: Any) -> list[tuple[Any, Any]]:
+    found = []
+    for call in calls or []:
+        function = (call.get("function") or {}) if isinstance(call, dict) else {}
+        arguments = function.get("arguments")
+        try:
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except json.JSONDecodeError:
+            pass
+        found.append((function.get("name"), _canonical(arguments)))
+    return found
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, ensure_ascii=False, default=str)
