@@ -861,7 +861,8 @@ TOOL_USE_COLLAPSE = 0.5
 def tool_use_collapse(history: list[dict[str, Any]], row: dict[str, Any]) -> str | None:
     """A warning when tool use collapses: the share of rollouts calling a tool fell below half its peak so far (the
     failure agent-lightning's users report for multi-turn GRPO), else None."""
-    shares = [earlier["tool_use"] for earlier in history if "tool_use" in earlier and earlier["iteration"] < row["iteration"]]
+    before = [earlier for earlier in history if earlier["iteration"] < row["iteration"]]
+    shares = [earlier["tool_use"] for earlier in before if "tool_use" in earlier]
     if "tool_use" not in row or not shares or max(shares) <= 0:
         return None
     peak = max(shares)

@@ -49,7 +49,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 CPU_OPTIONS: dict[str, Any] = {
     # float32 as the trainer computes: the mismatch then measures the engines, not bfloat16's rounding.
     "dtype": "float32",
-    "max_model_len": 256,
+    "max_model_len": 512,  # the calculator's second prompt takes about 470 tokens
     "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},  # GiB of KV cache; vLLM's CPU default takes a share of the machine
     "startup_timeout": 300,
 }
@@ -74,6 +74,8 @@ def server(vllm_python: str, models: tuple[Path, Path], tmp_path_factory: pytest
     config = VllmConfig(
         model=str(models[0]), served_model_name="tiny", python=vllm_python, port=free_port(),
         api_key=secrets.token_urlsafe(16), **CPU_OPTIONS,
+        # Tool calls in the tiny template's Hermes form, parsed by vLLM (the multi-turn test's agent sends `tools`).
+        extra_args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
     )  # fmt: skip
     with VllmServer(config, log_path=tmp_path_factory.mktemp("vllm") / "vllm.log") as running:
         yield running
@@ -161,6 +163,41 @@ def test_after_a_reload_vllm_serves_the_new_weights(server: Any, models: tuple[P
         assert float(new) < MISMATCH_BOUND and float(old) > 0.5, (new, old)
     finally:
         server.reload_weights(models[0], version="0")
+
+
+async def test_a_multi_turn_tool_calling_agent_trains_as_one_masked_row_per_rollout(
+    server: Any, models: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """The calculator agent (a tool call, the tool's result, the answer) on vLLM behind the proxy: vLLM 0.32 has no
+    token-in chat route, so the proxy sends the second call as a completions call on the joined ids and makes its
+    answer a chat completion; each rollout is one trajectory row, its mask 1 on the model's tokens only."""
+    from support.multi_turn import calculator_through_proxy
+    from support.tool_model import build_calculator_model, tool_call_text
+
+    from examples.calculator.agent import load_tasks
+
+    taught = build_calculator_model(tmp_path / "calculator", load_tasks()[:2])
+    backend = Backend(url=server.endpoint, api_key=server.config.api_key.get_secret_value())
+    try:
+        server.reload_weights(taught, version="calculator")
+        adapted, spans = await calculator_through_proxy(backend, tmp_path / "store.db", tokenizer=str(taught))
+    finally:
+        server.reload_weights(models[0], version="0")
+    report = adapted.report
+    outputs = [s.attributes.get(semconv.GEN_AI_OUTPUT_MESSAGES) for s in spans]
+    assert (len(adapted.triplets), report.trajectory_splits, report.tool_calls) == (2, 0, 2), (report, outputs)
+    assert all(row.reward == 1.0 for row in adapted.triplets)
+    assert [s.attributes[semconv.LLM_CONTINUATION] for s in spans if semconv.LLM_CONTINUATION in s.attributes] == [
+        "joined",
+        "joined",
+    ]
+    tokenizer = AutoTokenizer.from_pretrained(taught)
+    for row, task in zip(adapted.triplets, load_tasks()[:2], strict=True):
+        mask = row.response_mask or []
+        generated = tokenizer.decode([t for t, m in zip(row.response, mask, strict=True) if m])
+        masked = tokenizer.decode([t for t, m in zip(row.response, mask, strict=True) if not m])
+        assert generated == f"{tool_call_text(task['expression'])}<|im_end|>{task['answer']}<|im_end|>"
+        assert task["answer"] in masked and "<|im_start|>tool" in masked  # the tool's result, not trained
 
 
 # --- the train flow on two replicas ---------------------------------------------------------------------------

@@ -340,9 +340,7 @@ def completion_prompt_token_ids(engine: InferenceEngine, prompt: str | list[int]
         vocab_size = len(engine.tokenizer)
         bad = [token for token in prompt if not 0 <= token < vocab_size]
         if bad:
-            raise OpenAIError(
-                400, f"{field}: token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})", field
-            )
+            raise OpenAIError(400, f"{field}: token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})", field)
         ids = list(prompt)
     if not ids:
         raise OpenAIError(400, f"{field}: is empty; give at least one token", field)

@@ -21,7 +21,11 @@ CHAT_TEMPLATE = (
     "{% set system = messages[0]['content'] if messages and messages[0]['role'] == 'system' else none %}"
     "{% if tools %}"
     "<|im_start|>system\n"
-    "{% if system %}{{ system }}\n\n{% endif %}"
+    # vLLM gives a template that reads content parts every message's content as parts, the system message's too (the
+    # newlines as an expression: a newline right after a block tag is trimmed).
+    "{% if system is string %}{{ system }}\n\n"
+    "{% elif system %}{% for part in system if part['type'] == 'text' %}{{ part['text'] }}{% endfor %}"
+    "{{ '\\n\\n' }}{% endif %}"
     "You can call these tools. To call one, answer with "
     '<tool_call>{"name": <name>, "arguments": <arguments>}</tool_call>.\n'
     "<tools>\n"

@@ -365,7 +365,9 @@ class LLMProxy:
     ) -> Response:
         started = time.time()
         stream = bool(body.get("stream"))
-        upstream, backend, tries = await self._send_continued(raw, body, path, operation, rollout_id, continuation)
+        upstream, backend, tries, as_completion = await self._send_continued(
+            raw, body, path, operation, rollout_id, continuation
+        )
         if operation is None or rollout_id is None or attempt_id is None:
             return await _pass_through(upstream, stream)  # not an LLM call of an attempt: no span
         call = Call(operation=operation, request=body, stream=stream, status_code=upstream.status)
@@ -375,6 +377,8 @@ class LLMProxy:
         if not stream or upstream.status != 200:
             content = await upstream.read()
             upstream.release()
+            if as_completion and upstream.status == 200:
+                content = json.dumps(completion_as_chat(json.loads(content), bool(body.get("tools")))).encode()
             _read_whole(call, content, upstream.status)
             await self._record(call, *context)
             return Response(content, status_code=upstream.status, media_type=_media_type(upstream))
@@ -420,21 +424,29 @@ class LLMProxy:
         operation: str | None,
         rollout_id: str | None,
         continuation: Continuation,
-    ) -> tuple[aiohttp.ClientResponse, Backend, int]:
-        """`_send`, with a continued chat call's token-exact prompt on the backend's `chat/completions/tokens` route
-        (vLLM's token-in chat route: the request's fields plus `tokens`, the prompt ids). A backend without the route
-        (404) gets the call as plain chat, and the continuation says why it was not joined."""
+    ) -> tuple[aiohttp.ClientResponse, Backend, int, bool]:
+        """`_send`, with a continued chat call's token-exact prompt: on the backend's `chat/completions/tokens` route
+        (the request's fields plus `tokens`, the prompt ids: the embedded server's token-in chat route), or, on a
+        backend without it (404: vLLM), as a `completions` call on the same ids whose answer `_forward` makes a chat
+        completion (`completion_as_chat`; not for streams, which then go as plain chat and split). The last item:
+        whether the answer is a completion to convert."""
         if continuation.prompt_ids is not None and self._token_route:
             joined = {**body, "tokens": continuation.prompt_ids}
-            sent = await self._send(json.dumps(joined).encode(), joined, "chat/completions/tokens", operation, rollout_id)
+            route = "chat/completions/tokens"
+            sent = await self._send(json.dumps(joined).encode(), joined, route, operation, rollout_id)
             if sent[0].status != 404:
-                return sent
+                return (*sent, False)
             sent[0].release()
             self._token_route = False
-            logger.warning("LLM proxy: the backend has no chat/completions/tokens route; multi-turn rows will split")
+            logger.info("LLM proxy: no chat/completions/tokens route; continued chat calls go as completions on ids")
+        if continuation.prompt_ids is not None and not body.get("stream"):
+            completion = chat_as_completion(body, continuation.prompt_ids)
+            encoded = json.dumps(completion).encode()
+            sent = await self._send(encoded, completion, "completions", "text_completion", rollout_id)
+            return (*sent, True)
         if continuation.prompt_ids is not None:
-            continuation.reason = "the inference server has no chat/completions/tokens route"
-        return await self._send(raw, body, path, operation, rollout_id)
+            continuation.reason = "a streamed call on an inference server without a chat/completions/tokens route"
+        return (*await self._send(raw, body, path, operation, rollout_id), False)
 
     async def _send(
         self, raw: bytes, body: dict[str, Any], path: str, operation: str | None, rollout_id: str | None
@@ -756,6 +768,54 @@ def _payload(raw: bytes, body: dict[str, Any], backend: Backend, operation: str 
     if model is not None and body.get("model") != model:
         changes["model"] = model
     return json.dumps({**body, **changes}).encode() if changes else raw
+
+
+_COMPLETION_FIELDS = (
+    "model", "temperature", "top_p", "top_k", "min_p", "max_tokens", "n", "stop", "stop_token_ids", "seed",
+    "frequency_penalty", "presence_penalty", "repetition_penalty", "user",
+)  # fmt: skip
+
+
+def chat_as_completion(body: dict[str, Any], prompt_ids: list[int]) -> dict[str, Any]:
+    """A chat request as a `completions` request on its prompt's token ids: the sampling fields both APIs share."""
+    completion = {name: body[name] for name in _COMPLETION_FIELDS if name in body}
+    if body.get("max_completion_tokens") is not None:
+        completion["max_tokens"] = body["max_completion_tokens"]
+    return {**completion, "prompt": prompt_ids}
+
+
+def completion_as_chat(completion: dict[str, Any], parse_tools: bool) -> dict[str, Any]:
+    """A `completions` answer as the chat completion the agent asked for: each choice's text as the assistant's message,
+    its `<tool_call>` blocks as `tool_calls` when the request had tools (the Hermes form the embedded server parses:
+    `lightning.inference.tools`), the sampled tokens' log-probs in chat's shape, the token ids kept."""
+    from lightning.inference.tools import split_tool_calls
+
+    choices = []
+    prompt_ids = None
+    for raw in completion.get("choices") or []:
+        text, finish_reason = raw.get("text") or "", raw.get("finish_reason")
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if parse_tools:
+            content, calls = split_tool_calls(text)
+            if calls:
+                message = {"role": "assistant", "content": content if content.strip() else None}
+                message["tool_calls"] = [call.model_dump() for call in calls]
+                finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        logprobs = raw.get("logprobs") or {}
+        values = logprobs.get("token_logprobs") if isinstance(logprobs, dict) else None
+        tokens = (logprobs.get("tokens") or [""] * len(values)) if values is not None else []
+        choices.append({
+            "index": raw.get("index", 0), "message": message, "finish_reason": finish_reason,
+            "logprobs": {"content": [{"token": t, "logprob": v} for t, v in zip(tokens, values, strict=False)]}
+            if values is not None else None,
+            "token_ids": raw.get("token_ids"),
+        })  # fmt: skip
+        prompt_ids = prompt_ids or raw.get("prompt_token_ids")
+    return {
+        "id": completion.get("id"), "object": "chat.completion", "created": completion.get("created"),
+        "model": completion.get("model"), "choices": choices, "usage": completion.get("usage"),
+        "prompt_token_ids": prompt_ids,
+    }  # fmt: skip
 
 
 def _read_whole(call: Call, content: bytes, status: int) -> None:

@@ -4,6 +4,7 @@ rendered and encoded again."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -118,10 +119,9 @@ def _tool_calls(calls: Any) -> list[tuple[Any, Any]]:
     for call in calls or []:
         function = (call.get("function") or {}) if isinstance(call, dict) else {}
         arguments = function.get("arguments")
-        try:
-            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-        except json.JSONDecodeError:
-            pass
+        if isinstance(arguments, str):
+            with contextlib.suppress(json.JSONDecodeError):
+                arguments = json.loads(arguments)
         found.append((function.get("name"), _canonical(arguments)))
     return found
 
