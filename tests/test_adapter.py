@@ -318,6 +318,7 @@ def test_transitions_one_per_choice_with_metadata() -> None:
         "rollout_id": ROLLOUT,
         "attempt_id": ATTEMPT,
         "group_id": "task-3",
+        "advantage_group": "task-3/turn-0",
         "turn_index": 0,
         "choice_index": 0,
         "sequence_id": 1,

@@ -92,6 +92,7 @@ TESTED: dict[str, list[str]] = {
 
 MAKE: dict[str, str] = {
     "demo": "python -m flows.train examples/copy_task/demo.yaml --set run_name=demo-",
+    "lookup": "python -m flows.train examples/lookup/train.yaml --set run_name=lookup-",  # test_example_lookup.py
     "test": "-m pytest",
     "test-fast": "-m pytest",
     "mlflow-ui": "lightning mlflow ui --backend-store-uri sqlite:///.lightning/mlflow.db",

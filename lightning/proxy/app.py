@@ -18,7 +18,7 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 from fastapi import FastAPI, Request
@@ -69,6 +69,11 @@ class Backend(BaseModel):
     proxy's `model_name` is sent under the name this server lists on `GET /models` (asked once)."""
     provider: str = "vllm"
     """`gen_ai.provider.name` on the spans."""
+    tool_call_format: Literal["hermes"] | None = "hermes"
+    """How the model writes tool calls, for the proxy to read them where it makes a completion a chat answer (a
+    multi-turn call continued on a backend without a token-in chat route): `hermes`, `<tool_call>{...}</tool_call>`
+    blocks (Qwen's, Hermes', the tiny model's). None: another form; such calls then go as plain chat and their
+    trajectory rows split."""
 
 
 class ExternalModel(BaseModel):
@@ -439,13 +444,19 @@ class LLMProxy:
             sent[0].release()
             self._token_route = False
             logger.info("LLM proxy: no chat/completions/tokens route; continued chat calls go as completions on ids")
-        if continuation.prompt_ids is not None and not body.get("stream"):
+        readable = not body.get("tools") or all(b.tool_call_format == "hermes" for b in self.backends)
+        if continuation.prompt_ids is not None and not body.get("stream") and readable:
             completion = chat_as_completion(body, continuation.prompt_ids)
             encoded = json.dumps(completion).encode()
             sent = await self._send(encoded, completion, "completions", "text_completion", rollout_id)
             return (*sent, True)
         if continuation.prompt_ids is not None:
-            continuation.reason = "a streamed call on an inference server without a chat/completions/tokens route"
+            continuation.reason = (
+                "a streamed call on an inference server without a chat/completions/tokens route"
+                if readable
+                else "an inference server without a chat/completions/tokens route, and tool calls in a form the proxy "
+                "does not read"
+            )
         return (*await self._send(raw, body, path, operation, rollout_id), False)
 
     async def _send(
