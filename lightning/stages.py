@@ -844,7 +844,7 @@ def progress_line(run: Run, row: dict[str, Any], done: int, elapsed: float) -> s
     mismatch = f" | mismatch {row['mismatch_mean']:.1e}" if "mismatch_mean" in row else ""
     signal = no_signal(row)
     tools = f" | turns {row['turns']:.2f}, tool use {row['tool_use']:.0%}" if "tool_use" in row else ""
-    collapse = tool_use_collapse(run.history, row)
+    collapse = tool_use_collapse(run.history, row) if "tool_use" in row else None
     signal = "; ".join(part for part in (signal, collapse) if part)
     return (
         f"iteration {row['iteration']} ({row['iteration'] + 1}/{iterations}) | reward {row['reward']:.3f}{val} | "

@@ -13,8 +13,8 @@ import pytest
 
 from examples.lookup.agent import KEYS, LOOKUP_TOOL, demonstrations, make_tasks, run_tool, table
 from examples.lookup.data import train_tasks, val_tasks
-from lightning.checkpoint import load_checkpoint, latest_checkpoint
 from lightning.chat import render_ids
+from lightning.checkpoint import latest_checkpoint, load_checkpoint
 from lightning.models.tiny import build_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
