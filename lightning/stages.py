@@ -799,27 +799,15 @@ def iteration_row(
         "mismatch_frac": metrics.get("mismatch_frac"),
         # Off-policy correction: the importance weights pi_old / pi_behav of the sampled tokens.
         **{name: metrics.get(name) for name in ("is_ratio_mean", "is_ratio_max", "is_ratio_clipped_frac")},
-        **multi_turn_metrics(batch.get("adapter") or {}),
+        **_turn_metrics(batch.get("adapter")),
     }
     return {name: value for name, value in row.items() if value is not None}
 
 
-def multi_turn_metrics(report: dict[str, Any]) -> dict[str, Any]:
-    """From the adapter's report, for agents that make several LLM calls or call tools: LLM calls (turns) and tool
-    calls a rollout, the share of rollouts that called a tool, response tokens trained and masked (tool results and
-    template text inside a trajectory row), and trajectory splits. Empty for a one-call agent without tools."""
-    with_calls = report.get("rollouts", 0) - report.get("rollouts_without_llm_calls", 0)
-    turns = report.get("llm_calls", 0)
-    if with_calls <= 0 or (turns <= with_calls and not report.get("tool_calls")):
-        return {}
-    return {
-        "turns": turns / with_calls,
-        "tool_calls": report.get("tool_calls", 0) / with_calls,
-        "tool_use": report.get("rollouts_with_tool_calls", 0) / with_calls,
-        "tokens_trained": report.get("tokens_trained"),
-        "tokens_masked": report.get("tokens_masked"),
-        "trajectory_splits": report.get("trajectory_splits"),
-    }
+def _turn_metrics(report: dict[str, Any] | None) -> dict[str, Any]:
+    from lightning.adapter import AdaptReport
+
+    return AdaptReport.model_validate(report).turn_metrics() if report else {}
 
 
 def stopped_summary(run: Run, cancelled: int) -> str:

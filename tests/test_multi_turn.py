@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from lightning import semconv
-from lightning.adapter import spans_to_triplets
+from lightning.adapter import AdaptReport, spans_to_triplets
 from lightning.algorithm.batch import TrainingBatch
 from lightning.algorithm.config import TrainerConfig
 from lightning.algorithm.trainer import TorchTrainer
-from lightning.stages import multi_turn_metrics, tool_use_collapse
+from lightning.stages import tool_use_collapse
 from lightning.types import Span, TraceStatus
 
 ROLLOUT, ATTEMPT = "ro-mt", "at-mt"
@@ -100,13 +100,13 @@ def test_a_split_names_the_proxys_reason() -> None:
 
 
 def test_the_iteration_row_reports_turns_tools_and_masks() -> None:
-    report = spans_to_triplets(three_turns(), shape="trajectory").report.model_dump()
-    assert multi_turn_metrics(report) == {
+    report = spans_to_triplets(three_turns(), shape="trajectory").report
+    assert report.turn_metrics() == {
         "turns": 3.0, "tool_calls": 2.0, "tool_use": 1.0, "tokens_trained": 8, "tokens_masked": 5,
         "trajectory_splits": 0,
     }  # fmt: skip
-    single = {"rollouts": 4, "rollouts_without_llm_calls": 0, "llm_calls": 4, "tool_calls": 0}
-    assert multi_turn_metrics(single) == {}  # a one-call agent without tools: nothing to say
+    single = AdaptReport(rollouts=4, llm_calls=4)
+    assert single.turn_metrics() == {}  # a one-call agent without tools: nothing to say
     history = [{"iteration": 0, "tool_use": 0.9}, {"iteration": 1, "tool_use": 0.8}]
     assert tool_use_collapse(history, {"iteration": 2, "tool_use": 0.6}) is None
     assert "tool use collapsed: 30%" in (tool_use_collapse(history, {"iteration": 2, "tool_use": 0.3}) or "")

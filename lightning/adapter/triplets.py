@@ -105,6 +105,22 @@ class AdaptReport(BaseModel):
         self.trajectory_splits += 1
         self.split_reasons[reason] = self.split_reasons.get(reason, 0) + 1
 
+    def turn_metrics(self) -> dict[str, Any]:
+        """For agents that make several LLM calls or call tools, an iteration's: LLM calls (turns) and tool calls a
+        rollout, the share of rollouts that called a tool, response tokens trained and masked, trajectory splits.
+        Empty for a one-call agent without tools."""
+        with_calls = self.rollouts - self.rollouts_without_llm_calls
+        if with_calls <= 0 or (self.llm_calls <= with_calls and not self.tool_calls):
+            return {}
+        return {
+            "turns": self.llm_calls / with_calls,
+            "tool_calls": self.tool_calls / with_calls,
+            "tool_use": self.rollouts_with_tool_calls / with_calls,
+            "tokens_trained": self.tokens_trained,
+            "tokens_masked": self.tokens_masked,
+            "trajectory_splits": self.trajectory_splits,
+        }
+
     def add(self, other: AdaptReport) -> None:
         for name in type(self).model_fields:
             if name not in ("problems", "split_reasons"):
