@@ -215,3 +215,29 @@ async def test_turns_join_token_exactly_whatever_the_template_renders(drifting_m
     plain, _ = await run_calculator(drifting_model, tmp_path / "plain.db", tokenizer=None)
     assert plain.report.trajectory_splits == 2
     assert plain.report.split_reasons == {"the prompt does not extend the conversation so far": 2}
+
+
+def test_a_completion_answers_as_the_chat_completion_the_agent_asked_for() -> None:
+    """Where the backend has no token-in chat route (vLLM 0.32), a continued call goes as a completions call on the
+    joined ids, and its answer comes back in chat's shape: tool calls parsed, log-probs and token ids kept."""
+    from lightning.proxy.app import chat_as_completion, completion_as_chat
+
+    asked = {"model": "tiny", "messages": [], "tools": [{}], "temperature": 0.7, "max_completion_tokens": 9, "seed": 3}
+    assert chat_as_completion(asked, [5, 6]) == {
+        "model": "tiny", "temperature": 0.7, "seed": 3, "max_tokens": 9, "prompt": [5, 6],
+    }  # fmt: skip
+    text = '<tool_call>{"name": "lookup", "arguments": {"key": "bd"}}</tool_call>'
+    completion = {
+        "id": "cmpl-1", "model": "tiny", "usage": {"prompt_tokens": 2},
+        "choices": [{"index": 0, "text": text, "finish_reason": "stop", "token_ids": [7, 8], "prompt_token_ids": [5, 6],
+                     "logprobs": {"tokens": ["a", "b"], "token_logprobs": [-0.5, -0.25]}}],
+    }  # fmt: skip
+    answer = completion_as_chat(completion, parse_tools=True)
+    [choice] = answer["choices"]
+    assert answer["prompt_token_ids"] == [5, 6] and choice["token_ids"] == [7, 8]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "lookup", "arguments": '{"key": "bd"}'}
+    assert [entry["logprob"] for entry in choice["logprobs"]["content"]] == [-0.5, -0.25]
+    plain = completion_as_chat(completion, parse_tools=False)["choices"][0]
+    assert plain["message"] == {"role": "assistant", "content": text} and plain["finish_reason"] == "stop"

@@ -156,7 +156,7 @@ class LLMProxy:
             tokenizer = AutoTokenizer.from_pretrained(tokenizer)
         self.conversations = Conversations(tokenizer) if tokenizer is not None else None
         self._token_route = True
-        """False once a backend answered 404 on `chat/completions/tokens`: continuations then go as plain chat."""
+        """False once a backend had no `chat/completions/tokens` route: continuations then go as completions calls."""
         self.calls = 0
         self.retries = 0
         self._in_flight = 0
@@ -439,7 +439,7 @@ class LLMProxy:
             joined = {**body, "tokens": continuation.prompt_ids}
             route = "chat/completions/tokens"
             sent = await self._send(json.dumps(joined).encode(), joined, route, operation, rollout_id)
-            if sent[0].status != 404:
+            if not await _route_missing(sent[0]):
                 return (*sent, False)
             sent[0].release()
             self._token_route = False
@@ -827,6 +827,17 @@ def completion_as_chat(completion: dict[str, Any], parse_tools: bool) -> dict[st
         "model": completion.get("model"), "choices": choices, "usage": completion.get("usage"),
         "prompt_token_ids": prompt_ids,
     }  # fmt: skip
+
+
+async def _route_missing(response: aiohttp.ClientResponse) -> bool:
+    """Whether a server answered that it has no such route: a 404 with the web framework's own body (FastAPI's, as
+    vLLM's and ours are), not a 404 of the route itself (an unknown model, say). The body stays readable."""
+    if response.status != 404:
+        return False
+    try:
+        return await response.json(content_type=None) == {"detail": "Not Found"}
+    except ValueError:
+        return False
 
 
 def _read_whole(call: Call, content: bytes, status: int) -> None:
