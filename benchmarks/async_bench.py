@@ -34,12 +34,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-
-def parse_value(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
+from lightning.config import load_config, parse_overrides  # noqa: E402
 
 
 class CpuSampler:
@@ -83,7 +78,6 @@ async def one_run(recipe: Path, root: Path, staleness: int, seed: int, iteration
     from mlflow.tracking import MlflowClient
 
     from flows.train import train
-    from lightning.config import load_config
 
     name = f"async-k{staleness}-seed{seed}"
     config = load_config(
@@ -143,7 +137,7 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="change a recipe field")
     parser.add_argument("--json", type=Path, default=None, help="write the results here too")
     args = parser.parse_args()
-    sets = {field: parse_value(value) for field, value in (item.split("=", 1) for item in args.set)}
+    sets = parse_overrides(args.set)
     results = []
     with tempfile.TemporaryDirectory(prefix="async-bench-") as tmp:
         for seed in args.seeds:

@@ -27,7 +27,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from lightning import stages  # noqa: E402
+from lightning import reporting, stages  # noqa: E402
 from lightning.config import TrainConfig, load_config  # noqa: E402
 from lightning.run import Run  # noqa: E402
 
@@ -45,7 +45,7 @@ async def direct_iteration(run: Run, iteration: int) -> None:
     rollouts = await stages.wait_for_rollouts(run, rollout_ids)
     batch = await stages.adapt_spans(run, iteration, rollout_ids)
     metrics = await stages.ppo_step(run, iteration, batch["batch_path"])
-    await stages.checkpoint(run, iteration, stages.iteration_row(iteration, rollouts, batch, metrics, 1.0))
+    await stages.checkpoint(run, iteration, reporting.iteration_row(iteration, rollouts, batch, metrics, 1.0))
 
 
 STAGES = ("update_resources", "enqueue_rollouts", "run_runners", "wait_for_rollouts", "adapt_spans", "ppo_step",

@@ -172,11 +172,10 @@ async def runner_processes(
 @contextlib.asynccontextmanager
 async def runner_fleet(count: int, store_url: str) -> AsyncIterator[list[subprocess.Popen[bytes]]]:
     """`count` runners on this process's event loop, as a training run's rollout stage runs them
-    (`lightning.stages.run_runners`): one claim loop (`run_fleet`), one tracer, resources brought by the claims; its own
-    store client. No processes to yield: its CPU is this process's."""
+    (`lightning.runner.fleet.run_fleet_until`): one claim loop (`run_fleet`), one tracer, resources brought by the
+    claims; its own store client. No processes to yield: its CPU is this process's."""
     from lightning.config import load_agent
-    from lightning.runner import Runner
-    from lightning.runner.fleet import run_fleet
+    from lightning.runner import Runner, run_fleet
     from lightning.tracing import Tracer
 
     store = HttpLightningStore(store_url)

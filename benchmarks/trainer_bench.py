@@ -38,11 +38,11 @@ sys.path.insert(0, str(REPO))
 
 from examples.copy_task.agent import demonstrations, make_tasks  # noqa: E402
 from examples.copy_task.data import split  # noqa: E402
-from lightning import stages  # noqa: E402
+from lightning import pipeline, reporting, stages  # noqa: E402
 from lightning.algorithm.batch import TrainingBatch  # noqa: E402
 from lightning.algorithm.trainer import TorchTrainer, TrainerConfig  # noqa: E402
 from lightning.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from lightning.config import load_config  # noqa: E402
+from lightning.config import load_config, parse_overrides  # noqa: E402
 from lightning.models import build_tiny_model  # noqa: E402
 from lightning.run import Run  # noqa: E402
 
@@ -142,7 +142,7 @@ async def run_ours(
             adapted = time.perf_counter()
             metrics = await stages.ppo_step(run, step, batch["batch_path"])
             updated = time.perf_counter()
-            await stages.checkpoint(run, step, stages.iteration_row(step, rollouts, batch, metrics, rollout_seconds))
+            await stages.checkpoint(run, step, reporting.iteration_row(step, rollouts, batch, metrics, rollout_seconds))
             ended = time.perf_counter()
             parts["rollouts"] += rollout_seconds
             parts["adapt"] += adapted - started - rollout_seconds
@@ -166,8 +166,8 @@ async def run_ours(
 
 async def pipelined(run: Run, *, seconds: float, eval_every_s: float) -> dict[str, Any]:
     """`run_ours`'s loop with `algorithm.max_staleness` k >= 1, as `flows.train` runs it: iteration i's rollouts
-    start once iteration i-1-k is done and the rollouts before them are in (`stages.wait_for_turn`), its update
-    waits for the checkpoint before it (`stages.wait_for_checkpoint`). The iterations in flight finish before each
+    start once iteration i-1-k is done and the rollouts before them are in (`pipeline.wait_for_turn`), its update
+    waits for the checkpoint before it (`pipeline.wait_for_checkpoint`). The iterations in flight finish before each
     evaluation, which the training clock leaves out. Its parts overlap: their mean ms per step add up to more than a
     step."""
     staleness = run.config.algorithm.max_staleness
@@ -175,17 +175,17 @@ async def pipelined(run: Run, *, seconds: float, eval_every_s: float) -> dict[st
              "checkpoint + publish": 0.0}  # fmt: skip
 
     async def iteration(step: int) -> None:
-        await stages.wait_for_turn(run, step)
+        await pipeline.wait_for_turn(run, step)
         started = time.perf_counter()
         ids, rollouts = await stages.collect_rollouts(run, step, "train")
         rollout_seconds = time.perf_counter() - started
         batch = await stages.adapt_spans(run, step, ids)
         adapted = time.perf_counter()
-        parts["waiting for the update before"] += await stages.wait_for_checkpoint(run, step)
+        parts["waiting for the update before"] += await pipeline.wait_for_checkpoint(run, step)
         waited = time.perf_counter()
         metrics = await stages.ppo_step(run, step, batch["batch_path"])
         updated = time.perf_counter()
-        await stages.checkpoint(run, step, stages.iteration_row(step, rollouts, batch, metrics, rollout_seconds))
+        await stages.checkpoint(run, step, reporting.iteration_row(step, rollouts, batch, metrics, rollout_seconds))
         parts["rollouts"] += rollout_seconds
         parts["adapt"] += adapted - started - rollout_seconds
         parts["update"] += updated - waited
@@ -231,10 +231,7 @@ RECIPE_FIELDS = ("algorithm", "batch_size", "samples_per_task", "dynamic_samplin
 
 def our_recipe(path: Path, sets: list[str]) -> dict[str, Any]:
     """The recipe fields of a run config (the demo's by default), with `--set FIELD=VALUE` changes (YAML values)."""
-    import yaml
-
-    overrides = {name: yaml.safe_load(value) for name, _, value in (item.partition("=") for item in sets)}
-    config = load_config(path, **overrides)
+    config = load_config(path, **parse_overrides(sets))
     return {field: getattr(config, field) for field in RECIPE_FIELDS} | {"algorithm": config.algorithm.model_dump()}
 
 

@@ -1,16 +1,15 @@
 """The command line of `python -m flows.<name> CONFIG.yaml [--set field=value ...]`, in a module that imports
-neither Prefect nor the flows: `python -m flows.train` refuses a twin of a live run with it before importing them
-(seconds on a loaded machine)."""
+neither Prefect nor the flows: `python -m flows.train` takes the run's lock with it before importing them, so a twin
+of a live run is refused in seconds on a loaded machine."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
 
-import yaml
-
-from lightning.config import ConfigError, load_config
+from lightning import owner
+from lightning.config import load_config, parse_overrides
+from lightning.errors import ConfigError
 
 
 def flow_arguments(flow_name: str, description: str | None) -> argparse.ArgumentParser:
@@ -24,28 +23,16 @@ def flow_arguments(flow_name: str, description: str | None) -> argparse.Argument
     return parser
 
 
-def parse_overrides(pairs: list[str]) -> dict[str, Any]:
-    """`algorithm.lr=1e-4` -> {"algorithm.lr": 0.0001}; values are read as YAML (numbers, booleans, lists)."""
-    overrides = {}
-    for pair in pairs:
-        name, sep, text = pair.partition("=")
-        if not sep or not name:
-            raise ConfigError(f"--set {pair!r}: write field=value, e.g. --set algorithm.lr=1e-4")
-        overrides[name] = yaml.safe_load(text)
-    return overrides
-
-
-def refuse_a_twin(argv: list[str]) -> None:
-    """Exit with one line if a live process trains the run these arguments name (`lightning.owner`); anything
-    else (a bad config, --help) is left to the command itself, which takes the lock."""
-    from lightning import owner
-
+def take_the_run(argv: list[str]) -> owner.RunLock | None:
+    """The lock of the run these arguments name (`lightning.owner`), taken for this command before Prefect is imported;
+    exit with one line if a live process trains that run. None when the arguments name no run (a bad config, --help:
+    the command itself says so)."""
     try:
         args, _ = flow_arguments("train", None).parse_known_args(argv)
         config = load_config(args.config, **parse_overrides(args.set))
-        owner.check_owner(config.run_dir, config.run_name)
+        return owner.acquire(config.run_dir, config.run_name)
     except owner.RunLocked as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
     except (ConfigError, SystemExit):
-        return
+        return None

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import contextvars
 import json
+import logging
 import os
 import shlex
 import signal
@@ -16,13 +17,17 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from flows.arguments import flow_arguments, parse_overrides
+from flows.arguments import flow_arguments
 from flows.secret_blocks import URL_FIELDS, export_secret_blocks
 from lightning import owner, preflight, stopping
-from lightning.config import ConfigError, load_config
+from lightning.config import load_config, parse_overrides
 from lightning.credentials import references
 from lightning.environment import PREFECT_UI
+from lightning.errors import ConfigError
 from lightning.metrics import LOCAL_PREFECT_UI, LOCAL_UI, is_server, ui_command
+from lightning.serving import free_port
+from lightning.stack import ServerProcess
+from lightning.store import open_store
 
 
 @contextlib.contextmanager
@@ -37,9 +42,6 @@ def temporary_prefect_server(log_path: Path, start_timeout: float) -> Iterator[N
         yield
         return
     import prefect
-
-    from lightning.serving import free_port
-    from lightning.stack import ServerProcess
 
     port = free_port()
     uvicorn = [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(prefect.__file__).parent.parent)]
@@ -104,18 +106,6 @@ def _send_queued_logs_and_events(timeout: float = 15.0) -> None:
     thread = threading.Thread(target=drain, name="prefect-drain")
     thread.start()
     thread.join()
-
-
-async def run_flow(flow_name: str, config: Any) -> Any:
-    """Run the `train` or `dev` flow on `config` in this event loop, on a temporary Prefect server unless
-    PREFECT_API_URL names one. `lightning.Trainer`'s fit and dev hand off here through the `lightning.flows` entry
-    point (pyproject.toml), so that the library itself never imports Prefect or the flows."""
-    from flows.dev import dev
-    from flows.train import train
-
-    flow = {"train": train, "dev": dev}[flow_name]
-    with temporary_prefect_server(config.run_dir / "logs" / "prefect-server.log", config.timeouts.startup):
-        return await flow(config)
 
 
 def _names_secret_blocks(config: Any) -> bool:
@@ -255,8 +245,6 @@ def progress_bar(flow_name: str, config: Any, interval: float = 1.0) -> Iterator
     if flow_name != "train" or not sys.stderr.isatty():
         yield
         return
-    import logging
-    import threading
 
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
@@ -281,7 +269,6 @@ def progress_bar(flow_name: str, config: Any, interval: float = 1.0) -> Iterator
 
 async def _watch(config: Any, bar: Any, stop: Any, interval: float) -> None:
     from lightning.progress import snapshot
-    from lightning.store import open_store
 
     store = None
     try:

@@ -14,6 +14,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
+from flows.cli import run_flow_cli
 from flows.params import flow_prologue, flow_run_name
 from flows.rollouts import collect_rollouts
 from lightning import apo
@@ -59,8 +60,6 @@ async def dev(config: TrainConfig = TrainConfig(), overrides: dict[str, Any] | N
 
 
 def main(argv: list[str] | None = None) -> None:
-    from flows.cli import run_flow_cli
-
     run_flow_cli(dev, argv, description=__doc__)
 
 

@@ -11,6 +11,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
+from flows.cli import run_flow_cli
 from flows.params import flow_prologue, flow_run_name
 from flows.rollouts import collect_rollouts, task_runner
 from lightning.config import TrainConfig
@@ -76,8 +77,6 @@ async def evaluate(
 
 
 def main(argv: list[str] | None = None) -> None:
-    from flows.cli import run_flow_cli
-
     run_flow_cli(evaluate, argv, description=__doc__)
 
 

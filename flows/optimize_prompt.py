@@ -24,9 +24,10 @@ from prefect.artifacts import acreate_markdown_artifact
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.artifacts import artifact_key, publish_table
+from flows.cli import run_flow_cli
 from flows.params import flow_prologue, flow_run_name
 from flows.rollouts import run_rollouts, task_runner
-from lightning import apo, stages
+from lightning import apo, reporting
 from lightning.apo import Candidate
 from lightning.config import TrainConfig
 from lightning.run import Run
@@ -158,7 +159,7 @@ def _rows(iteration: int, scored: list[Candidate], beam: list[Candidate]) -> lis
 
 async def _publish(run: Run, rows: list[dict[str, Any]], table_id: UUID | None) -> UUID:
     """The table of every round's candidates and scores, updated in place each round."""
-    description = f"APO candidates of {run.name} by round. {stages.mlflow_link(run)}"
+    description = f"APO candidates of {run.name} by round. {reporting.mlflow_link(run)}"
     return await publish_table(artifact_key(run, "apo"), rows, description, table_id)
 
 
@@ -185,7 +186,7 @@ def _summary_markdown(run: Run, summary: dict[str, Any]) -> str:
     return (
         f"## {run.name}: prompt optimisation, {summary['rounds']} rounds\n\n| validation reward | |\n|---|---|\n"
         f"| seed prompt | {_cell(summary['reward_seed'])} |\n| best prompt | {_cell(summary['reward_best'])} |\n\n"
-        f"Best prompt, registered as `{summary['prompt_uri']}`:\n\n```\n{best}\n```\n\n{stages.mlflow_link(run)}\n"
+        f"Best prompt, registered as `{summary['prompt_uri']}`:\n\n```\n{best}\n```\n\n{reporting.mlflow_link(run)}\n"
     )
 
 
@@ -194,8 +195,6 @@ def _cell(value: float | None) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from flows.cli import run_flow_cli
-
     run_flow_cli(optimize_prompt, argv, description=__doc__)
 
 

@@ -9,7 +9,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from prefect.runtime import flow_run
+
+from flows.secret_blocks import export_secret_blocks
 from lightning.config import TrainConfig, with_overrides
+from tasks.caching import TRAIN_FLOW_RUN_ID
 
 OVERRIDES_HELP = 'dotted fields of `config` to change for this run, e.g. {"iterations": 3, "algorithm.lr": 1e-4}'
 
@@ -22,11 +26,6 @@ async def flow_prologue(config: TrainConfig | dict[str, Any], overrides: dict[st
     """What every top-level flow does first: its config with the overrides applied (a bad one is a ConfigError
     naming the field), this flow run recorded as the one whose id keys its stages' cache (`tasks.caching`), and the
     Prefect Secret blocks the config's URLs name loaded into the environment."""
-    from prefect.runtime import flow_run
-
-    from flows.secret_blocks import export_secret_blocks
-    from tasks.caching import TRAIN_FLOW_RUN_ID
-
     config = effective_config(config, overrides)
     TRAIN_FLOW_RUN_ID.set(str(flow_run.get_id()))
     await export_secret_blocks(config)
@@ -37,8 +36,6 @@ def flow_run_name(suffix: str = "") -> Callable[[], str]:
     """A flow run's name: the run name of its config with its overrides applied, then `suffix`."""
 
     def name() -> str:
-        from prefect.runtime import flow_run
-
         parameters = flow_run.parameters
         config = parameters.get("config") or TrainConfig()
         try:

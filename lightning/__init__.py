@@ -2,8 +2,8 @@
 
 `import lightning as agl` gives an agent-lightning 0.3 script the names it uses (`agl.LitAgent`, `agl.rollout`,
 `agl.emit_reward`, `agl.Trainer`, ...), and agl's module paths resolve below it (`from lightning.litagent import
-rollout`; see lightning.agl_paths). An agl name with no counterpart raises `NotInLightning` (an ImportError) saying
-what to use instead. The heavier names (tracing, runner, trainer) load on first use.
+rollout`; see lightning.agl_import_paths). An agl name with no counterpart raises `NotInLightning` (an ImportError)
+saying what to use instead. The heavier names (tracing, runner, trainer) load on first use.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import importlib
 import sys
 from typing import Any
 
-from lightning import agl_paths
+from lightning import agl_import_paths
 from lightning.agent import Hook, LitAgent, RolloutRawResult, llm_rollout, prompt_rollout, rollout
-from lightning.logging import configure_logger
-from lightning.logging import setup as setup_logging
-from lightning.logging import setup_module as setup_module_logging
+from lightning.log_setup import configure_logger
+from lightning.log_setup import setup as setup_logging
+from lightning.log_setup import setup_module as setup_module_logging
 from lightning.store import LightningStore, SqlLightningStore
 from lightning.types import (
     LLM,
@@ -83,7 +83,7 @@ _SUBMODULES = frozenset(
      "tracer", "trainer", "types"}
 )  # fmt: skip
 
-sys.meta_path.append(agl_paths.FINDER)
+sys.meta_path.append(agl_import_paths.FINDER)
 
 
 def __getattr__(name: str) -> Any:
@@ -93,7 +93,7 @@ def __getattr__(name: str) -> Any:
         return value
     if name in _SUBMODULES:
         return importlib.import_module(f"lightning.{name}")
-    agl_paths.missing(__name__, name)
+    agl_import_paths.missing(__name__, name)
 
 
 __all__ = [

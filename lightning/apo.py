@@ -13,8 +13,8 @@ beside the candidate as the PromptTemplate resource. Its rollouts are enqueued i
 keys naming the candidate and the task, and the run's runners run them: a candidate scored on a validation task
 once is never run on it again (a later round, a retried flow run). The optimiser is any LiteLLM model.
 
-Each step is a plain async function of the open run, like `lightning.stages`; `optimize_round` runs a round in a
-row for scripts, and the `optimize_prompt` flow (flows/optimize_prompt.py) runs the same steps as Prefect tasks.
+Each step is a plain async function of the open run, like `lightning.stages`; the `optimize_prompt` flow
+(flows/optimize_prompt.py) runs them as Prefect tasks.
 """
 
 from __future__ import annotations
@@ -34,10 +34,13 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from lightning.config import ApoConfig, ConfigError, TrainConfig
+from lightning.adapter import spans_to_messages
+from lightning.config import ApoConfig, TrainConfig
 from lightning.environment import litellm_offline
+from lightning.errors import ConfigError
 from lightning.run import Run
-from lightning.stages import Mode, run_resources, run_rollouts, summarize_rollouts
+from lightning.stages import Mode, run_resources, summarize_rollouts
+from lightning.tracing import find_final_reward
 from lightning.types import EnqueueRolloutRequest, PromptTemplate
 
 logger = logging.getLogger(__name__)
@@ -172,26 +175,12 @@ async def score_candidates(
     return scored
 
 
-async def evaluate_candidates(
-    run: Run, round_: int, candidates: Sequence[Candidate], mode: Mode
-) -> tuple[list[Candidate], dict[str, list[str]]]:
-    """Steps 1 and 4 in one call (the flow runs them as tasks): publish, enqueue, run, wait, score. The candidates
-    scored, and their rollouts (candidate id -> rollout ids)."""
-    resources = await publish_candidates(run, candidates, mode)
-    rollouts = await enqueue_candidates(run, round_, resources, mode)
-    await run_rollouts(run, round_, [rollout_id for ids in rollouts.values() for rollout_id in ids], mode)
-    return await score_candidates(run, candidates, rollouts, mode), rollouts
-
-
 # --- 2: the textual gradient ------------------------------------------------------------------------------
 
 
 async def lowest_reward_transcripts(run: Run, rollout_ids: Sequence[str], limit: int) -> list[dict[str, Any]]:
     """The `limit` rollouts with the lowest reward (none: lowest of all), each as its task, its last LLM call's
     messages (the conversation up to the answer) and its reward."""
-    from lightning.adapter import spans_to_messages
-    from lightning.tracing import find_final_reward
-
     examples = []
     for rollout_id in rollout_ids:
         spans = await run.store.query_spans(rollout_id, "latest")
@@ -324,24 +313,6 @@ def select_beam(candidates: Sequence[Candidate], beam_width: int) -> list[Candid
         return (-reward, each.round)
 
     return sorted(unique, key=rank)[:beam_width]
-
-
-# --- a round in a row --------------------------------------------------------------------------------------
-
-
-async def optimize_round(run: Run, round_: int, beam: Sequence[Candidate]) -> tuple[list[Candidate], list[Candidate]]:
-    """One round in a row (the flow runs each step as tasks): the new beam, and every candidate the round scored."""
-    apo = apo_config(run.config)
-    beam, rollouts = await evaluate_candidates(run, round_, beam, "train")  # 1
-    proposed = []
-    for parent in beam:
-        gradient = await critique(run, parent, rollouts[parent.id])  # 2
-        for variant in range(1, apo.branch_factor + 1):  # 3
-            proposed.append(await propose_edit(run, round_, parent, gradient, variant))
-    everyone = [*beam, *new_candidates(beam, proposed)]
-    scored, _ = await evaluate_candidates(run, round_, [each for each in everyone if each.val_reward is None], "val")
-    everyone = with_scores(everyone, scored)  # 4
-    return select_beam(everyone, apo.beam_width), everyone  # 5
 
 
 def new_candidates(beam: Sequence[Candidate], proposed: Sequence[Candidate | None]) -> list[Candidate]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
 import logging
 import os
 import sys
@@ -13,6 +14,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from lightning import preflight
+from lightning.config import TrainConfig, load_config
+from lightning.diagnose import collect_stacks, dump_stacks_on_signal
 from lightning.environment import (
     BACKEND_API_KEY,
     LITELLM_OFFLINE,
@@ -22,9 +28,13 @@ from lightning.environment import (
     STORE_TOKEN,
     STORE_URL,
 )
-from lightning.metrics import DEFAULT_TRACKING_URI, LOCAL_UI_HOST, LOCAL_UI_PORT
+from lightning.errors import ConfigError
+from lightning.lifeline import exit_with_parent
+from lightning.metrics import DEFAULT_TRACKING_URI, LOCAL_UI_HOST, LOCAL_UI_PORT, MlflowTracker
+from lightning.mismatch import compare_logprobs, format_report
 from lightning.serving import is_loopback
-from lightning.store.sql import DEFAULT_URL
+from lightning.store import StoreError, open_store
+from lightning.store.sql import DEFAULT_URL, SqlLightningStore
 from lightning.types import POLICY_MODEL_NAME
 
 TOKEN_ENV, PROXY_TOKEN_ENV, STORE_URL_ENV, BACKEND_KEY_ENV = STORE_TOKEN, PROXY_TOKEN, STORE_URL, BACKEND_API_KEY
@@ -142,6 +152,9 @@ def _parser() -> argparse.ArgumentParser:
         "call of its attempt is then sent token-exactly (the earlier prompt and response ids, then the new messages'), "
         "so a multi-turn trajectory trains as one row",
     )  # fmt: skip
+    proxy_serve.add_argument(
+        "--max-body-mb", type=float, default=32, help="answer 413 to a request body larger than this (default: 32)"
+    )
     proxy_serve.add_argument(
         "--any-agent-key", action="store_true",
         help="serve agents' model calls whatever API key they send (agent-lightning's habit: agents send 'dummy' or "
@@ -282,8 +295,6 @@ def _mlflow_ui(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 
 
 def _mlflow_promote(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from lightning.metrics import MlflowTracker
-
     tracker = MlflowTracker(args.tracking_uri)
     versions = tracker.client.search_model_versions(f"name = '{args.name}'")
     if not versions:
@@ -319,9 +330,6 @@ def _reward_of(text: str | None) -> float | None:
 
 
 def _debug_compare_logprobs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from lightning.mismatch import compare_logprobs, format_report
-    from lightning.store import open_store
-
     if not (Path(args.model) / "config.json").is_file():
         parser.error(f"model: {args.model} is not a Hugging Face model directory (no config.json)")
 
@@ -342,13 +350,15 @@ def _debug_compare_logprobs(args: argparse.Namespace, parser: argparse.ArgumentP
             await store.close()
         return format_report(report, args.threshold, args.show)
 
-    print(asyncio.run(run()))
+    try:
+        print(asyncio.run(run()))
+    except StoreError as exc:  # an unknown rollout id, an unreachable store: one line, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
 def _debug_stacks(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from lightning.diagnose import collect_stacks
-
     run_dir = Path(args.run_name) if Path(args.run_name).is_dir() else Path(args.output_dir) / args.run_name
     if not run_dir.is_dir():
         parser.error(f"no run {args.run_name!r}: neither a directory nor a run under --output-dir {args.output_dir}")
@@ -357,18 +367,11 @@ def _debug_stacks(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 
 
 def _config_defaults(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    import yaml
-
-    from lightning.config import TrainConfig
-
     print(yaml.safe_dump(TrainConfig().model_dump(mode="json"), sort_keys=False), end="")
     return 0
 
 
 def _config_check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from lightning import preflight
-    from lightning.config import ConfigError, load_config
-
     # Agents and datasets named as module:function are imported as `python -m flows.train` would: from here.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
@@ -404,14 +407,9 @@ def _token_or_refuse(args: argparse.Namespace, parser: argparse.ArgumentParser, 
 
 
 def _proxy_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    import json
-
     import uvicorn
 
-    from lightning.diagnose import dump_stacks_on_signal
-    from lightning.lifeline import exit_with_parent
     from lightning.proxy import Backend, ExternalModel, LLMProxy
-    from lightning.store import open_store
 
     exit_with_parent()  # started by a run: it dies with the run
     dump_stacks_on_signal(None, "llm-proxy")  # into the run's stacks directory, when a run started it
@@ -437,6 +435,7 @@ def _proxy_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         token=token,
         agents_need_token=not args.any_agent_key,
         tokenizer=args.tokenizer,
+        max_body_bytes=int(args.max_body_mb * 1024 * 1024),
     )
     proxy.url = f"http://{args.host}:{args.port}"
     try:
@@ -463,7 +462,6 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import uvicorn
 
     from lightning.store.server import create_app
-    from lightning.store.sql import SqlLightningStore
 
     token = _token_or_refuse(args, parser, TOKEN_ENV, "read and change the store")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -482,7 +480,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 __path__: list[str] = []
 """A package for agent-lightning's paths below `agentlightning.cli` (lightning.cli.store, ...), which
-lightning.agl_paths answers for (its command line is ours: `lightning store serve`, ...)."""
+lightning.agl_import_paths answers for (its command line is ours: `lightning store serve`, ...)."""
 
 
 if __name__ == "__main__":

@@ -7,18 +7,23 @@ and a dataset. Validation errors name the field and say how to fix it.
 
 from __future__ import annotations
 
+import copy
+import difflib
 import importlib
 import json
 import re
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from lightning.agl_paths import missing
+from lightning.agent import LitAgent
+from lightning.agl_import_paths import missing
 from lightning.algorithm.config import TrainerConfig, VerlOptions
 from lightning.devices import DeviceSetting
+from lightning.errors import ConfigError
 from lightning.metrics import DEFAULT_TRACKING_URI
 from lightning.serving import is_loopback
 from lightning.store.sql import DEFAULT_URL as DEFAULT_STORE_URL
@@ -28,10 +33,6 @@ StaticResource = Annotated[LLM | PromptTemplate, Field(discriminator="resource_t
 """What `TrainConfig.resources` holds: resources handed to rollouts as they are (no ProxyLLM: the run has its own)."""
 ENTRY_POINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message names the field and the fix."""
 
 
 class InferenceConfig(BaseModel):
@@ -58,6 +59,9 @@ class InferenceConfig(BaseModel):
     bf16 forward's numerics), float32 on a CPU. vllm backend: vLLM's --dtype (auto: vLLM's own choice)."""
     in_process: bool = False
     """Embedded server: run it on a thread of the flow's process instead of a process of its own."""
+    max_request_mb: float = Field(default=32, gt=0)
+    """The largest request body, in MB, the run's LLM proxy and embedded inference server take: a larger one is
+    answered 413 before it is read whole (a prompt too long for the model is refused before it is tokenized)."""
     vllm: dict[str, Any] = Field(default_factory=dict)
     """vllm backend: fields of `lightning.inference.vllm.VllmConfig` (gpu_memory_utilization, ...)."""
     replicas: int = Field(default=1, ge=1)
@@ -251,6 +255,45 @@ def _default_rollout_config() -> RolloutConfig:
     return RolloutConfig(timeout_seconds=300, max_attempts=2, retry_condition=["failed", "timeout", "unresponsive"])
 
 
+class SamplingParameters(BaseModel):
+    """The sampling parameters a run may hand its agents (`sampling`, `eval_sampling`): OpenAI's, and the ones vLLM
+    and the embedded server add. Only for checking: the config keeps the mapping as written."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    n: int | None = Field(default=None, ge=1)
+
+    @classmethod
+    def check(cls, values: dict[str, Any]) -> None:
+        """Raise ValueError naming each unknown key (and the known one it is likely a typo of) or wrong value."""
+        try:
+            cls.model_validate(values)
+        except ValidationError as exc:
+            problems = []
+            for error in exc.errors():
+                key = ".".join(str(part) for part in error["loc"][:1])
+                if error["type"] == "extra_forbidden":
+                    close = difflib.get_close_matches(key, cls.model_fields, n=1)
+                    hint = f"; did you mean {close[0]}?" if close else f"; known: {', '.join(cls.model_fields)}"
+                    problems.append(f"{key}: not a sampling parameter{hint}")
+                else:
+                    problems.append(f"{key}: {error['msg']} (got {error.get('input')!r})")
+            raise ValueError("; ".join(problems)) from None
+
+
 class TrainConfig(BaseModel):
     """A training run: what to train, on what, with which algorithm, for how long, and where results go."""
 
@@ -258,8 +301,9 @@ class TrainConfig(BaseModel):
 
     run_name: str = "demo"
     """Names the run everywhere (store metadata, checkpoints, MLflow run). A run whose name exists resumes."""
-    agent: str = "examples.copy_task.agent:copy_agent"
-    """The agent, as `module:function` (a @rollout function) or `module:Class` (a LitAgent subclass)."""
+    agent: str | None = None
+    """The agent, as `module:function` (a @rollout function) or `module:Class` (a LitAgent subclass). Required to
+    run: no agent is assumed (the demo's is `examples.copy_task.agent:copy_agent`)."""
     train_data: str = "examples.copy_task.data:train_tasks"
     """Training tasks: a .jsonl or .parquet file (one task per row), or `module:function` returning a list."""
     val_data: str | None = "examples.copy_task.data:val_tasks"
@@ -380,11 +424,17 @@ class TrainConfig(BaseModel):
 
     @field_validator("agent")
     @classmethod
-    def _agent(cls, value: str) -> str:
-        if not ENTRY_POINT.match(value):
+    def _agent(cls, value: str | None) -> str | None:
+        if value is not None and not ENTRY_POINT.match(value):
             raise ValueError(
                 "give the agent as module:function or module:Class, e.g. examples.copy_task.agent:copy_agent"
             )
+        return value
+
+    @field_validator("sampling", "eval_sampling")
+    @classmethod
+    def _sampling(cls, value: dict[str, Any]) -> dict[str, Any]:
+        SamplingParameters.check(value)
         return value
 
     @field_validator("store_url")
@@ -535,10 +585,8 @@ def sampling_temperature(sampling: dict[str, Any]) -> float:
 def load_config(source: str | Path | dict[str, Any], **overrides: Any) -> TrainConfig:
     """A TrainConfig from a YAML file or a dict, with dotted overrides (`{"algorithm.lr": 1e-4}`)."""
     if isinstance(source, dict):
-        data, where = dict(source), "the configuration"
+        data, where = source, "the configuration"
     else:
-        import yaml
-
         path = Path(source)
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
@@ -549,9 +597,33 @@ def load_config(source: str | Path | dict[str, Any], **overrides: Any) -> TrainC
         if not isinstance(data, dict):
             raise ConfigError(f"{path} must hold a mapping of TrainConfig fields, not a {type(data).__name__}")
         where = str(path)
+    return validate_config(apply_overrides(data, overrides), where, overridden=overrides)
+
+
+def parse_overrides(pairs: Iterable[str]) -> dict[str, Any]:
+    """The command line's `FIELD=VALUE` overrides (`--set iterations=3`) as a dict of dotted fields
+    (`{"iterations": 3}`); each value is read as YAML: numbers, booleans, lists, mappings."""
+    overrides = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        if not sep or not name:
+            raise ConfigError(f"override {pair!r}: write field=value, e.g. algorithm.lr=0.0001")
+        overrides[name] = yaml.safe_load(text)
+    return overrides
+
+
+def apply_overrides(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of `data` with each dotted override set: `{"algorithm.lr": 1e-4}` sets `data["algorithm"]["lr"]`."""
+    result = copy.deepcopy(dict(data))
     for dotted, value in overrides.items():
-        _set_dotted(data, dotted, value)
-    return validate_config(data, where, overridden=overrides)
+        *parents, last = dotted.split(".")
+        node = result
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {dotted}: {part} is not a mapping")
+        node[last] = value
+    return result
 
 
 def with_overrides(config: TrainConfig | dict[str, Any], overrides: dict[str, Any] | None) -> TrainConfig:
@@ -594,16 +666,6 @@ def describe_errors(exc: ValidationError, overridden: Collection[str] = ()) -> s
         source = f" (set by the override {override})" if override else ""
         lines.append(f"  {field}: {message}{given}{source}")
     return "\n".join(lines)
-
-
-def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
-    *parents, last = dotted.split(".")
-    node = data
-    for part in parents:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"override {dotted}: {part} is not a mapping")
-    node[last] = value
 
 
 def load_entry_point(spec: str, field: str) -> Any:
@@ -651,10 +713,13 @@ def load_tasks(spec: str, field: str = "train_data") -> list[Any]:
     return tasks
 
 
-def load_agent(spec: str) -> Any:
+def load_agent(spec: str | None) -> Any:
     """The agent of the `agent` field as a LitAgent (a @rollout function is one already; a class is instantiated)."""
-    from lightning.agent import LitAgent
-
+    if spec is None:
+        raise ConfigError(
+            "agent: not set; name the agent to train as `agent: module:function` (a @rollout function) or "
+            "`module:Class` (a LitAgent subclass), e.g. examples.copy_task.agent:copy_agent"
+        )
     target = load_entry_point(spec, "agent")
     if isinstance(target, type) and issubclass(target, LitAgent):
         target = target()

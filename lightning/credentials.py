@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from lightning.environment import SECRET_PREFIX
 
@@ -49,3 +50,14 @@ def expand(text: str) -> str:
         return os.environ[variable]
 
     return REFERENCE.sub(value, text)
+
+
+def split_credentials(url: str) -> tuple[str, str | None]:
+    """`url` without its user and password, and the secret they carried (the password, else the user name):
+    `http://:TOKEN@host:4747` gives (`http://host:4747`, TOKEN). A URL without them comes back as is, with None."""
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url, None
+    host = parts.netloc.rpartition("@")[2]
+    secret = unquote(parts.password or parts.username or "") or None
+    return urlunsplit(parts._replace(netloc=host)), secret

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Annotated
 
 from pydantic import AfterValidator
 
+from lightning.errors import ConfigError
+
 if TYPE_CHECKING:
     import torch
 
@@ -29,8 +31,6 @@ def resolve_device(setting: str | None, field: str) -> torch.device:
     """The device a setting names; `auto` (or None): cuda when torch sees a GPU, else cpu. A GPU asked for where
     torch sees none raises ConfigError naming `field` and the fix."""
     import torch
-
-    from lightning.config import ConfigError
 
     setting = setting or "auto"
     if not DEVICE_SETTING.match(setting):

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from lightning import semconv
 from lightning.environment import STACKS_DIR as STACKS_ENV
 
 SIGNAL = signal.SIGUSR1
@@ -82,8 +83,6 @@ async def agent_errors(store: Any, rollout_ids: Sequence[str], limit: int = 3) -
     """What the agent raised in the first `limit` failed rollouts of `rollout_ids` (their latest attempts), one
     line each: `<rollout id>: TypeError: <message> (at <file>:<line> in <function>)`, the frame being the innermost
     of the agent's own code. Rollouts that failed without an error recorded (a timeout) are left out."""
-    from lightning import semconv
-
     failed = await store.query_rollouts(rollout_id_in=list(rollout_ids), status_in=["failed"])
     ids = [rollout.rollout_id for rollout in failed][: limit * 4]
     errors = []

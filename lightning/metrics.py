@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from lightning.credentials import expand
 from lightning.environment import MLFLOW_TRACKING_URI
 
 logger = logging.getLogger(__name__)
@@ -107,8 +108,6 @@ class MlflowTracker:
     @property
     def expanded_uri(self) -> str:
         """The tracking URI with its `${VAR}` references read (for MLflow's own calls; never logged)."""
-        from lightning.credentials import expand
-
         return expand(self.tracking_uri)
 
     def start(self, params: Mapping[str, Any] | None = None) -> str:

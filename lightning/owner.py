@@ -1,8 +1,9 @@
 """One run, one owner: the process that trains a run holds `<run_dir>/owner.lock` (its pid, host and command), so a
 second training of the same run_name (a `train` in another shell, a second deployment run) is refused while the
 first lives, with one line naming the owner. A lock whose process is gone (killed, the machine rebooted) is taken
-over, with a log line. Taken by the command before anything starts (`flows.cli`) and by `Run.open` (deployments);
-the same process taking it again holds it once."""
+over, with a log line. Taken once per process: by `python -m flows.train` before Prefect is imported
+(`flows.arguments.take_the_run`), or by `Run.open` (deployments, `Trainer.fit`, scripts); this process taking it again
+(`flows.cli`, then `Run.open`) finds it held without looking at the file."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ logger = logging.getLogger(__name__)
 
 LOCK_NAME = "owner.lock"
 
+_held: set[Path] = set()
+"""The lock files this process holds."""
+
 
 class RunLocked(RuntimeError):
     """Another live process trains this run."""
@@ -32,6 +36,7 @@ class RunLock:
 
     def release(self) -> None:
         """Remove the lock file if it is still this process's."""
+        _held.discard(self.path.absolute())
         owner = _read(self.path)
         if owner is not None and owner.get("pid") == os.getpid() and owner.get("host") == socket.gethostname():
             self.path.unlink(missing_ok=True)
@@ -40,8 +45,10 @@ class RunLock:
 def acquire(run_dir: Path, run_name: str) -> RunLock | None:
     """Take the run's lock; None when this process holds it already (its holder releases it). Raises RunLocked when
     another live process holds it."""
-    run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK_NAME
+    if path.absolute() in _held:
+        return None
+    run_dir.mkdir(parents=True, exist_ok=True)
     me = {
         "pid": os.getpid(),
         "host": socket.gethostname(),
@@ -56,6 +63,7 @@ def acquire(run_dir: Path, run_name: str) -> RunLock | None:
         else:
             with os.fdopen(descriptor, "w") as lock:
                 json.dump(me, lock)
+            _held.add(path.absolute())
             return RunLock(path)
         owner = _read(path)
         if owner is None:  # being written by its owner this instant, or left empty by a crash
@@ -81,17 +89,6 @@ def acquire(run_dir: Path, run_name: str) -> RunLock | None:
             continue
         stale.unlink(missing_ok=True)
     raise RunLocked(f"run {run_name!r}: could not take its lock {path}; delete it if no process trains this run")
-
-
-def check_owner(run_dir: Path, run_name: str) -> None:
-    """Raise RunLocked if another live process of this host holds the run's lock (taking nothing)."""
-    path = run_dir / LOCK_NAME
-    owner = _read(path)
-    if owner is None or owner.get("host") != socket.gethostname() or owner.get("pid") == os.getpid():
-        return
-    pid = owner.get("pid")
-    if isinstance(pid, int) and _alive(pid):
-        raise RunLocked(_held_message(run_name, owner))
 
 
 def _held_message(run_name: str, owner: dict) -> str:

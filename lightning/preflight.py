@@ -11,9 +11,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from lightning.config import ConfigError, TrainConfig, load_agent, load_entry_point, load_tasks
+from lightning.config import TrainConfig, load_agent, load_entry_point, load_tasks
 from lightning.credentials import MissingSecret, expand
 from lightning.devices import resolve_device
+from lightning.errors import ConfigError
+from lightning.store import open_store
 
 STORE_TIMEOUT = 5.0
 
@@ -63,11 +65,22 @@ def _devices(config: TrainConfig) -> list[tuple[str, str]]:
     return [(field, setting) for field, setting in devices if setting != "auto"]
 
 
+_passed: tuple[str, bool] | None = None
+"""The config this process last found ready (as JSON), and whether with the optimiser's key."""
+
+
 def check(config: TrainConfig, optimiser: bool = False) -> None:
-    """Raise ConfigError listing every problem (one line each) if there is any."""
+    """Raise ConfigError listing every problem (one line each) if there is any. Once per config in a process: the
+    command checks it before Prefect starts (`flows.cli`, `Trainer.fit`), and `Run.open`, where deployments and
+    scripts are checked, then finds it done."""
+    global _passed
+    key = config.model_dump_json()
+    if _passed is not None and _passed[0] == key and (_passed[1] or not optimiser):
+        return
     found = problems(config, optimiser)
     if found:
         raise ConfigError("the run cannot start:\n" + "\n".join(f"  {line}" for line in found))
+    _passed = (key, optimiser)
 
 
 def _check(found: list[str], field: str, attempt: Any) -> None:
@@ -94,8 +107,6 @@ def _model_problem(path: Path) -> None:
 
 def _store_problem(url: str) -> None:
     """The store answers within STORE_TIMEOUT seconds (a SQLite file: its directory can be made and written)."""
-    from lightning.store import open_store
-
     if url.startswith("sqlite:///") and url not in ("sqlite:///:memory:",):
         path = Path(url.removeprefix("sqlite:///").split("?", 1)[0])
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -98,7 +98,7 @@ class _Parts:
     """The training iterations that reached each phase in this process: "begun" (the flow's iteration started),
     "collected" (its rollouts are all in: `stages.collect_rollouts` says so at its end)."""
     history: list[dict[str, Any]] = field(default_factory=list)
-    """One row per trained iteration (`stages.iteration_row`), as the latest checkpoint records it."""
+    """One row per trained iteration (`reporting.iteration_row`), as the latest checkpoint records it."""
     lock: Any = None
     """The run directory's owner lock, when this open took it (`lightning.owner`)."""
 
@@ -396,10 +396,10 @@ class Run(BaseModel):
         only), tagged with `mlflow_tags` besides its source commit and user (the flows add their flow run's URL).
         `queue`: the store queue of its rollouts (default: the run's name). Rollouts an earlier process left running
         in that queue are requeued: from now on this process owns it. First, what can be checked in seconds is
-        (`preflight`): a missing dataset or an agent that does not import is one clear error, before any server
-        starts. Starting the servers takes at most `timeouts.startup`; `report` (a flow's logger) gets a line every
-        few seconds while one is still starting. A run that fails to open ends its MLflow run FAILED, with the
-        error."""
+        (`preflight`, unless the command that opened it just did): a missing dataset or an agent that does not import
+        is one clear error, before any server starts. Starting the servers takes at most `timeouts.startup`; `report`
+        (a flow's logger) gets a line every few seconds while one is still starting. A run that fails to open ends its
+        MLflow run FAILED, with the error."""
         from lightning import preflight
 
         if track is False and config.checkpoint.register_model:
@@ -409,7 +409,8 @@ class Run(BaseModel):
             )
         await asyncio.to_thread(preflight.check, config)
         config.run_dir.mkdir(parents=True, exist_ok=True)
-        # One run, one owner: a second training of this run_name is refused here while the first lives.
+        # One run, one owner: a second training of this run_name is refused here while the first lives (a command that
+        # took the lock already holds it: `lightning.owner`).
         lock = owner.acquire(config.run_dir, config.run_name) if train else None
         try:
             return await cls._open(config, train, weights, queue, mlflow_tags, track, report, lock)
@@ -445,10 +446,11 @@ class Run(BaseModel):
         run = cls(config=config, endpoints=endpoints, queue=queue or config.run_name)
         run._parts = parts
         if config.task_runner == "processes":
-            from lightning.runner.processes import RunnerProcesses
+            from lightning.runner.processes import FleetSpec, RunnerProcesses
 
+            fleet = FleetSpec(config.store_url, config.agent, run.queue, config.runner_concurrency)
             parts.runner_processes = RunnerProcesses(
-                run, start_timeout=config.timeouts.startup, stacks_dir=config.run_dir / "stacks"
+                fleet, start_timeout=config.timeouts.startup, stacks_dir=config.run_dir / "stacks"
             )
         # The MLflow run first, beside the rest: a run that fails to open still leaves one, FAILED, saying why.
         tracking = None
@@ -708,6 +710,7 @@ def _start_serving(
             proxy="thread" if config.proxy_in_process or in_memory else "process", store_url=config.store_url,
             log_dir=config.run_dir / "logs", stacks_dir=config.run_dir / "stacks",
             start_timeout=config.timeouts.startup, report=report,
+            max_body_bytes=int(inference.max_request_mb * 2**20),
         )  # fmt: skip
         parts.closers.append(parts.stack.close)
         served = parts.stack.serving()
@@ -742,7 +745,7 @@ def _start_serving(
     tokenizer = str(serving_dir) if inference.endpoint is None else None
     proxy = LLMProxy(
         parts.store, backends, model_name=name, token=parts.proxy_token, agents_need_token=need_token,
-        tokenizer=tokenizer,
+        tokenizer=tokenizer, max_body_bytes=int(inference.max_request_mb * 2**20),
     )  # fmt: skip
     proxy_url = proxy.start(host=config.proxy_host)
     parts.closers.append(proxy.stop)

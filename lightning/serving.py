@@ -15,6 +15,9 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+"""The largest request body a server of ours takes by default (the store's, the proxy's, the inference server's)."""
+
 
 def is_loopback(host: str) -> bool:
     if host == "localhost":
@@ -26,9 +29,10 @@ def is_loopback(host: str) -> bool:
 
 
 class BearerAuth:
-    """ASGI middleware: every HTTP request, but those to `open_paths` or below `open_prefixes`, must carry
-    `Authorization: Bearer <token>` (compared in constant time); any other gets `refusal()`, a 401 in the server's
-    own error shape. Plain ASGI: Starlette's BaseHTTPMiddleware costs about 0.3 ms a call."""
+    """ASGI middleware: every HTTP request, but those to `open_paths` or below `open_prefixes` or whose path
+    `admit(path)` vouches for (a route signed with the token), must carry `Authorization: Bearer <token>` (compared
+    in constant time); any other gets `refusal()`, a 401 in the server's own error shape. Plain ASGI: Starlette's
+    BaseHTTPMiddleware costs about 0.3 ms a call."""
 
     def __init__(
         self,
@@ -37,8 +41,10 @@ class BearerAuth:
         refusal: Callable[[], Any],
         open_paths: Collection[str] = (),
         open_prefixes: tuple[str, ...] = (),
+        admit: Callable[[str], bool] | None = None,
     ) -> None:
         self.app = app
+        self.admit = admit
         self.expected = f"Bearer {token}".encode()
         self.refusal = refusal
         self.open_paths = frozenset(open_paths)
@@ -49,7 +55,7 @@ class BearerAuth:
         guarded = path not in self.open_paths and not path.startswith(self.open_prefixes)
         if scope["type"] in ("http", "websocket") and guarded:
             given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
-            if not hmac.compare_digest(given, self.expected):
+            if not hmac.compare_digest(given, self.expected) and not (self.admit is not None and self.admit(path)):
                 await self.refusal()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -59,17 +65,72 @@ class BodyTooLarge(Exception):
     """A request body over the server's limit: answered 413."""
 
 
+def too_large(size: int, limit: int, *, declared: bool) -> str:
+    how = "is" if declared else "is over"
+    return f"the request body {how} {size:,} bytes; this server takes at most {limit:,} (a setting of the server)"
+
+
 async def read_body(request: Any) -> bytes:
-    """A Starlette request's body, refused (BodyTooLarge) past the app's `state.max_body_bytes`, by its declared
-    length or as read."""
+    """A Starlette request's body, refused (BodyTooLarge) past the app's `state.max_body_bytes`: by its declared
+    length before any of it is read, or, for a chunked body, as soon as the bytes read pass the limit (never
+    buffered whole)."""
     limit = request.app.state.max_body_bytes
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
-        raise BodyTooLarge(f"the request body is {int(declared):,} bytes; this server takes at most {limit:,}")
-    body = await request.body()
-    if len(body) > limit:
-        raise BodyTooLarge(f"the request body is {len(body):,} bytes; this server takes at most {limit:,}")
-    return body
+        raise BodyTooLarge(too_large(int(declared), limit, declared=True))
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(too_large(size, limit, declared=False))
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class BodyLimit:
+    """ASGI middleware: a request whose body passes `max_bytes` gets `refusal(message)` (a 413 in the server's own
+    error shape) by its declared length before any of it is read, or, for a chunked body, as soon as the bytes read
+    pass the limit; the app then sees the client gone, and its answer goes nowhere. So no route of the app ever
+    holds more than `max_bytes` of a request, whatever parses it (FastAPI's body models included)."""
+
+    def __init__(self, app: Any, max_bytes: int, refusal: Callable[[str], Any]) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.refusal = refusal
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = next((value for name, value in scope["headers"] if name == b"content-length"), b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await self.refusal(too_large(int(declared), self.max_bytes, declared=True))(scope, receive, send)
+            return
+        read = 0
+        refused = False
+
+        async def limited_receive() -> dict[str, Any]:
+            nonlocal read, refused
+            if refused:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] == "http.request":
+                read += len(message.get("body", b""))
+                if read > self.max_bytes:
+                    refused = True
+                    await self.refusal(too_large(read, self.max_bytes, declared=False))(scope, receive, send)
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def guarded_send(message: dict[str, Any]) -> None:
+            if not refused:
+                await send(message)
+
+        try:
+            await self.app(scope, limited_receive, guarded_send)
+        except Exception:
+            if not refused:
+                raise  # after a refusal the app fails on the missing body: nothing to report
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -24,6 +24,8 @@ import httpx
 
 from lightning import stopping
 from lightning.environment import BACKEND_API_KEY, INFERENCE_API_KEY, PROXY_TOKEN, STACKS_DIR, STORE_URL
+from lightning.lifeline import child_env
+from lightning.serving import DEFAULT_MAX_BODY_BYTES, ThreadedServer, free_port
 from lightning.store.base import LightningStore
 from lightning.types import POLICY_MODEL_NAME, ProxyLLM
 
@@ -60,8 +62,6 @@ class ServerProcess:
     def start(self, deadline: float | None = None) -> None:
         """Start the process and wait until it answers: at most `start_timeout` seconds, or until the monotonic
         `deadline` if that comes first (one deadline shared by the parts of a run)."""
-        from lightning.lifeline import child_env
-
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         # Output goes to a file, not a pipe: nobody drains a pipe after start-up, and a full one blocks the server.
         with open(self.log_path, "ab") as log:
@@ -156,6 +156,7 @@ class LocalStack:
     trainer. `log_dir`: where those processes write (default: a temporary directory); `stacks_dir`: where they
     dump their stacks on SIGUSR1 (`lightning.diagnose`). `start_timeout`: the seconds both processes may take to
     answer, together (a run's `timeouts.startup`); `report` gets a line every REPORT_EVERY seconds while one starts.
+    `max_body_bytes`: the largest request body either server takes (413 above it).
     """
 
     def __init__(
@@ -175,9 +176,9 @@ class LocalStack:
         stacks_dir: Path | None = None,
         start_timeout: float,
         report: Callable[[str], None] | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ) -> None:
         from lightning.proxy import Backend, LLMProxy
-        from lightning.serving import free_port
 
         if server not in ("thread", "process") or proxy not in ("thread", "process"):
             raise ValueError(f"LocalStack(server={server!r}, proxy={proxy!r}): use 'thread' or 'process' for each")
@@ -201,7 +202,7 @@ class LocalStack:
         try:
             if server == "thread":
                 self.inference_url = self._start_thread(
-                    model_dir, model_name, max_batch_size, batch_invariant, device, dtype
+                    model_dir, model_name, max_batch_size, batch_invariant, device, dtype, max_body_bytes
                 )
             else:
                 port = free_port()
@@ -209,6 +210,7 @@ class LocalStack:
                 command += ["--served-model-name", model_name, "--max-batch-size", str(max_batch_size)]
                 command += ["--device", device, "--dtype", dtype]
                 command += ["--threads", "1"] + (["--batch-invariant"] if batch_invariant else [])
+                command += ["--max-body-mb", str(max_body_bytes / 2**20)]
                 env = {INFERENCE_API_KEY: self.inference_key, **diagnosis}
                 log = log_dir / "inference.log"
                 self.inference_url = self._start_process("inference server", command, env, port, log)
@@ -217,14 +219,14 @@ class LocalStack:
                 backends = [Backend(url=backend, api_key=self.inference_key)]
                 self.proxy = LLMProxy(
                     store, backends, model_name=model_name, token=self.proxy_token, agents_need_token=False,
-                    tokenizer=str(model_dir),
+                    tokenizer=str(model_dir), max_body_bytes=max_body_bytes,
                 )  # fmt: skip
                 self.proxy_url = self.proxy.start()
             else:
                 port = free_port()
                 command = [sys.executable, "-m", "lightning.cli", "proxy", "serve", "--backend", backend]
                 command += ["--model-name", model_name, "--port", str(port), "--any-agent-key"]
-                command += ["--tokenizer", str(model_dir)]
+                command += ["--tokenizer", str(model_dir), "--max-body-mb", str(max_body_bytes / 2**20)]
                 env = {
                     STORE_URL: str(store_url),
                     PROXY_TOKEN: self.proxy_token,
@@ -239,10 +241,6 @@ class LocalStack:
     @property
     def inference_headers(self) -> dict[str, str]:
         return {"authorization": f"Bearer {self.inference_key}"}
-
-    @property
-    def proxy_headers(self) -> dict[str, str]:
-        return {"authorization": f"Bearer {self.proxy_token}"}
 
     def resource(self) -> ProxyLLM:
         """The proxy as a resource for the store (its token as the API key); runners route it to each attempt."""
@@ -271,14 +269,20 @@ class LocalStack:
         return response.json()
 
     def _start_thread(
-        self, model_dir: Path, model_name: str, max_batch_size: int, batch_invariant: bool, device: str, dtype: str
+        self,
+        model_dir: Path,
+        model_name: str,
+        max_batch_size: int,
+        batch_invariant: bool,
+        device: str,
+        dtype: str,
+        max_body_bytes: int,
     ) -> str:
         from lightning.inference import create_inference_app
-        from lightning.serving import ThreadedServer
 
         self.inference_app = create_inference_app(
             model_dir, served_model_name=model_name, max_batch_size=max_batch_size, api_key=self.inference_key,
-            batch_invariant=batch_invariant, device=device, dtype=dtype,
+            batch_invariant=batch_invariant, device=device, dtype=dtype, max_body_bytes=max_body_bytes,
         )  # fmt: skip
         self._inference = ThreadedServer(self.inference_app)
         return self._inference.start()

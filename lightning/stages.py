@@ -1,5 +1,7 @@
 """The stages of a training run, each a plain function of the open `Run` (lightning/run.py): what the Prefect
-tasks in `tasks/` wrap, one call each, and what scripts and benchmarks call directly.
+tasks in `tasks/` wrap, one call each, and what scripts and benchmarks call directly. Around them, in rooms of their
+own: the runners' fleet (`lightning.runner.fleet`), the asynchronous pipeline of iterations in flight
+(`lightning.pipeline`) and what a run reports (`lightning.reporting`).
 
     one iteration    update_resources -> enqueue_rollouts -> run_runners (x n_runners) -> wait_for_rollouts
                      -> adapt_spans -> ppo_step -> checkpoint
@@ -18,16 +20,16 @@ import logging
 import math
 import random
 import time
-from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 from lightning import stopping
-from lightning.agent import Hook
 from lightning.config import load_agent, load_entry_point
+from lightning.pipeline import drop_stale
+from lightning.reporting import no_rows_reason, rollouts_failed_reason
 from lightning.run import STOPPED, Run, proxy_token
+from lightning.runner.fleet import run_fleet_until, wait_unless_stopped
 from lightning.seeding import rollout_seed
 from lightning.store.base import LightningStore
 from lightning.types import AttemptedRollout, EnqueueRolloutRequest, PromptTemplate, ProxyLLM, Triplet
@@ -146,72 +148,25 @@ def rollout_deadline(run: Run, mode: Mode) -> float:
 
 async def run_runners(run: Run, rollout_ids: Sequence[str], index: int = 0, mode: Mode = "train") -> dict[str, Any]:
     """One runner task: `runner_concurrency` runners claim rollouts of the run's queue until every one of
-    `rollout_ids` has finished, or the phase's deadline passes. They run on this event loop, or, with task_runner
-    `processes`, in a runner process of the open run (`lightning.runner.processes`); in a process the run was sent
-    to (a Ray worker), here with a store connection of its own."""
+    `rollout_ids` has finished, or the phase's deadline passes (`lightning.runner.fleet.run_fleet_until`). They run on
+    this event loop, or, with task_runner `processes`, in a runner process of the open run
+    (`lightning.runner.processes`); in a process the run was sent to (a Ray worker), here with a store connection of
+    its own."""
     started = time.perf_counter()
+    config = run.config
     # Where the run is not open (a Ray worker) this does nothing: the flow's process sees the stages finish.
     progress = lambda: run.made_progress("a rollout")  # noqa: E731
-    if run.config.task_runner == "processes" and run.is_open:
+    if config.task_runner == "processes" and run.is_open:
         done = await run.runner_processes().run_fleet(
-            rollout_ids, index, mode, timeout=rollout_deadline(run, mode), on_progress=progress
+            rollout_ids, index, timeout=rollout_deadline(run, mode), on_progress=progress
         )
     else:
         async with run.connect_store() as store:
-            done = await run_fleet_until(run, store, rollout_ids, index, mode, progress)
+            done = await run_fleet_until(
+                load_agent(config.agent), store, rollout_ids, queue=run.queue, concurrency=config.runner_concurrency,
+                index=index, timeout=rollout_deadline(run, mode), on_rollout_end=progress,
+            )  # fmt: skip
     return {**done, "seconds": time.perf_counter() - started}
-
-
-async def run_fleet_until(
-    run: Run,
-    store: LightningStore,
-    rollout_ids: Sequence[str],
-    index: int,
-    mode: Mode,
-    on_rollout_end: Callable[[], None],
-) -> dict[str, Any]:
-    """Runner task `index`'s fleet on this event loop, on `store`, until `rollout_ids` finish or the phase's deadline
-    passes; `on_rollout_end` is called as each rollout ends."""
-    from lightning.runner import Runner
-    from lightning.runner.fleet import run_fleet
-    from lightning.tracing import Tracer
-
-    config = run.config
-    agent = load_agent(config.agent)
-    stop = asyncio.Event()
-    tracer = Tracer(store)  # one exporter for the fleet, not a thread per runner
-    progress = [_Progress(on_rollout_end)]  # each finished rollout counts against the run's stall warning
-    names = [f"{run.queue}-runner{index}-{i}" for i in range(config.runner_concurrency)]
-    fleet = [Runner(agent, store, tracer=tracer, worker_id=name, queue=run.queue, hooks=progress) for name in names]
-    # One claim loop for the fleet (lightning.runner.fleet.run_fleet), not a poll per idle runner; its claims
-    # bring the resources once.
-    working = asyncio.create_task(run_fleet(fleet, store, stop_event=stop, queue=run.queue, idle_wait=0.05))
-    try:
-        finished = await wait_unless_stopped(store, rollout_ids, rollout_deadline(run, mode))
-    finally:
-        stop.set()
-        if stopping.stop_requested():  # the rollouts in flight are cancelled, not waited for
-            working.cancel()
-        (ran,) = await asyncio.gather(working, return_exceptions=True)
-        await asyncio.to_thread(tracer.shutdown)
-    if stopping.stop_requested() and len(finished) < len(set(rollout_ids)):
-        raise stopping.RunStopped(f"runner task {index} stopped with {len(finished)} of its rollouts finished")
-    if isinstance(ran, BaseException):
-        logger.error("runner task %d stopped early: %r", index, ran)
-    return {"runner": index, "ran": ran if isinstance(ran, int) else 0, "finished": len(finished)}
-
-
-async def wait_unless_stopped(store: LightningStore, rollout_ids: Sequence[str], timeout: float) -> list[Any]:
-    """`store.wait_for_rollouts`, in slices of `stopping.POLL_SECONDS`, so that a stop asked for ends the wait
-    within one slice; the rollouts that finished."""
-    deadline = time.monotonic() + timeout
-    while True:
-        left = deadline - time.monotonic()
-        finished = await store.wait_for_rollouts(
-            rollout_ids=list(rollout_ids), timeout=max(min(left, stopping.POLL_SECONDS), 0.0)
-        )
-        if len(finished) >= len(set(rollout_ids)) or left <= 0 or stopping.stop_requested():
-            return finished
 
 
 async def cancel_for_stop(run: Run) -> int:
@@ -228,16 +183,6 @@ async def cancel_for_stop(run: Run) -> int:
         if isinstance(rollout, AttemptedRollout) and rollout.attempt.status in ("preparing", "running"):
             await run.store.update_attempt(rollout.rollout_id, "latest", status="failed")
     return len(unfinished)
-
-
-class _Progress(Hook):
-    """Each rollout a runner finishes is progress (the run's stall warning waits for none): `note` is called."""
-
-    def __init__(self, note: Callable[[], None]) -> None:
-        self.note = note
-
-    async def on_rollout_end(self, **_: Any) -> None:
-        self.note()
 
 
 async def wait_for_rollouts(run: Run, rollout_ids: Sequence[str], mode: Mode = "train") -> dict[str, Any]:
@@ -335,29 +280,6 @@ async def requeue_unsuccessful(run: Run, rollout_ids: Sequence[str]) -> int:
     return len(again)
 
 
-async def rollouts_failed(run: Run, iteration: int, rollout_ids: Sequence[str], summary: dict[str, Any]) -> Exception:
-    """The error of a rollout phase that stayed short of `min_success_fraction`: counts, how the attempts ended,
-    and what the serving parts went through."""
-    from lightning.diagnose import agent_errors
-
-    rollouts = await run.store.query_rollouts(rollout_id_in=list(rollout_ids))
-    endings = Counter(r.attempt.status if isinstance(r, AttemptedRollout) else "no attempt" for r in rollouts)
-    errors = await agent_errors(run.store, rollout_ids)
-    # The first line says why (what the agent raised first, or how the attempts ended): the command's last line.
-    if errors:
-        why = f"the agent raised {errors[0].split(': ', 1)[1]}"
-    else:
-        why = f"no agent error recorded; latest attempts {dict(endings)} (timed out, or their runners went silent)"
-    more = "".join(f"\n  {line}" for line in errors)
-    return RolloutsFailed(
-        f"iteration {iteration}: {summary['succeeded']} of {summary['rollouts']} rollouts succeeded, short of "
-        f"min_success_fraction {run.config.min_success_fraction:g}: {why}\n"
-        f"after {run.config.rollout_retries} more round(s) for the others; latest attempts: {dict(endings)}; serving "
-        f"restarts so far: {run.restarts()}"
-        + (f"; the first failed rollouts (the rest in their spans):{more}" if errors else "")
-    )
-
-
 @dataclass(frozen=True)
 class RolloutSteps:
     """The rollout phase's steps, each (run, iteration, ..., mode[, round]): the plain calls of this module
@@ -452,7 +374,7 @@ async def run_rollouts(
             return summary
         if round_ < run.config.rollout_retries:
             await steps.requeue_unsuccessful(run, iteration, rollout_ids, mode, round_)
-    raise await rollouts_failed(run, iteration, rollout_ids, summary)
+    raise RolloutsFailed(await rollouts_failed_reason(run, iteration, rollout_ids, summary))
 
 
 # --- training ---------------------------------------------------------------------------------------------
@@ -494,123 +416,6 @@ async def adapt_spans(run: Run, iteration: int, rollout_ids: Sequence[str]) -> d
         "dropped_flat_groups": dropped_groups,
         **staleness,
     }
-
-
-def sample_version(triplet: Triplet) -> int | None:
-    """The oldest policy version (checkpoint step) that sampled the triplet's tokens, as the proxy recorded it on
-    each LLM call's span (`weight_version`; a trajectory over several calls has `weight_versions`); None if unknown."""
-    metadata = triplet.metadata or {}
-    versions = metadata.get("weight_versions", [metadata.get("weight_version")])
-    known = [int(version) for version in versions if isinstance(version, int | str) and str(version).isdigit()]
-    return min(known) if known else None
-
-
-def drop_stale(
-    triplets: Sequence[Triplet], policy_version: int, max_staleness: int, corrected: bool
-) -> tuple[list[Triplet], dict[str, float]]:
-    """Bounded staleness (`algorithm.max_staleness`): each rollout's staleness is how many versions its oldest
-    sample lags behind `policy_version`, the checkpoint the update starts from (iteration i updates checkpoint i).
-    A rollout more than `max_staleness` behind is dropped; one behind by 1 to `max_staleness` is used, weighed by the
-    off-policy correction when `corrected` (and it has the sampler's log-probs). The triplets kept, and each decision
-    counted: stale_used, stale_corrected, stale_dropped (rollouts), staleness_mean and staleness_max (over the
-    rollouts whose version is known)."""
-    from lightning.algorithm.batch import ROLLOUT_LOG_PROBS_KEY
-
-    lag: dict[str, int] = {}
-    has_log_probs: dict[str, bool] = {}
-    for triplet in triplets:
-        rollout = triplet.metadata["rollout_id"]
-        version = sample_version(triplet)
-        if version is not None:
-            lag[rollout] = max(lag.get(rollout, 0), policy_version - version)
-        has_log_probs[rollout] = has_log_probs.get(rollout, True) and ROLLOUT_LOG_PROBS_KEY in triplet.metadata
-    dropped = {rollout for rollout, behind in lag.items() if behind > max_staleness}
-    stale = [rollout for rollout, behind in lag.items() if 0 < behind <= max_staleness]
-    weighed = sum(corrected and has_log_probs[rollout] for rollout in stale)
-    counts = {
-        "stale_used": len(stale) - weighed,
-        "stale_corrected": weighed,
-        "stale_dropped": len(dropped),
-        "staleness_mean": sum(max(behind, 0) for behind in lag.values()) / len(lag) if lag else 0.0,
-        "staleness_max": max([0, *lag.values()]),
-    }
-    if dropped:
-        logger.warning(
-            "%d rollouts sampled more than max_staleness %d versions before checkpoint %d: dropped",
-            len(dropped), max_staleness, policy_version,
-        )  # fmt: skip
-    return [triplet for triplet in triplets if triplet.metadata["rollout_id"] not in dropped], counts
-
-
-async def wait_for_turn(run: Run, iteration: int, poll: float = 0.02) -> float:
-    """The asynchronous loop (max_staleness k >= 1): before iteration `iteration`'s rollouts, wait until they may
-    start (`may_start`: iteration i-1-k's weights are served) and the rollouts of the iteration before are in: one
-    rollout phase at a time. (Two at once share the machine, end together, and leave their updates nothing to run
-    beside: measured on the demo on 2 cores, iterations then ran in pairs at 0.87x the synchronous loop's speed.)
-    The flows start an iteration's subflow ahead of its turn, so that Prefect's start of it (seconds, while another
-    iteration runs) is not on the way. Seconds waited."""
-    started = time.monotonic()
-    staleness = run.config.algorithm.max_staleness
-    while not (
-        may_start(iteration, run.served_iterations(), staleness)
-        and (run.served_iterations() >= iteration or run.iteration_reached(iteration - 1, "collected"))
-    ):
-        stopping.check(f"iteration {iteration} (waiting for its turn)")
-        await asyncio.sleep(poll)
-    return time.monotonic() - started
-
-
-def may_start(iteration: int, completed: int, max_staleness: int) -> bool:
-    """The asynchronous loop's start rule: iteration i's rollouts start once iteration i-1-k is done (`completed`
-    iterations have their checkpoints served), so they sample from a policy at most k = `max_staleness` versions
-    older than the one they will update. k = 0: the synchronous loop, each iteration after the last."""
-    return completed >= iteration - max_staleness
-
-
-async def wait_for_checkpoint(run: Run, iteration: int, poll: float = 0.05) -> float:
-    """Before iteration `iteration`'s update: wait until the iteration before it has checkpointed (its row is in the
-    run's history, which its checkpoint stage writes once the checkpoint is saved and served), so the updates stay
-    in order and each starts from the last. Seconds waited."""
-    started = time.monotonic()
-    while iteration > 0 and not any(row["iteration"] >= iteration - 1 for row in run.history):
-        stopping.check(f"waiting for checkpoint {iteration}")
-        await asyncio.sleep(poll)
-    return time.monotonic() - started
-
-
-def no_rows_reason(
-    run: Run, iteration: int, rollouts: int, report: Any, batch_error: str, staleness: dict[str, float] | None = None
-) -> str:
-    """Why an iteration has nothing to train on, each cause with its fix, on one line."""
-    causes = []
-    if staleness and staleness.get("stale_dropped"):
-        causes.append(
-            f"{staleness['stale_dropped']:.0f} were sampled more than algorithm.max_staleness "
-            f"{run.config.algorithm.max_staleness} policy versions before checkpoint {iteration} and dropped (up to "
-            f"{staleness['staleness_max']:.0f} behind: raise max_staleness, or shorten the rollouts so they finish "
-            "sooner)"
-        )
-    if report.rollouts_without_reward:
-        causes.append(
-            f"{report.rollouts_without_reward} had no reward (the agent returned None and emitted none: return a "
-            "number, or call emit_reward)"
-        )
-    if report.rollouts_without_llm_calls:
-        causes.append(
-            f"{report.rollouts_without_llm_calls} made no LLM call through the run's proxy (call the LLM resource's "
-            "endpoint)"
-        )
-    if report.calls_without_token_ids:
-        causes.append(f"{report.calls_without_token_ids} LLM calls came back without token ids")
-    if "'prompt_too_long': 0" not in batch_error and "prompt_too_long" in batch_error:
-        causes.append(
-            f"prompts longer than max_prompt_length {run.config.max_prompt_length} (raise it, or shorten them)"
-        )
-    return (
-        f"iteration {iteration}: nothing to train on from {rollouts} rollouts: "
-        + ("; ".join(causes) if causes else "see the adapter's report")
-        + f" ({batch_error})"
-    )
 
 
 def informative_groups(triplets: Sequence[Triplet], limit: int) -> tuple[list[Triplet], int]:
@@ -737,7 +542,7 @@ async def export_traces_later(run: Run, rollout_ids: Sequence[str], count: int |
     return len(records)
 
 
-# --- evaluation and reporting -----------------------------------------------------------------------------
+# --- evaluation and the run's end --------------------------------------------------------------------------
 
 
 async def log_evaluation(
@@ -756,178 +561,6 @@ async def log_evaluation(
         if row["iteration"] == step - 1:
             row["val_reward"] = summary["reward_mean"]
     return result
-
-
-STALENESS_METRICS = ("stale_used", "stale_corrected", "stale_dropped", "staleness_mean", "staleness_max")
-
-
-def iteration_row(
-    iteration: int, rollouts: dict[str, Any], batch: dict[str, Any], metrics: dict[str, Any], rollout_seconds: float
-) -> dict[str, Any]:
-    """One line of the run's history (and of MLflow's metrics): reward, loss, KL, rollouts, throughput, and what
-    shows a plateau coming: the share of groups with zero advantage (`zero_adv_groups`, with their mean reward
-    `flat_group_reward`), the clipped share of tokens, entropy, grad norm, response length. Metrics the algorithm
-    does not compute (KL without a KL term) are left out."""
-    response_tokens = metrics.get("response_length_mean", 0.0) * batch["rows"]
-    groups = rollouts.get("groups") or 0
-    row = {
-        "iteration": iteration,
-        "reward": rollouts["reward_mean"],
-        "rollouts_ok": rollouts["succeeded"],
-        "rollouts_failed": rollouts["failed"],
-        "zero_adv_groups": 1 - rollouts.get("informative_groups", 0) / groups if groups else None,
-        "flat_group_reward": rollouts.get("flat_group_reward"),
-        "refills": rollouts.get("refills"),
-        "dropped_flat_groups": batch.get("dropped_flat_groups") or None,
-        # Bounded staleness (algorithm.max_staleness >= 1): what adapt_spans did with the rollouts of older policies.
-        **{name: batch.get(name) for name in STALENESS_METRICS},
-        "rows": batch["rows"],
-        "rollout_seconds": rollout_seconds,
-        "rollout_tokens_per_s": response_tokens / rollout_seconds if rollout_seconds > 0 else 0.0,
-        "train_tokens_per_s": metrics.get("tokens_per_s", 0.0),
-        "pg_loss": metrics.get("pg_loss"),
-        "kl": metrics.get("kl", metrics.get("kl_loss")),
-        "entropy": metrics.get("entropy"),
-        "clip_frac": metrics.get("clip_frac"),
-        "grad_norm": metrics.get("grad_norm"),
-        "response_length": metrics.get("response_length_mean"),
-        "step_time_s": metrics.get("step_time_s"),
-        # The train/inference mismatch: engine's vs trainer's log-probs of the sampled tokens (when the engine sent
-        # them), before the update.
-        "mismatch_mean": metrics.get("mismatch_mean"),
-        "mismatch_max": metrics.get("mismatch_max"),
-        "mismatch_frac": metrics.get("mismatch_frac"),
-        # Off-policy correction: the importance weights pi_old / pi_behav of the sampled tokens.
-        **{name: metrics.get(name) for name in ("is_ratio_mean", "is_ratio_max", "is_ratio_clipped_frac")},
-        **_turn_metrics(batch.get("adapter")),
-    }
-    return {name: value for name, value in row.items() if value is not None}
-
-
-def _turn_metrics(report: dict[str, Any] | None) -> dict[str, Any]:
-    from lightning.adapter import AdaptReport
-
-    return AdaptReport.model_validate(report).turn_metrics() if report else {}
-
-
-def stopped_summary(run: Run, cancelled: int) -> str:
-    """What a stopped run kept: its checkpoints (each with the history up to it, in MLflow too) and the rollouts
-    that finished; what it cancelled, to run again when it resumes."""
-    done, total = run.completed_iterations(), run.config.iterations
-    kept = f"checkpoint {done} ({done} of {total} iterations trained) and " if done else ""
-    return (
-        f"run {run.name} stopped before finishing iteration {done}: kept {kept}every rollout that finished; "
-        f"{cancelled} unfinished rollouts cancelled, to run again when it resumes"
-    )
-
-
-def progress_line(run: Run, row: dict[str, Any], done: int, elapsed: float) -> str:
-    """`iteration 3 (4/40) | reward 0.412 | loss ... | 9.8 s/it | ETA 6m02s`: the iteration numbered as Prefect,
-    the table and MLflow number it (from 0), how many are done, this process's rate, the rest's ETA."""
-    iterations = run.config.iterations
-    rate = elapsed / max(done, 1)
-    left = iterations - row["iteration"] - 1
-    val = f" | val {row['val_reward']:.3f}" if "val_reward" in row else ""
-    kl = f" | kl {row['kl']:.4f}" if "kl" in row else ""
-    mismatch = f" | mismatch {row['mismatch_mean']:.1e}" if "mismatch_mean" in row else ""
-    signal = no_signal(row)
-    tools = f" | turns {row['turns']:.2f}, tool use {row['tool_use']:.0%}" if "tool_use" in row else ""
-    collapse = tool_use_collapse(run.history, row) if "tool_use" in row else None
-    signal = "; ".join(part for part in (signal, collapse) if part)
-    return (
-        f"iteration {row['iteration']} ({row['iteration'] + 1}/{iterations}) | reward {row['reward']:.3f}{val} | "
-        f"pg_loss {row.get('pg_loss', float('nan')):.4f}{kl}{mismatch}{tools} | rollouts {row['rollouts_ok']} ok, "
-        f"{row['rollouts_failed']} failed | {row['rollout_tokens_per_s']:.0f} tok/s | {rate:.1f} s/it | "
-        f"ETA {_duration(rate * left)}" + (f" | {signal}" if signal else "")
-    )
-
-
-TOOL_USE_COLLAPSE = 0.5
-"""The progress line warns when the share of rollouts that call a tool falls below this fraction of its peak."""
-
-
-def tool_use_collapse(history: list[dict[str, Any]], row: dict[str, Any]) -> str | None:
-    """A warning when tool use collapses: the share of rollouts calling a tool fell below half its peak so far (the
-    failure agent-lightning's users report for multi-turn GRPO), else None."""
-    before = [earlier for earlier in history if earlier["iteration"] < row["iteration"]]
-    shares = [earlier["tool_use"] for earlier in before if "tool_use" in earlier]
-    if "tool_use" not in row or not shares or max(shares) <= 0:
-        return None
-    peak = max(shares)
-    if row["tool_use"] >= TOOL_USE_COLLAPSE * peak:
-        return None
-    return f"tool use collapsed: {row['tool_use']:.0%} of rollouts call a tool (peak {peak:.0%})"
-
-
-NO_SIGNAL_SHARE = 0.5
-"""Above this share of groups with zero advantage, the progress line says how much of the batch taught nothing."""
-
-
-def no_signal(row: dict[str, Any]) -> str | None:
-    """What the progress line says when most groups scored alike (every sample of a task got the same reward, so
-    GRPO/RLOO advantages are 0 and the update learns nothing from them), and what to do about it; None otherwise."""
-    share = row.get("zero_adv_groups")
-    if share is None or share <= NO_SIGNAL_SHARE:
-        return None
-    flat_reward = row.get("flat_group_reward") or 0.0
-    said = f"{share:.0%} of groups scored alike (mean reward {flat_reward:.3f}): no advantage to learn from there"
-    if share < 0.9:
-        return said
-    if flat_reward < 0.5:
-        return (
-            f"{said}; the policy never earns a different reward on these tasks: give it a warm start "
-            "(warm_start: demonstrations), more samples_per_task, a higher sampling temperature, or a reward with "
-            "partial credit"
-        )
-    return f"{said}; the policy solves these tasks alike every time: harder tasks, or stop here"
-
-
-def _duration(seconds: float) -> str:
-    minutes, secs = divmod(int(seconds), 60)
-    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
-
-
-def mlflow_link(run: Run) -> str:
-    """Where to look in MLflow, as a Markdown link: the run's page on the tracking server, or on the local UI that
-    `make mlflow-ui` (`lightning mlflow ui`) serves for a local store."""
-    from lightning.metrics import LOCAL_UI, is_server, ui_command
-
-    tracker = run.tracker
-    uri = run.config.tracking_uri
-    if tracker is None:
-        return f"MLflow: {uri}" if is_server(uri) else f"MLflow: `{ui_command(uri)}`, then {LOCAL_UI}"
-    if is_server(uri):
-        return f"[MLflow run {run.name}]({tracker.run_url})"
-    return f"[MLflow run {run.name}]({tracker.run_url}) (served by `{ui_command(uri)}`)"
-
-
-SPARK = "▁▂▃▄▅▆▇█"
-
-
-def sparkline(values: Sequence[float]) -> str:
-    """`▁▃▅█`: one bar per value, scaled between the smallest and the largest (NaN: a space)."""
-    finite = [v for v in values if v == v]
-    if not finite:
-        return ""
-    low, high = min(finite), max(finite)
-    span = (high - low) or 1.0
-    return "".join(" " if v != v else SPARK[round((v - low) / span * (len(SPARK) - 1))] for v in values)
-
-
-def summary_markdown(run: Run, summary: dict[str, Any]) -> str:
-    """The run's closing summary (a Prefect artifact): held-out rewards, the reward curve, where the weights and the
-    MLflow run are."""
-    rewards = [row["reward"] for row in run.history if "reward" in row]
-    lines = [f"## {run.name}: {run.config.iterations} iterations", "", "| held-out reward | |", "|---|---|"]
-    if run.config.warm_start is not None:
-        lines.append(f"| initial (before the warm start) | {summary['reward_initial']:.3f} |")
-    lines.append(f"| before training | {summary['reward_before']:.3f} |")
-    lines.append(f"| after training | {summary['reward_after']:.3f} |")
-    if rewards:
-        lines += ["", f"Training reward by iteration: `{sparkline(rewards)}` ({rewards[0]:.3f} -> {rewards[-1]:.3f})"]
-    checkpoint = summary.get("checkpoint")
-    lines += ["", f"Final checkpoint: `{Path(checkpoint).resolve() if checkpoint else 'none'}`", "", mlflow_link(run)]
-    return "\n".join(lines) + "\n"
 
 
 def finish(

@@ -5,7 +5,6 @@ run closes in order. The library never installs a signal handler itself: a noteb
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 
@@ -49,11 +48,3 @@ def check(where: str) -> None:
     """Raise RunStopped if a stop was asked for; `where` is the stage that stops."""
     if _requested.is_set():
         raise RunStopped(f"{where} not started: the run was asked to stop ({reason()})")
-
-
-async def wait_for_stop(seconds: float) -> bool:
-    """Sleep up to `seconds`, waking within POLL_SECONDS of a stop; whether a stop was asked for."""
-    deadline = time.monotonic() + seconds
-    while not _requested.is_set() and time.monotonic() < deadline:
-        await asyncio.sleep(min(POLL_SECONDS, max(deadline - time.monotonic(), 0.0)))
-    return _requested.is_set()

@@ -4,7 +4,7 @@ adapted, nothing trained). It is a facade, not a second pipeline: what a run doe
 does with the same config.
 
 This is the one place where the library hands off to the flows: `fit` and `dev` call the runner that the flow layer
-registers under the `lightning.flows` entry point (`flows.cli:run_flow`), so the library never imports Prefect or
+registers under the `lightning.flows` entry point (`flows.handoff:run_flow`), so the library never imports Prefect or
 the flows. Without PREFECT_API_URL the flow runs on a temporary Prefect server of its own, as on the command line.
 
 The flows name the agent and the datasets as `module:attr` entry points. An agent that its module holds under a
@@ -29,9 +29,10 @@ from typing import Any
 
 from lightning import preflight
 from lightning.agent import FunctionalLitAgent, LitAgent
-from lightning.agl_paths import missing
+from lightning.agl_import_paths import missing
 from lightning.algorithm.config import TrainerConfig
-from lightning.config import ConfigError, TrainConfig, load_config, load_entry_point, validate_config
+from lightning.config import TrainConfig, load_config, load_entry_point, validate_config
+from lightning.errors import ConfigError
 from lightning.types import LLM, Dataset, PromptTemplate, ProxyLLM
 
 registry = types.SimpleNamespace()
@@ -182,7 +183,7 @@ class Trainer:
 
 
 FLOWS_ENTRY_POINT = "lightning.flows"
-"""The entry point group where the flow layer registers how to run a config (`run = "flows.cli:run_flow"` in
+"""The entry point group where the flow layer registers how to run a config (`run = "flows.handoff:run_flow"` in
 pyproject.toml): the library names neither Prefect nor the flows."""
 
 
@@ -345,7 +346,7 @@ def _plain(task: Any) -> Any:
 
 __path__: list[str] = []
 """A package for agent-lightning's paths below `agentlightning.trainer` (lightning.trainer.trainer), which
-lightning.agl_paths answers for."""
+lightning.agl_import_paths answers for."""
 
 
 def __getattr__(name: str) -> Any:

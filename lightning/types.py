@@ -14,6 +14,8 @@ from typing import Annotated, Any, Generic, Literal, Protocol, SupportsIndex, Ty
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
+from lightning.agl_import_paths import lookup
+
 POLICY_MODEL_NAME = "policy"
 """The model name agents ask a run's LLM proxy for by default: the policy being trained, whatever the backend
 serves it as."""
@@ -503,11 +505,9 @@ SpanLike = Span
 def __getattr__(name: str) -> Any:
     # agent-lightning's `types` also offers Hook, RolloutRawResult and SpanCoreFields, which live with the agent and
     # the tracing here (both import this module: they are looked up on first use).
-    from lightning.agl_paths import lookup
-
     return lookup(__name__, ("lightning.agent", "lightning.tracing"), name)
 
 
 __path__: list[str] = []
 """A package for agent-lightning's paths below `agentlightning.types` (lightning.types.core, .resources, .tracer),
-which lightning.agl_paths answers for."""
+which lightning.agl_import_paths answers for."""

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 import lightning as agl
-from lightning.config import ConfigError
+from lightning.errors import ConfigError
 from lightning.trainer import REGISTRY_SPEC, Trainer, registry
 
 REPO = Path(__file__).resolve().parent.parent

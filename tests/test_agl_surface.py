@@ -1,6 +1,6 @@
 """agent-lightning 0.3.0's public surface against ours: every module of the installed agentlightning (`make
 agl-peer`) imports as `lightning.<its path>`, and every name of its `__all__`s and of `import agentlightning` is
-there, unless it is refused with `NotInLightning` saying what to use instead (lightning.agl_paths) and listed in
+there, unless it is refused with `NotInLightning` saying what to use instead (lightning.agl_import_paths) and listed in
 docs/agent-lightning.md."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 from conftest import AGL_ENV
 
 import lightning
-from lightning.agl_paths import NAMES, NO_MODULE, NotInLightning, no_module_reason
+from lightning.agl_import_paths import NAMES, NO_MODULE, NotInLightning, no_module_reason
 
 SCRIPT = Path(__file__).parent / "support" / "agl_surface.py"
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "agent-lightning.md"
@@ -84,6 +84,7 @@ from lightning.store.memory import InMemoryLightningStore
 from lightning.tracer import Tracer
 from lightning.runner import LitAgentRunner
 from lightning import Trainer, configure_logger, setup_logging
+from lightning.logging import setup, setup_module
 refused = {}
 for line in ("from lightning.algorithm.apo import APO", "from lightning.tracer.agentops import AgentOpsTracer",
              "from lightning.algorithm import algo", "from lightning import VERL"):

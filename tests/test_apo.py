@@ -20,7 +20,8 @@ from support.servers import serving
 
 from examples.room_booking import agent as room_booking
 from lightning import apo
-from lightning.config import ConfigError, load_config
+from lightning.config import load_config
+from lightning.errors import ConfigError
 from lightning.types import PromptTemplate
 
 SEED = "examples.room_booking.agent:INITIAL_PROMPT"

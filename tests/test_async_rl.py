@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from lightning import semconv, stages
+from lightning import pipeline, reporting, semconv
 from lightning.adapter import adapt_rollouts
 from lightning.store import SqlLightningStore
 from lightning.types import Span, TraceStatus
@@ -21,14 +21,14 @@ from lightning.types import Span, TraceStatus
 
 def test_iteration_i_starts_once_iteration_i_minus_1_minus_k_is_done() -> None:
     # k = 0, today's loop: iteration 3 starts after iteration 2 (3 iterations completed), not before.
-    assert stages.may_start(3, completed=3, max_staleness=0)
-    assert not stages.may_start(3, completed=2, max_staleness=0)
+    assert pipeline.may_start(3, completed=3, max_staleness=0)
+    assert not pipeline.may_start(3, completed=2, max_staleness=0)
     # k = 1: iteration 3 starts once iteration 1 is done (2 completed), while iteration 2 updates.
-    assert stages.may_start(3, completed=2, max_staleness=1)
-    assert not stages.may_start(3, completed=1, max_staleness=1)
+    assert pipeline.may_start(3, completed=2, max_staleness=1)
+    assert not pipeline.may_start(3, completed=1, max_staleness=1)
     # k = 2: once iteration 0 is done; the first k + 1 iterations start at once.
-    assert stages.may_start(3, completed=1, max_staleness=2)
-    assert all(stages.may_start(i, completed=0, max_staleness=2) for i in range(3))
+    assert pipeline.may_start(3, completed=1, max_staleness=2)
+    assert all(pipeline.may_start(i, completed=0, max_staleness=2) for i in range(3))
 
 
 @pytest.fixture
@@ -75,7 +75,7 @@ async def test_rollouts_more_than_k_versions_old_are_dropped_and_every_decision_
     triplets = (await adapt_rollouts(store, [fresh, stale, old, mixed])).triplets
     assert len(triplets) == 5  # transitions: one per LLM call
 
-    kept, counts = stages.drop_stale(triplets, policy_version=5, max_staleness=1, corrected=False)
+    kept, counts = pipeline.drop_stale(triplets, policy_version=5, max_staleness=1, corrected=False)
     assert [t.metadata["rollout_id"] for t in kept] == [fresh, stale, mixed, mixed]
     assert counts == {
         "stale_used": 2,
@@ -86,15 +86,15 @@ async def test_rollouts_more_than_k_versions_old_are_dropped_and_every_decision_
     }  # fmt: skip  (0 + 1 + 2 + 1) / 4
 
     # With an off-policy correction, the stale ones that carry the sampler's log-probs are corrected, not used raw.
-    _, counts = stages.drop_stale(triplets, policy_version=5, max_staleness=1, corrected=True)
+    _, counts = pipeline.drop_stale(triplets, policy_version=5, max_staleness=1, corrected=True)
     assert (counts["stale_used"], counts["stale_corrected"], counts["stale_dropped"]) == (0, 2, 1)
     no_logprobs = await sampled_at(store, [4], logprobs=False)
     more = (await adapt_rollouts(store, [no_logprobs])).triplets
-    _, counts = stages.drop_stale(more, policy_version=5, max_staleness=1, corrected=True)
+    _, counts = pipeline.drop_stale(more, policy_version=5, max_staleness=1, corrected=True)
     assert (counts["stale_used"], counts["stale_corrected"]) == (1, 0)
 
     # k = 2 keeps the rollout two versions behind.
-    kept, counts = stages.drop_stale(triplets, policy_version=5, max_staleness=2, corrected=False)
+    kept, counts = pipeline.drop_stale(triplets, policy_version=5, max_staleness=2, corrected=False)
     assert len(kept) == 5 and counts["stale_dropped"] == 0 and counts["stale_used"] == 3
 
 
@@ -102,7 +102,7 @@ def test_an_iteration_whose_rollouts_were_all_too_stale_says_so_and_what_to_chan
     run = SimpleNamespace(config=SimpleNamespace(algorithm=SimpleNamespace(max_staleness=1), max_prompt_length=64))
     report = SimpleNamespace(rollouts_without_reward=0, rollouts_without_llm_calls=0, calls_without_token_ids=0)
     staleness = {"stale_used": 0, "stale_corrected": 0, "stale_dropped": 8, "staleness_mean": 2.5, "staleness_max": 3}
-    reason = stages.no_rows_reason(run, 7, 8, report, "no rows", staleness)  # type: ignore[arg-type]
+    reason = reporting.no_rows_reason(run, 7, 8, report, "no rows", staleness)  # type: ignore[arg-type]
     assert reason.startswith(
         "iteration 7: nothing to train on from 8 rollouts: 8 were sampled more than algorithm.max_staleness 1 policy "
         "versions before checkpoint 7 and dropped (up to 3 behind: raise max_staleness"
@@ -113,15 +113,15 @@ def test_a_sample_without_a_version_is_kept_and_not_counted() -> None:
     from lightning.types import Triplet
 
     unknown = Triplet(prompt=[1], response=[2], reward=1.0, metadata={"rollout_id": "r", "group_id": "g"})
-    kept, counts = stages.drop_stale([unknown], policy_version=3, max_staleness=1, corrected=False)
+    kept, counts = pipeline.drop_stale([unknown], policy_version=3, max_staleness=1, corrected=False)
     assert kept == [unknown] and counts["stale_used"] == counts["stale_dropped"] == 0
     assert counts["staleness_max"] == 0 and counts["staleness_mean"] == 0.0
 
 
 async def test_an_update_waits_for_the_checkpoint_of_the_iteration_before() -> None:
     run: Any = SimpleNamespace(history=[{"iteration": 0}])
-    assert await stages.wait_for_checkpoint(run, 0) < 0.05 and await stages.wait_for_checkpoint(run, 1) < 0.05
-    waiting = asyncio.create_task(stages.wait_for_checkpoint(run, 2, poll=0.01))
+    assert await pipeline.wait_for_checkpoint(run, 0) < 0.05 and await pipeline.wait_for_checkpoint(run, 1) < 0.05
+    waiting = asyncio.create_task(pipeline.wait_for_checkpoint(run, 2, poll=0.01))
     await asyncio.sleep(0.1)
     assert not waiting.done()  # iteration 1 has not checkpointed
     run.history.append({"iteration": 1})
@@ -136,20 +136,61 @@ async def test_an_iteration_waits_for_its_turn_one_rollout_phase_at_a_time() -> 
         served_iterations=lambda: max((row["iteration"] + 1 for row in history), default=0),
         iteration_reached=lambda iteration, phase: phase == "collected" and iteration in collected,
     )
-    assert await stages.wait_for_turn(run, 1) < 0.05  # the iteration before is done
+    assert await pipeline.wait_for_turn(run, 1) < 0.05  # the iteration before is done
     # Iteration 2 may sample one version behind (iteration 0 is done), but not beside iteration 1's rollouts.
-    waiting = asyncio.create_task(stages.wait_for_turn(run, 2, poll=0.01))
+    waiting = asyncio.create_task(pipeline.wait_for_turn(run, 2, poll=0.01))
     await asyncio.sleep(0.1)
     assert not waiting.done()
     collected.add(1)
     assert await asyncio.wait_for(waiting, 1) >= 0.1
     # Iteration 3: iteration 2's rollouts are in, but sampling now would be two versions behind.
     collected.add(2)
-    waiting = asyncio.create_task(stages.wait_for_turn(run, 3, poll=0.01))
+    waiting = asyncio.create_task(pipeline.wait_for_turn(run, 3, poll=0.01))
     await asyncio.sleep(0.1)
     assert not waiting.done()
     history.append({"iteration": 1})
     assert await asyncio.wait_for(waiting, 1) >= 0.1
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1])
+async def test_the_pipeline_keeps_its_window_and_evaluates_with_nothing_in_flight(max_staleness: int) -> None:
+    """`Pipeline`: at most max_staleness + 2 iterations in flight (one with 0), each finished in order, and an
+    evaluation in the middle (eval_every 2) runs after the iterations before it, before any after it starts."""
+    begun: set[int] = set()
+    running: set[int] = set()
+    events: list[tuple[str, int]] = []
+    most = 0
+    run: Any = SimpleNamespace(
+        config=SimpleNamespace(algorithm=SimpleNamespace(max_staleness=max_staleness), eval_every=2, iterations=5),
+        iteration_reached=lambda iteration, phase: phase == "begun" and iteration in begun,
+    )
+
+    async def run_iteration(iteration: int) -> dict[str, Any]:
+        nonlocal most
+        begun.add(iteration)
+        running.add(iteration)
+        most = max(most, len(running))
+        await asyncio.sleep(0.02 * (3 - iteration % 3))  # later iterations may end first: they finish in order
+        running.discard(iteration)
+        return {"iteration": iteration}
+
+    async def evaluate(step: int) -> None:
+        assert not running, f"evaluation {step} beside iterations {running}"
+        events.append(("evaluate", step))
+
+    async def report(iteration: int, result: dict[str, Any]) -> None:
+        assert result == {"iteration": iteration}
+        events.append(("report", iteration))
+
+    async with pipeline.Pipeline(run, run_iteration, evaluate, report) as in_flight:
+        for iteration in range(5):
+            await in_flight.start(iteration)
+        await in_flight.finish()
+    # The evaluation of checkpoint 2 comes once iteration 1 is done, before it is reported.
+    assert events == [
+        ("report", 0), ("evaluate", 2), ("report", 1), ("report", 2), ("evaluate", 4), ("report", 3), ("report", 4)
+    ], events  # fmt: skip
+    assert most <= (1 if max_staleness == 0 else max_staleness + 2), most
 
 
 # --- the flow ---------------------------------------------------------------------------------------------
@@ -174,6 +215,7 @@ async def test_three_iterations_with_max_staleness_1_overlap_and_count_staleness
     from lightning.run import recorded_history
 
     config = load_config({
+        "agent": "examples.copy_task.agent:copy_agent",
         "run_name": "a", "iterations": 3, "batch_size": 4, "samples_per_task": 4, "n_runners": 1,
         "runner_concurrency": 16, "sampling": {"temperature": 1.0, "max_tokens": 2},
         "eval_sampling": {"temperature": 0.0, "max_tokens": 2}, "max_prompt_length": 64, "max_response_length": 4,
@@ -192,7 +234,7 @@ async def test_three_iterations_with_max_staleness_1_overlap_and_count_staleness
     history = recorded_history(config)
     assert [row["iteration"] for row in history] == [0, 1, 2]
     for row in history:
-        assert set(stages.STALENESS_METRICS) <= row.keys(), row
+        assert set(pipeline.STALENESS_METRICS) <= row.keys(), row
         assert row["stale_dropped"] == 0 and row["staleness_max"] <= 1
     # Iteration 0 samples from checkpoint 0 and updates it: fresh. Iteration 1 starts beside it, and updates checkpoint
     # 1: its rollouts served before checkpoint 1 was published (how many depends on timing) are one version behind,

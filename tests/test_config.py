@@ -12,7 +12,16 @@ import pytest
 import torch
 import yaml
 
-from lightning.config import ConfigError, TrainConfig, load_agent, load_config, load_tasks, with_overrides
+from lightning.config import (
+    TrainConfig,
+    apply_overrides,
+    load_agent,
+    load_config,
+    load_tasks,
+    parse_overrides,
+    with_overrides,
+)
+from lightning.errors import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -33,6 +42,22 @@ def test_a_flow_runs_overrides_onto_its_config() -> None:
         with_overrides(demo, {"algorithm.lrr": 1})
     with pytest.raises(ConfigError, match="overrides: give a mapping"):
         with_overrides(TrainConfig(), ["iterations=2"])  # type: ignore[arg-type]
+
+
+def test_command_line_overrides_are_read_as_yaml_and_set_by_their_dots() -> None:
+    overrides = parse_overrides(["iterations=3", "algorithm.lr=0.001", "sampling={max_tokens: 4}", "run_name=a=b"])
+    assert overrides == {"iterations": 3, "algorithm.lr": 0.001, "sampling": {"max_tokens": 4}, "run_name": "a=b"}
+    with pytest.raises(ConfigError, match="override 'iterations': write field=value"):
+        parse_overrides(["iterations"])
+    base = {"algorithm": {"lr": 0.1, "kl_coef": 0.0}, "iterations": 1}
+    assert apply_overrides(base, {"algorithm.lr": 0.001, "checkpoint.keep_last": 2}) == {
+        "algorithm": {"lr": 0.001, "kl_coef": 0.0},
+        "iterations": 1,
+        "checkpoint": {"keep_last": 2},
+    }
+    assert base == {"algorithm": {"lr": 0.1, "kl_coef": 0.0}, "iterations": 1}  # a copy: the caller's dict is kept
+    with pytest.raises(ConfigError, match="override iterations.x: iterations is not a mapping"):
+        apply_overrides(base, {"iterations.x": 1})
 
 
 def test_every_config_field_is_described_for_the_run_form() -> None:
@@ -106,6 +131,7 @@ def test_config_check_names_a_device_that_is_not_there(tmp_path: Path) -> None:
 
     config = load_config(
         {"algorithm": {"device": "cuda"}, "inference": {"device": "cuda:0"}, "store_url": f"sqlite:///{tmp_path}/s.db"}
+        | {"agent": "examples.copy_task.agent:copy_agent"}
     )
     found = preflight.problems(config)
     assert [line.split(":")[0] for line in found] == ["algorithm.device", "inference.device"]
@@ -185,14 +211,26 @@ def test_the_cli_prints_defaults_and_checks_files(tmp_path: Path) -> None:
         ({"model": "/nonexistent/model"}, "model: /nonexistent/model is not a Hugging Face model directory"),
         ({"store_url": "mysql://root@localhost/x"}, "store_url: give sqlite:///path.db, postgresql://"),
         ({"store_url": "postgresql://u:${NO_SUCH_VARIABLE}@h/db"}, "store_url: ${NO_SUCH_VARIABLE} names the"),
+        # No agent is assumed: a config without one used to train the copy task's and fail a minute later.
+        ({"agent": None}, "agent: not set; name the agent to train"),
+        # Sampling parameters are checked by name and type before anything starts (they used to fail in the agent).
+        (
+            {"sampling": {"temperature": "hot", "max_token": 4}},
+            "sampling: temperature: Input should be a valid number",
+        ),
+        (
+            {"eval_sampling": {"max_token": 4}},
+            "eval_sampling: max_token: not a sampling parameter; did you mean max_tokens?",
+        ),
     ],
 )
 def test_a_run_that_cannot_start_says_why_before_anything_starts(
     tmp_path: Path, change: dict[str, str], said: str
 ) -> None:
     config = {"run_name": "bad", "output_dir": str(tmp_path / "runs"), "store_url": f"sqlite:///{tmp_path}/s.db"}
+    config["agent"] = "examples.copy_task.agent:copy_agent"
     path = tmp_path / "bad.yaml"
-    path.write_text(yaml.safe_dump({**config, **change}))
+    path.write_text(yaml.safe_dump({key: value for key, value in {**config, **change}.items() if value is not None}))
     commands = [
         [sys.executable, "-m", "flows.train", str(path)],
         [sys.executable, "-m", "lightning.cli", "config", "check", str(path)],

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning import stages
+from lightning import reporting, stages
 from lightning.config import load_config
 from lightning.run import Run
 from lightning.types import Triplet
@@ -75,7 +75,7 @@ async def test_the_rollout_phase_refills_until_enough_groups_differ(tmp_path: Pa
     assert summary["groups"] * 2 == summary["rollouts"]
     assert summary["informative_groups"] >= 2 or summary["refills"] == 3  # enough differ, or the rounds ran out
     assert again == rollout_ids
-    row = stages.iteration_row(0, summary, {"rows": 0}, {}, 1.0)
+    row = reporting.iteration_row(0, summary, {"rows": 0}, {}, 1.0)
     assert row["zero_adv_groups"] == 1 - summary["informative_groups"] / summary["groups"]
     assert row["flat_group_reward"] == 1.0 and row["refills"] == summary["refills"]
 
@@ -90,14 +90,14 @@ def _row(share: float | None, flat_reward: float | None = None) -> dict:
 
 
 def test_the_progress_line_says_when_most_groups_teach_nothing_and_what_to_do() -> None:
-    assert stages.no_signal(_row(None)) is None  # no groups of two or more (evaluation, or one sample per task)
-    assert stages.no_signal(_row(0.5, 1.0)) is None
-    assert stages.no_signal(_row(0.75, 1.0)) == (
+    assert reporting.no_signal(_row(None)) is None  # no groups of two or more (evaluation, or one sample per task)
+    assert reporting.no_signal(_row(0.5, 1.0)) is None
+    assert reporting.no_signal(_row(0.75, 1.0)) == (
         "75% of groups scored alike (mean reward 1.000): no advantage to learn from there"
     )
-    never = stages.no_signal(_row(1.0, 0.0))
+    never = reporting.no_signal(_row(1.0, 0.0))
     assert never is not None and "100% of groups" in never and "warm_start" in never and "samples_per_task" in never
-    solved = stages.no_signal(_row(0.95, 1.0))
+    solved = reporting.no_signal(_row(0.95, 1.0))
     assert solved is not None and "solves these tasks" in solved
 
 

@@ -42,6 +42,7 @@ def prefect_server() -> Iterator[None]:
 def small_config(tmp_path: Path, **changes: Any) -> TrainConfig:
     data = {
         "run_name": "t",
+        "agent": "examples.copy_task.agent:copy_agent",
         "iterations": 2,
         "batch_size": 8,
         "samples_per_task": 4,

@@ -55,6 +55,7 @@ def run_train(tmp_path: Path, model_dir: Path, backend: str) -> dict[str, Any]:
     config = load_config(
         {
             "run_name": f"gpu-{backend}",
+            "agent": "examples.copy_task.agent:copy_agent",
             "model": str(model_dir),
             "iterations": 3,
             "batch_size": 32,

@@ -193,8 +193,8 @@ def test_mlflow_link_names_the_run_s_page_or_the_offline_ui_command(tmp_path: Pa
     from types import SimpleNamespace
 
     from lightning.config import load_config
+    from lightning.reporting import mlflow_link
     from lightning.run import Endpoints, Run, _Parts
-    from lightning.stages import mlflow_link
 
     def link(tracking_uri: str) -> str:
         run = Run(config=load_config({"run_name": "r", "tracking_uri": tracking_uri}),

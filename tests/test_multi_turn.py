@@ -16,7 +16,7 @@ from lightning.adapter import AdaptReport, spans_to_triplets
 from lightning.algorithm.batch import TrainingBatch
 from lightning.algorithm.config import TrainerConfig
 from lightning.algorithm.trainer import TorchTrainer
-from lightning.stages import tool_use_collapse
+from lightning.reporting import tool_use_collapse
 from lightning.types import Span, TraceStatus
 
 ROLLOUT, ATTEMPT = "ro-mt", "at-mt"

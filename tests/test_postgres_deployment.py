@@ -118,6 +118,7 @@ def _wait_store(process: subprocess.Popen, server: StoreServer) -> None:
 def small_config(tmp_path: Path, store_url: str) -> dict[str, Any]:
     """As tests/test_flows.py's, one iteration, the store on the store server."""
     return {
+        "agent": "examples.copy_task.agent:copy_agent",
         "run_name": RUN_NAME, "iterations": ITERATIONS, "batch_size": BATCH_SIZE, "samples_per_task": SAMPLES_PER_TASK,
         "n_runners": 2, "runner_concurrency": 16, "sampling": {"temperature": 1.0, "max_tokens": 2},
         "eval_sampling": {"temperature": 0.0, "max_tokens": 2}, "max_prompt_length": 64, "max_response_length": 4,

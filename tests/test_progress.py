@@ -39,8 +39,8 @@ def test_the_progress_line_numbers_iterations_as_prefect_the_table_and_mlflow_do
     """Iterations count from 0 everywhere (Prefect's subflows, the table, MLflow's steps); the line adds how many
     are done. Checkpoint 10 is the weights after iteration 9, whose row holds its held-out reward."""
     from flows.evaluate import evaluation_label
+    from lightning.reporting import progress_line
     from lightning.run import Endpoints, Run
-    from lightning.stages import progress_line
 
     run = Run(config=TrainConfig(iterations=30), endpoints=Endpoints(proxy_url="", model_name="policy"), queue="demo")
     row = {"iteration": 9, "reward": 0.5, "val_reward": 0.75, "rollouts_ok": 256, "rollouts_failed": 0}

@@ -26,7 +26,7 @@ from lightning.proxy import Backend, ExternalModel, LLMProxy
 from lightning.runner import Runner
 from lightning.seeding import turn_seed
 from lightning.store import SqlLightningStore
-from lightning.types import LLM, AttemptedRollout, Span
+from lightning.types import LLM, AttemptedRollout, ProxyLLM, Span
 
 MESSAGES = [{"role": "user", "content": "What is 2+2?"}]
 
@@ -285,19 +285,31 @@ async def test_a_token_is_required_when_set_and_the_agent_gets_it_as_its_api_key
 
 
 async def test_on_loopback_agents_calls_are_served_whatever_key_they_send(store: SqlLightningStore) -> None:
-    # agent-lightning's agents send their own placeholder ("dummy", OPENAI_API_KEY); the admin routes keep the token.
+    # agent-lightning's agents send their own placeholder ("dummy", OPENAI_API_KEY) on the route their runner handed
+    # them (signed with the token); every other call, and the admin routes, keep the token: no other process of the
+    # machine can call the models or write spans into a run's attempts.
     with (
-        backends() as [(_, url)],
+        backends() as [(backend, url)],
         running(LLMProxy(store, [url], token="s3cret", agents_need_token=False)) as proxy,
     ):
         rollout, llm = await attempt_llm(store, proxy)
         placeholder = llm.model_copy(update={"api_key": "dummy"})
         await client(placeholder).chat.completions.create(model="policy", messages=MESSAGES)
+        body = {"model": "policy", "messages": MESSAGES}
+        routed = f"{proxy.url}/rollout/{rollout.rollout_id}/attempt/{rollout.attempt.attempt_id}"
         async with httpx.AsyncClient() as http:
-            plain = await http.post(f"{proxy.url}/v1/chat/completions", json={"model": "policy", "messages": MESSAGES})
+            plain = await http.post(f"{proxy.url}/v1/chat/completions", json=body)
+            unsigned = await http.post(f"{routed}/v1/chat/completions", json=body)
+            forged = await http.post(f"{routed}/signed/{'0' * 32}/v1/chat/completions", json=body)
+            with_token = await http.post(
+                f"{routed}/v1/chat/completions", json=body, headers={"authorization": "Bearer s3cret"}
+            )
             admin = await http.get(f"{proxy.url}/admin/status", headers={"authorization": "Bearer dummy"})
-        [span] = await store.query_spans(rollout.rollout_id)
-    assert plain.status_code == 200 and admin.status_code == 401
+        spans = await store.query_spans(rollout.rollout_id)
+    assert [plain.status_code, unsigned.status_code, forged.status_code] == [401, 401, 401]
+    assert with_token.status_code == 200 and admin.status_code == 401
+    assert len(backend.requests) == 2 and len(spans) == 2
+    span = spans[0]
     assert span.attributes[semconv.GEN_AI_REQUEST_MODEL] == "policy"
     with pytest.raises(ValueError, match="agents_need_token=False"):
         LLMProxy(store, [url], token="s3cret", agents_need_token=False).start(host="0.0.0.0")
@@ -584,21 +596,40 @@ def test_the_proxy_command_answers_the_name_it_advertises(tmp_path: Path) -> Non
             deadline = time.monotonic() + 60
             while True:
                 try:
-                    models = httpx.get(f"{base}/models").json()
+                    models = httpx.get(f"{base}/models", headers={"authorization": "Bearer the-token"}).json()
                     break
                 except httpx.TransportError:
                     assert process.poll() is None and time.monotonic() < deadline, "the proxy did not start"
                     time.sleep(0.2)
             [advertised] = [model["id"] for model in models["data"]]
-            plain = openai.OpenAI(base_url=base, api_key="unused", max_retries=0)
+            plain = openai.OpenAI(base_url=base, api_key="the-token", max_retries=0)
             response = plain.chat.completions.create(model=advertised, messages=MESSAGES)
+            # An agent's own key is served on the route its runner hands it (signed with the token), nowhere else.
+            rollout = asyncio.run(_started_rollout(f"sqlite:///{tmp_path}/store.db"))
+            route = ProxyLLM(endpoint=base, model=advertised, api_key="the-token").get_base_url(
+                rollout.rollout_id, rollout.attempt.attempt_id
+            )
+            own_key = openai.OpenAI(base_url=route, api_key="unused", max_retries=0)
+            routed = own_key.chat.completions.create(model=advertised, messages=MESSAGES)
+            with pytest.raises(openai.AuthenticationError):
+                openai.OpenAI(base_url=base, api_key="unused", max_retries=0).chat.completions.create(
+                    model=advertised, messages=MESSAGES
+                )
             admin = httpx.get(f"http://127.0.0.1:{port}/admin/status", headers={"authorization": "Bearer unused"})
         finally:
             process.terminate()
             process.wait(timeout=30)
     assert advertised == "policy" and admin.status_code == 401
-    assert response.choices[0].message.content == "".join(ANSWER)
-    assert [request["model"] for request in backend.requests] == ["tiny"]
+    assert response.choices[0].message.content == "".join(ANSWER) == routed.choices[0].message.content
+    assert [request["model"] for request in backend.requests] == ["tiny", "tiny"]
+
+
+async def _started_rollout(url: str) -> AttemptedRollout:
+    store = SqlLightningStore(url, watchdog_interval=None)
+    try:
+        return await store.start_rollout({"question": "2+2"})
+    finally:
+        await store.close()
 
 
 async def test_each_turn_of_an_attempt_gets_its_own_seed_derived_from_the_agents(store: SqlLightningStore) -> None:

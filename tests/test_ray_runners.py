@@ -29,7 +29,8 @@ from prefect_server import free_port, start_logged, stop_process_group, tail
 
 from flows.train import task_runner, train
 from lightning import raycluster
-from lightning.config import ConfigError, TrainConfig, load_config, ray_store_problem
+from lightning.config import TrainConfig, load_config, ray_store_problem
+from lightning.errors import ConfigError
 from lightning.run import recorded_history
 from lightning.store.client import HttpLightningStore
 
@@ -42,6 +43,7 @@ def small_config(tmp_path: Path, **changes: Any) -> TrainConfig:
     """One iteration of test_flows' tiny run, without the held-out evaluations (they run in the flow's process)."""
     data = {
         "run_name": "ray",
+        "agent": "examples.copy_task.agent:copy_agent",
         "iterations": 1,
         "batch_size": 8,
         "samples_per_task": 4,

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from lightning import stages
+from lightning import reporting, stages
 from lightning.config import TrainConfig, load_config
 from lightning.run import Endpoints, Run, RunNotOpen
 
@@ -31,6 +31,7 @@ async def opened(tmp_path: Path, **changes: Any) -> AsyncIterator[Run]:
 def small_config(tmp_path: Path, **changes: Any) -> TrainConfig:
     data = {
         "run_name": "r",
+        "agent": "examples.copy_task.agent:copy_agent",
         "batch_size": 4,
         "samples_per_task": 2,
         "n_runners": 1,
@@ -98,7 +99,7 @@ async def test_a_run_opened_without_mlflow_trains_and_checkpoints(
         ids, summary = await stages.collect_rollouts(run, 0)
         batch = await stages.adapt_spans(run, 0, ids)
         metrics = await stages.ppo_step(run, 0, batch["batch_path"])
-        row = stages.iteration_row(0, summary, batch, metrics, rollout_seconds=1.0)
+        row = reporting.iteration_row(0, summary, batch, metrics, rollout_seconds=1.0)
         saved = await stages.checkpoint(run, 0, row)
         history = list(run.history)
     finally:

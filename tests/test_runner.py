@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from lightning.agent import Hook, LitAgent, rollout
-from lightning.runner import Runner
-from lightning.runner.fleet import run_fleet, start_runner_threads
+from lightning.runner import Runner, run_fleet
+from lightning.runner.fleet import start_runner_threads
 from lightning.store import SqlLightningStore
 from lightning.tracing import emit_reward, find_final_reward
 from lightning.types import LLM, AttemptedRollout, PromptTemplate, ProxyLLM, RolloutConfig, Span

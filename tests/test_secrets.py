@@ -74,6 +74,7 @@ def test_a_password_named_by_reference_is_used_and_never_shown(
     user_host = rest.replace("@", ":${LIGHTNING_TEST_DB_PASSWORD}@", 1) if "@" in rest else rest
     store_url = f"{scheme}://{user_host}"  # trust auth: the password is sent, and accepted
     config = {
+        "agent": "examples.copy_task.agent:copy_agent",
         "run_name": "secretive", "iterations": 1, "batch_size": 4, "samples_per_task": 2, "n_runners": 1,
         "runner_concurrency": 8, "val_data": None, "sampling": {"temperature": 1.0, "max_tokens": 2},
         "max_prompt_length": 64, "max_response_length": 4, "algorithm": {"lr": 1e-3, "micro_batch_size": 16},
@@ -115,3 +116,38 @@ def _dump_schema(url: str) -> str:
         tables = [row[0] for row in conn.execute("SELECT tablename FROM pg_tables WHERE schemaname = current_schema()")]
         assert {"rollouts", "spans", "resources"} <= set(tables), tables
         return "\n".join(str(row) for table in tables for row in conn.execute(f'SELECT * FROM "{table}"'))
+
+
+async def test_a_store_token_in_the_url_authenticates_and_is_never_printed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`store_url: http://:${VAR}@host:port` (the documented form) authenticates with the variable's token, and an
+    error from the server names the server without the token."""
+    from support.servers import serving
+
+    from lightning.store import AuthError, SqlLightningStore, open_store
+    from lightning.store.server import create_app
+
+    token = "tok-" + secrets.token_hex(8)
+    monkeypatch.setenv("STORE_TOK", token)
+    monkeypatch.delenv("LIGHTNING_STORE_TOKEN", raising=False)
+    backing = SqlLightningStore(f"sqlite:///{tmp_path}/store.db", watchdog_interval=None)
+    try:
+        with serving(create_app(backing, token=token)) as url:
+            address = url.replace("http://", "http://:${STORE_TOK}@")
+            client = open_store(address)
+            try:
+                await client.enqueue_rollout({"x": 1})
+                assert token not in repr(client) and token not in client.base_url
+            finally:
+                await client.close()
+            wrong = open_store(url.replace("http://", "http://:not-the-token@"))
+            try:
+                with pytest.raises(AuthError) as refused:
+                    await wrong.enqueue_rollout({"x": 2})
+            finally:
+                await wrong.close()
+        assert "not-the-token" not in str(refused.value) and url.removeprefix("http://") in str(refused.value)
+        assert len(await backing.query_rollouts()) == 1
+    finally:
+        await backing.close()

@@ -22,7 +22,8 @@ from lightning import owner, stopping
 from lightning.config import load_config
 from lightning.diskspace import NoSpaceLeft, check_free_space, checkpoint_bytes
 from lightning.run import Run
-from lightning.stages import busy_seconds, wait_unless_stopped
+from lightning.runner.fleet import wait_unless_stopped
+from lightning.stages import busy_seconds
 from lightning.store import SqlLightningStore
 from lightning.types import EnqueueRolloutRequest
 
@@ -67,7 +68,10 @@ async def test_a_deployment_run_of_a_live_run_name_is_refused_before_anything_st
     tmp_path: Path, holder: subprocess.Popen
 ) -> None:
     """`Run.open` (what a deployment's flow run calls) takes the same lock."""
-    config = load_config({"run_name": "run", "output_dir": str(tmp_path), "store_url": f"sqlite:///{tmp_path}/s.db"})
+    config = load_config(
+        {"run_name": "run", "agent": "examples.copy_task.agent:copy_agent", "output_dir": str(tmp_path)}
+        | {"store_url": f"sqlite:///{tmp_path}/s.db"}
+    )
     started = time.monotonic()
     with pytest.raises(owner.RunLocked, match=f"pid {holder.pid}"):
         await Run.open(config)

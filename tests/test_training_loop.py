@@ -12,7 +12,7 @@ import torch
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
-from lightning import stages
+from lightning import reporting, stages
 from lightning.checkpoint import latest_checkpoint
 from lightning.config import load_config
 from lightning.run import Run
@@ -23,6 +23,7 @@ pytestmark = pytest.mark.slow
 async def test_two_iterations_update_the_policy_log_to_mlflow_and_reload_the_server(tmp_path: Path) -> None:
     config = load_config(
         {
+            "agent": "examples.copy_task.agent:copy_agent",
             "run_name": "two-iterations", "iterations": 2, "batch_size": 8, "samples_per_task": 4, "n_runners": 1,
             "runner_concurrency": 32, "sampling": {"temperature": 1.0, "max_tokens": 4}, "max_prompt_length": 64,
             "max_response_length": 8, "algorithm": {"lr": 1e-3, "kl_coef": 0.0, "micro_batch_size": 32},
@@ -41,7 +42,7 @@ async def test_two_iterations_update_the_policy_log_to_mlflow_and_reload_the_ser
             batch = await stages.adapt_spans(run, iteration, ids)
             assert batch["rows"] == 32 and batch["adapter"]["calls_without_token_ids"] == 0
             metrics = await stages.ppo_step(run, iteration, batch["batch_path"])
-            row = stages.iteration_row(iteration, summary, batch, metrics, rollout_seconds=1.0)
+            row = reporting.iteration_row(iteration, summary, batch, metrics, rollout_seconds=1.0)
             saved = await stages.checkpoint(run, iteration, row)
         async with httpx.AsyncClient() as http:
             version = f"{run.endpoints.inference_urls[0]}/admin/version"

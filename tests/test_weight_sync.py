@@ -35,6 +35,7 @@ async def test_vllm_replicas_sleep_through_the_ppo_step_and_wake_on_the_new_chec
     config = load_config(
         {
             "run_name": "sync",
+            "agent": "examples.copy_task.agent:copy_agent",
             "inference": {
                 "backend": "vllm", "replicas": 2, "gpus_per_replica": 1, "weight_sync": "sleep",
                 "vllm": {"executable": str(executable), "startup_timeout": 60, "request_timeout": 30,

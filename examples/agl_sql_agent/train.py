@@ -9,15 +9,13 @@ first iteration. `field=value` arguments set TrainConfig fields (dotted for nest
 
 from __future__ import annotations
 
-import copy
 import json
 import sys
 from typing import Any
 
-import yaml
-
 import lightning as agl
 from examples.agl_sql_agent.agent import LitSqlAgent, train_tasks, val_tasks
+from lightning.config import apply_overrides, parse_overrides
 
 DEFAULTS: dict[str, Any] = {
     "run_name": "agl-sql-agent",
@@ -39,14 +37,7 @@ def train(**config: Any) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     agl.setup_logging()
-    config = copy.deepcopy(DEFAULTS)
-    for pair in sys.argv[1:] if argv is None else argv:
-        name, _, value = pair.partition("=")
-        *parents, last = name.split(".")
-        node = config
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[last] = yaml.safe_load(value)
+    config = apply_overrides(DEFAULTS, parse_overrides(sys.argv[1:] if argv is None else argv))
     print(json.dumps(train(**config), indent=2, default=str))
 
 

@@ -13,7 +13,7 @@ from lightning.adapter.triplets import (
     adapt_rollouts,
     spans_to_triplets,
 )
-from lightning.agl_paths import missing
+from lightning.agl_import_paths import missing
 
 
 def __getattr__(name: str) -> Any:

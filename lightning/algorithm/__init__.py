@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from lightning.agl_paths import missing
+from lightning.agl_import_paths import missing
 
 
 def __getattr__(name: str) -> Any:

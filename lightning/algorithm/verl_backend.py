@@ -45,6 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lightning import raycluster
 from lightning.algorithm.config import TrainerConfig, VerlOptions
 
 logger = logging.getLogger(__name__)
@@ -418,7 +419,6 @@ class VerlTrainer:
 
         if self._actor is not None:
             return
-        from lightning import raycluster
 
         raycluster.connect(self.ray_address, self.options.ray_namespace)
         remote = ray.remote(num_cpus=1, max_restarts=0)(VerlActorGroup)

@@ -19,6 +19,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning import pipes, stopping
+from lightning.devices import resolve_device
+from lightning.diagnose import dump_stacks_on_signal
+from lightning.lifeline import exit_with_parent
 
 if TYPE_CHECKING:
     from lightning.algorithm.trainer import TorchTrainer, TrainerConfig
@@ -198,9 +201,6 @@ def _serve(
 ) -> None:
     """The child's loop: load the trainer, say ready, then answer one request at a time until told to close. It
     dies with its parent: a trainer never goes on (and writes a checkpoint) for a run that is gone."""
-    from lightning.diagnose import dump_stacks_on_signal
-    from lightning.lifeline import exit_with_parent
-
     # A process group of its own: Ctrl-C in a terminal reaches the run, which stops the trainer itself, after
     # any update in flight.
     os.setpgid(0, 0)
@@ -239,7 +239,6 @@ def _load_trainer(
 
     from lightning.algorithm.trainer import TorchTrainer, TrainerConfig
     from lightning.checkpoint import latest_checkpoint, load_checkpoint, resume_trainer
-    from lightning.devices import resolve_device
 
     trainer_config = TrainerConfig.model_validate(config)
     on_gpu = resolve_device(trainer_config.device, "algorithm.device").type == "cuda"

@@ -9,6 +9,7 @@ import sys
 from lightning.devices import dtype_name
 from lightning.diagnose import dump_stacks_on_signal
 from lightning.environment import INFERENCE_API_KEY
+from lightning.inference.server import create_inference_app
 from lightning.lifeline import exit_with_parent
 from lightning.serving import is_loopback
 
@@ -30,6 +31,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--batch-invariant", action="store_true", help="each sequence decodes alone: the same tokens whatever the load"
     )
+    parser.add_argument(
+        "--max-body-mb", type=float, default=32, help="answer 413 to a request body larger than this (default: 32)"
+    )
     args = parser.parse_args(argv)
     exit_with_parent()  # started by a run: it dies with the run
     dump_stacks_on_signal(None, "inference-server")  # into the run's stacks directory, when a run started it
@@ -43,8 +47,6 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     import uvicorn
 
-    from lightning.inference.server import create_inference_app
-
     _say(f"loading the model {args.model}")
     # One core is left to the HTTP event loop, which tokenizes prompts and streams responses.
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) - 1))
@@ -56,6 +58,7 @@ def main(argv: list[str] | None = None) -> None:
         max_batch_size=args.max_batch_size,
         api_key=args.api_key,
         batch_invariant=args.batch_invariant,
+        max_body_bytes=int(args.max_body_mb * 1024 * 1024),
     )
     engine = app.state.engine
     _say(f"serving {engine.model_path} on {engine.device} in {dtype_name(engine.dtype)}")

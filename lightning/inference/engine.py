@@ -158,6 +158,9 @@ class InferenceEngine:
         self._detokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = self._load_model(model_path)
         self.context_length: int = self.model.config.max_position_embeddings
+        self.max_token_chars = max(1, max(map(len, self.tokenizer.get_vocab())))
+        """The longest token's text (as the vocabulary spells it, which is never shorter than the text it stands for):
+        a text of n characters is at least n / max_token_chars tokens."""
         self.eos_token_ids = self._eos_token_ids()
         self.pad_token_id = self.tokenizer.pad_token_id
         if self.pad_token_id is None:

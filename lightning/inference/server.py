@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from lightning.devices import dtype_name
 from lightning.inference.engine import InferenceEngine, Output, SamplingParams, TokenLogprob
 from lightning.inference.tools import ToolCall, ToolCallParser, split_tool_calls
-from lightning.serving import BearerAuth
+from lightning.serving import DEFAULT_MAX_BODY_BYTES, BearerAuth, BodyLimit
 
 
 class OpenAIError(Exception):
@@ -107,6 +107,10 @@ def _wrong_api_key() -> JSONResponse:
     ).response()
 
 
+def _too_large(message: str) -> JSONResponse:
+    return OpenAIError(413, message, None, "RequestTooLarge").response()
+
+
 def create_inference_app(
     model_path: str | Path,
     *,
@@ -116,11 +120,13 @@ def create_inference_app(
     max_batch_size: int = 32,
     api_key: str | None = None,
     batch_invariant: bool = False,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     """The server for the model in the Hugging Face directory `model_path`; `app.state.engine` is its engine.
 
     The engine thread starts with the app's lifespan, or on the first request when served with lifespan off.
-    With `api_key`, every route but /health (the API docs too) needs `Authorization: Bearer <api_key>`.
+    With `api_key`, every route but /health (the API docs too) needs `Authorization: Bearer <api_key>`. A request
+    body over `max_body_bytes` is answered 413 before it is read whole.
     """
     engine = InferenceEngine(
         model_path, device=device, dtype=dtype, max_batch_size=max_batch_size, batch_invariant=batch_invariant
@@ -153,6 +159,7 @@ def create_inference_app(
                 messages.append(f"{param}: {error['msg']}")
         return OpenAIError(400, "; ".join(messages), params[0] if params else None).response()
 
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, refusal=_too_large)
     if api_key is not None:
         app.add_middleware(BearerAuth, token=api_key, refusal=_wrong_api_key, open_paths=("/health",))
 
@@ -330,11 +337,27 @@ def chat_prompt_token_ids(engine: InferenceEngine, body: ChatCompletionRequest) 
         )
     except Exception as exc:  # the template is user data (jinja); its errors are the request's fault
         raise OpenAIError(400, f"messages: the chat template could not render them: {exc}", "messages") from exc
+    check_fits_before_tokenizing(engine, text, "messages")
     return engine.tokenizer.encode(text, add_special_tokens=False)
+
+
+def check_fits_before_tokenizing(engine: InferenceEngine, text: str, param: str) -> None:
+    """Refuse a text that cannot fit the model's context without tokenizing it: a token covers at most
+    `engine.max_token_chars` characters, so a text longer than context x that is over the context for sure (a 5 MB
+    prompt would otherwise hold the server for seconds and a gigabyte before its 400)."""
+    at_least = -(-len(text) // engine.max_token_chars)
+    if at_least > engine.context_length:
+        raise OpenAIError(
+            400,
+            f"{param}: the prompt is {len(text):,} characters, at least {at_least:,} tokens, but the model's "
+            f"context is {engine.context_length}; shorten the prompt",
+            param,
+        )
 
 
 def completion_prompt_token_ids(engine: InferenceEngine, prompt: str | list[int], field: str = "prompt") -> list[int]:
     if isinstance(prompt, str):
+        check_fits_before_tokenizing(engine, prompt, field)
         ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
     else:
         vocab_size = len(engine.tokenizer)

@@ -15,6 +15,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
@@ -28,9 +29,10 @@ from pydantic import BaseModel, Field
 from lightning import semconv
 from lightning.proxy.capture import Call, SseReader
 from lightning.proxy.continuation import Continuation, Conversations
+from lightning.proxy.external import ExternalModel, complete, make_router
 from lightning.proxy.writer import SpanWriter
 from lightning.seeding import turn_seed
-from lightning.serving import BearerAuth
+from lightning.serving import DEFAULT_MAX_BODY_BYTES, BearerAuth, BodyLimit, ThreadedServer, is_loopback
 from lightning.store.base import LightningStore
 from lightning.types import (
     LLM,
@@ -76,15 +78,6 @@ class Backend(BaseModel):
     trajectory rows split."""
 
 
-class ExternalModel(BaseModel):
-    """A model answered by a provider through LiteLLM's Router (spans, but no token ids)."""
-
-    model_name: str
-    """The name agents ask for."""
-    litellm_params: dict[str, Any] = Field(repr=False)
-    """LiteLLM's parameters, e.g. {"model": "openai/gpt-4o-mini", "api_key": "..."}."""
-
-
 class ProxyError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None) -> None:
         super().__init__(message)
@@ -98,8 +91,7 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
     return JSONResponse(body, status_code=status)
 
 
-AGENT_ROUTES = ("/v1/", "/rollout/")
-"""The paths of agents' model calls (the rest: /health, /admin/...)."""
+_SIGNED_ROUTE = re.compile(r"^/rollout/([^/]+)/attempt/([^/]+)/signed/([^/]+)/v1/")
 
 
 class LLMProxy:
@@ -111,16 +103,18 @@ class LLMProxy:
     - `external_models`: names answered through LiteLLM instead of the backends.
     - `token`: bearer token every request must carry (the agents' `api_key`); required to listen
       beyond loopback. It also signs the routes runners hand their agents.
-    - `agents_need_token`: False lets model calls (`/v1/...`, `/rollout/...`) in with any key or none, as
-      agent-lightning's proxy does: agents written for it send a placeholder ("dummy", their own OPENAI_API_KEY).
-      The admin routes still need the token. Only for a proxy on loopback (`start` refuses it elsewhere): any
-      process of the machine can then call the models, as with agl's proxy.
+    - `agents_need_token`: False lets model calls on the routes runners hand their agents (signed with the token,
+      `ProxyLLM.get_base_url`) in with any key or none, as agent-lightning's proxy does: agents written for it send
+      a placeholder ("dummy", their own OPENAI_API_KEY). Every other call (plain `/v1/...`, an unsigned or
+      wrongly signed route, the admin routes) still needs the token, so no other process of the machine can call
+      the models or write spans into a run's attempts. Only for a proxy on loopback (`start` refuses it elsewhere).
     - `max_tries`: backends tried per call; connection errors and 5xx move on to the next one
       after `retry_backoff` seconds (doubling).
     - `tokenizer`: the policy's tokenizer (or its model directory). With it, a chat call that continues an earlier
       call of its attempt is sent as that call's prompt and response ids plus the new messages' ids
       (`lightning.chat`), on the backend's `chat/completions/tokens` route, so a multi-turn trajectory is one
       token-exact row. Without it the backend renders every call's messages itself.
+    - `max_body_bytes`: a request body over it is answered 413 before it is read whole, never forwarded.
     """
 
     def __init__(
@@ -137,6 +131,7 @@ class LLMProxy:
         timeout: float = 600.0,
         max_connections: int = 512,
         tokenizer: Any = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ) -> None:
         self.store = store
         self.backends = [b if isinstance(b, Backend) else Backend(url=b) for b in backends]
@@ -148,6 +143,7 @@ class LLMProxy:
         self.retry_backoff = retry_backoff
         self.timeout = timeout
         self.max_connections = max_connections
+        self.max_body_bytes = max_body_bytes
         self.weight_version: str | int | None = None
         self.writer = SpanWriter(store)
         if isinstance(tokenizer, str | os.PathLike):
@@ -233,10 +229,13 @@ class LLMProxy:
         app = FastAPI(title="lightning LLM proxy", docs_url="/docs", redoc_url=None)
         proxy = self
 
+        app.add_middleware(
+            BodyLimit, max_bytes=self.max_body_bytes, refusal=lambda message: error_response(413, message)
+        )
         if self.token is not None:
-            open_prefixes = () if self.agents_need_token else AGENT_ROUTES
+            admit = None if self.agents_need_token else self._signed_route
             auth = {"token": self.token, "refusal": _unauthorised, "open_paths": ("/health",)}
-            app.add_middleware(BearerAuth, **auth, open_prefixes=open_prefixes)
+            app.add_middleware(BearerAuth, **auth, admit=admit)
 
         @app.get("/health")
         async def health() -> dict[str, str]:
@@ -499,8 +498,6 @@ class LLMProxy:
         self, body: dict[str, Any], operation: str, rollout_id: str | None, attempt_id: str | None, request: Request
     ) -> Response:
         """A call to a provider through LiteLLM's Router: same span, no token ids."""
-        from lightning.proxy.external import complete
-
         started = time.time()
         stream = bool(body.get("stream"))
         call = Call(operation=operation, request=body, stream=stream)
@@ -598,6 +595,12 @@ class LLMProxy:
 
     # --- Helpers ---------------------------------------------------------------------------------
 
+    def _signed_route(self, path: str) -> bool:
+        """`path` is a model call on a route a runner handed its agent (`/rollout/R/attempt/A/signed/S/v1/...`,
+        signed with this proxy's token): the agent may send any key on it."""
+        match = _SIGNED_ROUTE.match(path)
+        return match is not None and self._signed_by_us(*match.groups())
+
     def _signed_by_us(self, rollout_id: str, attempt_id: str, signature: str | None) -> bool:
         """A route a runner made from a claimed attempt with this proxy's token (`ProxyLLM.get_base_url`): its
         attempt exists, so the store need not be asked. Any other signature only means asking."""
@@ -683,8 +686,6 @@ class LLMProxy:
 
     def _litellm_router(self) -> Any:
         if self._router is None:
-            from lightning.proxy.external import make_router
-
             self._router = make_router(list(self.external_models.values()))
         return self._router
 
@@ -712,8 +713,6 @@ class LLMProxy:
 
     def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Serve on a background thread; returns the proxy's URL (http://host:port)."""
-        from lightning.serving import ThreadedServer, is_loopback
-
         if (self.token is None or not self.agents_need_token) and not is_loopback(host):
             raise ValueError(
                 f"LLMProxy(token=None or agents_need_token=False) refuses to listen on {host}: anyone who can reach it "

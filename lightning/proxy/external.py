@@ -1,15 +1,23 @@
 """Calls to external providers (OpenAI, Anthropic, any LiteLLM provider) through LiteLLM's Router,
-for frozen models and optimisers that are not trained; imported only when such a model is asked for."""
+for frozen models and optimisers that are not trained; LiteLLM is imported only when such a model is asked for."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from pydantic import BaseModel, Field
 
 from lightning.environment import litellm_offline
 
-if TYPE_CHECKING:
-    from lightning.proxy.app import ExternalModel
+
+class ExternalModel(BaseModel):
+    """A model answered by a provider through LiteLLM's Router (spans, but no token ids)."""
+
+    model_name: str
+    """The name agents ask for."""
+    litellm_params: dict[str, Any] = Field(repr=False)
+    """LiteLLM's parameters, e.g. {"model": "openai/gpt-4o-mini", "api_key": "..."}."""
 
 
 def make_router(models: Sequence[ExternalModel]) -> Any:

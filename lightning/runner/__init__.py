@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning.agent import Hook, LitAgent, RolloutResult, _current_runner
-from lightning.agl_paths import missing
+from lightning.agl_import_paths import missing
 from lightning.store import lifecycle
 from lightning.store.base import LightningStore
 from lightning.store.errors import AuthError, StoreError
@@ -86,37 +86,12 @@ class Runner:
             agent.set_runner(self)  # agent-lightning's `self.runner` / `self.tracer` inside the agent
 
     async def iter(self, *, stop_event: StopEvent | None = None, max_rollouts: int | None = None) -> int:
-        """Claim and run rollouts until `stop_event` is set or `max_rollouts` ran; returns how many ran. A store that
-        fails is tried again with back-off, but one that refuses the token raises AuthError."""
-        ran = 0
-        last_beat = 0.0
-        backoff = 0.1
-        while (stop_event is None or not stop_event.is_set()) and (max_rollouts is None or ran < max_rollouts):
-            try:
-                claim = await self.store.claim_rollouts(
-                    [self.worker_id],
-                    wait=self.idle_wait,
-                    queue=self.queue,
-                    known_resources=known_versions(self.resources),
-                )
-                if not claim.rollouts:
-                    if time.monotonic() - last_beat > self.heartbeat_interval:
-                        await self.store.update_worker(self.worker_id)
-                        last_beat = time.monotonic()
-                    continue
-                self.resources.update((update.resources_id, update) for update in claim.resources)
-                (claimed,) = claim.rollouts
-                await self.run_attempt(claimed, resources=self.resources.get(claimed.resources_id or ""))
-                ran += 1
-                backoff = 0.1
-            except AuthError:
-                raise  # a refused token stays refused: trying again forever would only hide it
-            except StoreError as exc:
-                # The store is unreachable or refused: the watchdog requeues what we held; keep trying.
-                logger.warning("runner %s: store error %s; retrying in %.1fs", self.worker_id, exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 10.0)
-        return ran
+        """Claim and run rollouts until `stop_event` is set or `max_rollouts` ran; returns how many ran. A fleet of one
+        (`run_fleet`), which beats this runner's worker heartbeat while it waits for work."""
+        return await run_fleet(
+            [self], self.store, stop_event=stop_event, queue=self.queue, idle_wait=self.idle_wait,
+            max_rollouts=max_rollouts, known=self.resources, idle_heartbeat=self.heartbeat_interval,
+        )  # fmt: skip
 
     async def step(
         self,
@@ -295,6 +270,106 @@ def known_versions(known: dict[str, ResourcesUpdate]) -> dict[str, int]:
     return {resources_id: update.version for resources_id, update in known.items()}
 
 
+async def run_fleet(
+    runners: Sequence[Runner],
+    store: LightningStore,
+    *,
+    stop_event: StopEvent | None,
+    queue: str | None = None,
+    idle_wait: float = 0.05,
+    max_rollouts: int | None = None,
+    known: dict[str, ResourcesUpdate] | None = None,
+    idle_heartbeat: float | None = None,
+) -> int:
+    """The claim loop, the one place runners take work (`Runner.iter` is a fleet of one): run rollouts of `queue` on
+    `runners`, all on this event loop, until `stop_event` is set or `max_rollouts` ran; how many ran.
+
+    One loop claims work for the whole fleet: a rollout for each idle runner, in one `claim_rollouts` naming
+    their worker ids (each attempt starts running under its runner's id), each handed to that runner's
+    `run_attempt` with its resources, which the claim brings only when the fleet lacks them (`known`: what the fleet
+    holds, by resources id). (Each runner polling on its own costs a store transaction per idle runner each time
+    anything in the store changes.) An empty queue is waited on for up to `idle_wait` seconds at a time (an enqueue
+    through the same store wakes the wait at once), so the fleet stops within about `idle_wait` of `stop_event`;
+    running rollouts finish first. `idle_heartbeat`: seconds between worker heartbeats of the idle runners (None:
+    none). A store that fails is tried again with back-off; one that refuses the token raises AuthError."""
+    if len({runner.worker_id for runner in runners}) != len(runners):
+        raise ValueError("run_fleet: the runners' worker_ids repeat; give each runner its own worker_id")
+    idle = list(runners)
+    known = {} if known is None else known
+    freed = asyncio.Event()  # a runner became idle
+    working: set[asyncio.Task[None]] = set()
+    errors: list[BaseException] = []  # what a runner raised besides a store error (a refused token, a bug)
+    ran = 0
+    backoff = 0.1
+    last_beat = 0.0
+
+    async def work(runner: Runner, claimed: AttemptedRollout) -> None:
+        nonlocal ran
+        try:
+            await runner.run_attempt(claimed, resources=known.get(claimed.resources_id or ""))
+            ran += 1
+        except AuthError as exc:
+            errors.append(exc)
+        except StoreError as exc:
+            # The store failed mid-attempt: its watchdog requeues what the runner held.
+            logger.warning("runner %s: store error %s; the attempt is left to the watchdog", runner.worker_id, exc)
+        except Exception as exc:
+            errors.append(exc)
+        finally:
+            idle.append(runner)
+            freed.set()
+
+    try:
+        while not (stop_event is not None and stop_event.is_set()) and not errors:
+            wanted = len(idle)
+            if max_rollouts is not None:
+                if ran >= max_rollouts:
+                    break
+                wanted = min(wanted, max_rollouts - ran - (len(runners) - len(idle)))  # less those running
+            if wanted <= 0:
+                freed.clear()
+                await freed.wait()
+                continue
+            try:
+                claim = await store.claim_rollouts(
+                    [runner.worker_id for runner in idle[:wanted]],
+                    wait=idle_wait,
+                    queue=queue,
+                    known_resources=known_versions(known),
+                )
+                if not claim.rollouts and idle_heartbeat is not None and time.monotonic() - last_beat > idle_heartbeat:
+                    for runner in idle:
+                        await store.update_worker(runner.worker_id)
+                    last_beat = time.monotonic()
+            except AuthError:
+                raise  # a refused token stays refused: trying again forever would only hide it
+            except StoreError as exc:
+                # The store is unreachable or refused: the watchdog requeues what the runners held; keep trying.
+                logger.warning("runner fleet: store error %s; retrying in %.1fs", exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 10.0)
+                continue
+            backoff = 0.1
+            known.update((update.resources_id, update) for update in claim.resources)
+            by_worker = {runner.worker_id: runner for runner in idle}
+            for rollout in claim.rollouts:
+                runner = by_worker[rollout.attempt.worker_id or ""]
+                idle.remove(runner)
+                task = asyncio.create_task(work(runner, rollout))
+                working.add(task)
+                task.add_done_callback(working.discard)
+    except asyncio.CancelledError:
+        # Cancelled (a run that stops): the rollouts in flight are cancelled too, not waited for.
+        for task in working:
+            task.cancel()
+        raise
+    finally:
+        await asyncio.gather(*working, return_exceptions=True)
+    if errors:
+        raise errors[0]
+    return ran
+
+
 LitAgentRunner = Runner
 """agent-lightning's name. Built as `Runner(agent, store)`; agl's `LitAgentRunner(tracer)` + `run_context(...)` is
 not: the runner makes its own tracer."""
@@ -304,4 +379,4 @@ def __getattr__(name: str) -> Any:
     missing(__name__, name)
 
 
-__all__ = ["LitAgentRunner", "Runner"]
+__all__ = ["LitAgentRunner", "Runner", "run_fleet"]

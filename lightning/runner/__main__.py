@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns what matters
 
-    from lightning.config import ConfigError, load_agent
+    from lightning.config import load_agent
+    from lightning.errors import ConfigError
     from lightning.runner import Runner
     from lightning.store import AuthError, open_store
 

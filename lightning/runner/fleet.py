@@ -1,103 +1,84 @@
-"""Many runners at once: on one event loop, sharing one claim loop (`run_fleet`), or in threads of this process,
-each with its own event loop (`start_runner_threads`); either way sharing one store."""
+"""Many runners at once: a runner task's fleet on one event loop until its rollouts finish (`run_fleet_until`, over
+the claim loop `lightning.runner.run_fleet`), or runners in threads of this process, each with its own event loop
+(`start_runner_threads`); either way sharing one store. What a fleet needs comes as plain values (the agent, the
+store, the queue, the deadline): this room knows nothing of a training run."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
-from lightning.runner import Runner, known_versions
+from lightning import stopping
+from lightning.agent import Hook, LitAgent
+from lightning.runner import Runner, run_fleet
 from lightning.store.base import LightningStore
-from lightning.store.errors import AuthError, StoreError
-from lightning.types import AttemptedRollout, ResourcesUpdate
 
 logger = logging.getLogger(__name__)
 
 
-async def run_fleet(
-    runners: Sequence[Runner],
+async def run_fleet_until(
+    agent: LitAgent[Any],
     store: LightningStore,
+    rollout_ids: Sequence[str],
     *,
-    stop_event: asyncio.Event,
-    queue: str | None = None,
-    idle_wait: float = 0.05,
-) -> int:
-    """Run rollouts of `queue` on `runners`, all on this event loop, until `stop_event` is set; how many ran.
+    queue: str,
+    concurrency: int,
+    index: int,
+    timeout: float,
+    on_rollout_end: Callable[[], None],
+) -> dict[str, Any]:
+    """Runner task `index`'s fleet: `concurrency` runners of `agent` on this event loop, taking rollouts of `queue` in
+    `store` until every one of `rollout_ids` finished or `timeout` seconds passed; `on_rollout_end` is called as each
+    rollout ends. A stop asked for (`lightning.stopping`) cancels the rollouts in flight and raises RunStopped."""
+    from lightning.tracing import Tracer
 
-    One loop claims work for the whole fleet: a rollout for each idle runner, in one `claim_rollouts` naming
-    their worker ids (each attempt starts running under its runner's id), each handed to that runner's
-    `run_attempt` with its resources, which the claim brings only when the fleet lacks them. (Each runner polling on
-    its own, as `Runner.iter` does, costs a store transaction per idle runner each time anything in the store
-    changes.) An empty queue is waited on for up to `idle_wait` seconds at a time (an enqueue through the same
-    store wakes the wait at once), so the fleet stops within about `idle_wait` of `stop_event`; running rollouts
-    finish first."""
-    if len({runner.worker_id for runner in runners}) != len(runners):
-        raise ValueError("run_fleet: the runners' worker_ids repeat; give each runner its own worker_id")
-    idle = list(runners)
-    known: dict[str, ResourcesUpdate] = {}  # what the fleet's claims brought, by resources id
-    freed = asyncio.Event()  # a runner became idle
-    working: set[asyncio.Task[None]] = set()
-    errors: list[BaseException] = []  # what a runner raised besides a store error (a refused token, a bug)
-    ran = 0
-    backoff = 0.1
-
-    async def work(runner: Runner, claimed: AttemptedRollout) -> None:
-        nonlocal ran
-        try:
-            await runner.run_attempt(claimed, resources=known.get(claimed.resources_id or ""))
-            ran += 1
-        except AuthError as exc:
-            errors.append(exc)
-        except StoreError as exc:
-            # The store failed mid-attempt: its watchdog requeues what the runner held.
-            logger.warning("runner %s: store error %s; the attempt is left to the watchdog", runner.worker_id, exc)
-        except Exception as exc:
-            errors.append(exc)
-        finally:
-            idle.append(runner)
-            freed.set()
-
+    stop = asyncio.Event()
+    tracer = Tracer(store)  # one exporter for the fleet, not a thread per runner
+    progress = [_Progress(on_rollout_end)]
+    names = [f"{queue}-runner{index}-{i}" for i in range(concurrency)]
+    fleet = [Runner(agent, store, tracer=tracer, worker_id=name, queue=queue, hooks=progress) for name in names]
+    # One claim loop for the fleet, not a poll per idle runner; its claims bring the resources once.
+    working = asyncio.create_task(run_fleet(fleet, store, stop_event=stop, queue=queue, idle_wait=0.05))
     try:
-        while not stop_event.is_set() and not errors:
-            if not idle:
-                freed.clear()
-                await freed.wait()
-                continue
-            try:
-                claim = await store.claim_rollouts(
-                    [runner.worker_id for runner in idle],
-                    wait=idle_wait,
-                    queue=queue,
-                    known_resources=known_versions(known),
-                )
-            except AuthError:
-                raise  # a refused token stays refused
-            except StoreError as exc:
-                logger.warning("runner fleet: store error %s; retrying in %.1fs", exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 10.0)
-                continue
-            backoff = 0.1
-            known.update((update.resources_id, update) for update in claim.resources)
-            by_worker = {runner.worker_id: runner for runner in idle}
-            for rollout in claim.rollouts:
-                runner = by_worker[rollout.attempt.worker_id or ""]
-                idle.remove(runner)
-                task = asyncio.create_task(work(runner, rollout))
-                working.add(task)
-                task.add_done_callback(working.discard)
-    except asyncio.CancelledError:
-        # Cancelled (a run that stops): the rollouts in flight are cancelled too, not waited for.
-        for task in working:
-            task.cancel()
-        raise
+        finished = await wait_unless_stopped(store, rollout_ids, timeout)
     finally:
-        await asyncio.gather(*working, return_exceptions=True)
-    if errors:
-        raise errors[0]
-    return ran
+        stop.set()
+        if stopping.stop_requested():  # the rollouts in flight are cancelled, not waited for
+            working.cancel()
+        (ran,) = await asyncio.gather(working, return_exceptions=True)
+        await asyncio.to_thread(tracer.shutdown)
+    if stopping.stop_requested() and len(finished) < len(set(rollout_ids)):
+        raise stopping.RunStopped(f"runner task {index} stopped with {len(finished)} of its rollouts finished")
+    if isinstance(ran, BaseException):
+        logger.error("runner task %d stopped early: %r", index, ran)
+    return {"runner": index, "ran": ran if isinstance(ran, int) else 0, "finished": len(finished)}
+
+
+async def wait_unless_stopped(store: LightningStore, rollout_ids: Sequence[str], timeout: float) -> list[Any]:
+    """`store.wait_for_rollouts`, in slices of `stopping.POLL_SECONDS`, so that a stop asked for ends the wait
+    within one slice; the rollouts that finished."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        finished = await store.wait_for_rollouts(
+            rollout_ids=list(rollout_ids), timeout=max(min(left, stopping.POLL_SECONDS), 0.0)
+        )
+        if len(finished) >= len(set(rollout_ids)) or left <= 0 or stopping.stop_requested():
+            return finished
+
+
+class _Progress(Hook):
+    """Each rollout a runner finishes is progress (a run's stall warning waits for none): `note` is called."""
+
+    def __init__(self, note: Callable[[], None]) -> None:
+        self.note = note
+
+    async def on_rollout_end(self, **_: Any) -> None:
+        self.note()
 
 
 def start_runner_threads(

@@ -1,11 +1,11 @@
 """Runner fleets in processes of their own (`task_runner: processes`). Each runner task hands its rollouts to a child
-process of the run, which runs the fleet there (`stages.run_fleet_until`: the agents, the runners, the tracer, a
-store connection of its own) and answers with the task's result. The agents' Python then runs on another
+process of the run, which runs the fleet there (`lightning.runner.fleet.run_fleet_until`: the agents, the runners,
+the tracer, a store connection of its own) and answers with the task's result. The agents' Python then runs on another
 interpreter, and another core, than the flow's, which keeps Prefect, the store's watchdog and the adapter.
 
 Children are started when first needed and kept for the run (spawned: a second or two, the agent's imports
 included); two rollout phases at once (max_staleness >= 1) use two. Parent and child speak JSON over a pipe: one
-request (the rollout ids, the mode), progress notes while it runs (the run's stall warning hears of finished
+request (the rollout ids, the deadline), progress notes while it runs (the run's stall warning hears of finished
 rollouts), one reply. A child that dies fails its runner task, whose retry gets a fresh child; one that is silent
 past the phase's deadline and a margin is killed. A stop asked for in the flow's process reaches the child as
 SIGTERM, and its fleet stops as one in the flow does (the rollouts in flight cancelled).
@@ -23,14 +23,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lightning import pipes, stopping
-
-if TYPE_CHECKING:
-    from lightning.run import Run
 
 MARGIN_SECONDS = 60.0
 """How long past the phase's deadline a silent child is given before it is killed (its fleet stops at the deadline
@@ -47,12 +45,24 @@ class RunnerProcessError(RuntimeError):
     """The fleet raised inside the runner process; the message carries its traceback."""
 
 
-class RunnerProcesses:
-    """The run's runner processes: idle ones are reused, a busy set grows by one when a runner task finds none idle.
-    Thread-safe: Prefect runs the runner tasks on threads of the flow, each with its own event loop."""
+@dataclass(frozen=True)
+class FleetSpec:
+    """What a runner process's fleets are: `concurrency` runners of `agent` (module:name) taking rollouts of `queue`
+    from the store at `store_url` (a connection of the process's own)."""
 
-    def __init__(self, run: Run, *, start_timeout: float, stacks_dir: str | Path | None = None) -> None:
-        self.run = run
+    store_url: str
+    agent: str
+    queue: str
+    concurrency: int
+
+
+class RunnerProcesses:
+    """The run's runner processes, each running `fleet`s: idle ones are reused, a busy set grows by one when a runner
+    task finds none idle. Thread-safe: Prefect runs the runner tasks on threads of the flow, each with its own event
+    loop."""
+
+    def __init__(self, fleet: FleetSpec, *, start_timeout: float, stacks_dir: str | Path | None = None) -> None:
+        self.fleet = fleet
         self.start_timeout = start_timeout
         self.stacks_dir = None if stacks_dir is None else str(stacks_dir)
         self._lock = threading.Lock()
@@ -68,7 +78,7 @@ class RunnerProcesses:
         return [child.pid for child in children if child.alive]
 
     async def run_fleet(
-        self, rollout_ids: Sequence[str], index: int, mode: str, *, timeout: float, on_progress: Callable[[], None]
+        self, rollout_ids: Sequence[str], index: int, *, timeout: float, on_progress: Callable[[], None]
     ) -> dict[str, Any]:
         """Runner task `index`'s fleet in a child until `rollout_ids` finish or `timeout` passes (the child enforces
         it; MARGIN_SECONDS later it is killed); the fleet's result. `on_progress` is called for each progress
@@ -77,8 +87,8 @@ class RunnerProcesses:
         healthy = False
         try:
             if not child.alive:
-                await asyncio.to_thread(child.start, self.run, self.start_timeout, self.stacks_dir)
-            request = {"op": "run", "rollout_ids": list(rollout_ids), "index": index, "mode": mode}
+                await asyncio.to_thread(child.start, self.fleet, self.start_timeout, self.stacks_dir)
+            request = {"op": "run", "rollout_ids": list(rollout_ids), "index": index, "timeout": timeout}
             result = await child.call(request, timeout + MARGIN_SECONDS, on_progress)
             healthy = True
             return result
@@ -130,12 +140,11 @@ class _Child:
     def pid(self) -> int:
         return self._process.pid if self._process is not None and self._process.pid is not None else 0
 
-    def start(self, run: Run, timeout: float, stacks_dir: str | None) -> None:
+    def start(self, fleet: FleetSpec, timeout: float, stacks_dir: str | None) -> None:
         """Spawn the child and wait until it has imported the agent and opened the store."""
         context = multiprocessing.get_context("spawn")
         parent_conn, child_conn = context.Pipe()
-        # The run crosses as its config and endpoints (Run.__getstate__), as it does to a Ray worker.
-        args = (child_conn, run, os.getpid(), stacks_dir)
+        args = (child_conn, fleet, os.getpid(), stacks_dir)
         self._process = context.Process(target=_serve, args=args, name="runner-process", daemon=True)
         self._process.start()
         child_conn.close()  # the child's death is then an EOF here
@@ -203,7 +212,7 @@ class _Child:
 # --- the child --------------------------------------------------------------------------------
 
 
-def _serve(conn: Connection, run: Run, parent: int, stacks_dir: str | None) -> None:
+def _serve(conn: Connection, fleet: FleetSpec, parent: int, stacks_dir: str | None) -> None:
     """The child's loop: open the store, say ready, run one fleet per request until told to close. It dies with
     its parent, and stops its fleet on SIGTERM (the parent's stop)."""
     from lightning.diagnose import dump_stacks_on_signal
@@ -215,14 +224,14 @@ def _serve(conn: Connection, run: Run, parent: int, stacks_dir: str | None) -> N
     signal.signal(signal.SIGTERM, lambda *_: stopping.request_stop("the flow's process asked its runners to stop"))
     loop = asyncio.new_event_loop()
     try:
-        store = loop.run_until_complete(_open_store(run))
+        store = loop.run_until_complete(_open_store(fleet))
     except Exception as exc:
         pipes.send(conn, pipes.error_reply(exc))
         return
     pipes.send(conn, {"ready": True})
     for request in pipes.requests(conn):
         try:
-            result = loop.run_until_complete(_run_request(run, store, request, conn))
+            result = loop.run_until_complete(_run_request(fleet, store, request, conn))
             pipes.send(conn, {"result": result})
         except stopping.RunStopped as exc:
             pipes.send(conn, {"stopped": str(exc)})
@@ -235,16 +244,17 @@ def _serve(conn: Connection, run: Run, parent: int, stacks_dir: str | None) -> N
     os._exit(0)
 
 
-async def _open_store(run: Run) -> Any:
+async def _open_store(fleet: FleetSpec) -> Any:
     from lightning.config import load_agent
     from lightning.store import open_store
 
-    load_agent(run.config.agent)  # an agent that does not import fails the start, not every request
-    return open_store(run.config.store_url, watchdog_interval=None)
+    load_agent(fleet.agent)  # an agent that does not import fails the start, not every request
+    return open_store(fleet.store_url, watchdog_interval=None)
 
 
-async def _run_request(run: Run, store: Any, request: dict[str, Any], conn: Connection) -> dict[str, Any]:
-    from lightning import stages
+async def _run_request(fleet: FleetSpec, store: Any, request: dict[str, Any], conn: Connection) -> dict[str, Any]:
+    from lightning.config import load_agent
+    from lightning.runner.fleet import run_fleet_until
 
     last = [0.0]
 
@@ -254,7 +264,8 @@ async def _run_request(run: Run, store: Any, request: dict[str, Any], conn: Conn
             last[0] = now
             pipes.send(conn, {"progress": 1})
 
-    done = await stages.run_fleet_until(
-        run, store, request["rollout_ids"], request["index"], request["mode"], on_rollout_end=progress
-    )
+    done = await run_fleet_until(
+        load_agent(fleet.agent), store, request["rollout_ids"], queue=fleet.queue, concurrency=fleet.concurrency,
+        index=request["index"], timeout=request["timeout"], on_rollout_end=progress,
+    )  # fmt: skip
     return {**done, "pid": os.getpid()}  # where the runner task's rollouts ran

@@ -1,8 +1,10 @@
 """The store: rollouts, attempts, spans, resources and workers, and the rules of their lifecycle."""
 
+import os
 from typing import Any
 
-from lightning.agl_paths import missing
+from lightning.agl_import_paths import missing
+from lightning.credentials import expand, split_credentials
 from lightning.environment import STORE_TOKEN
 from lightning.store import contract
 from lightning.store.base import UNSET, LightningStore, Unset
@@ -17,12 +19,11 @@ def open_store(url: str, *, token: str | None = None, watchdog_interval: float |
     else a database URL for SqlLightningStore. `token`: the server's bearer token (default: env
     LIGHTNING_STORE_TOKEN). A `${VAR}` in the URL (a password) is expanded from the environment here."""
     if url.startswith(("http://", "https://")):
-        import os
-
-        from lightning.credentials import expand
         from lightning.store.client import HttpLightningStore
 
-        return HttpLightningStore(expand(url), token=token or os.environ.get(STORE_TOKEN))
+        url = expand(url)
+        in_url = split_credentials(url)[1]  # `http://:TOKEN@host`: the URL's token comes before the environment's
+        return HttpLightningStore(url, token=token or in_url or os.environ.get(STORE_TOKEN))
     return SqlLightningStore(url, watchdog_interval=watchdog_interval)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, get_args, get_origin
@@ -100,6 +101,42 @@ def agl_routes(store: LightningStore) -> list[Route]:
     return routes
 
 
+def agl_openapi(ref_template: str = "#/components/schemas/{model}") -> tuple[dict[str, Any], dict[str, Any]]:
+    """agl's routes as OpenAPI paths, and the schemas they refer to (for `components.schemas`): the path's ids as
+    path parameters, a GET's fields as query parameters, a POST's request (or its `body_is` field) as the JSON body.
+    So the API docs list them and a schema-driven fuzzer finds them."""
+    paths: dict[str, Any] = {}
+    schemas: dict[str, Any] = {}
+    for route in ROUTES:
+        schema = route.request.model_json_schema(ref_template=ref_template)
+        schemas.update(schema.pop("$defs", {}))
+        in_path = re.findall(r"{(\w+)}", route.path)
+        parameters = [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}} for name in in_path]
+        properties = {name: value for name, value in schema.get("properties", {}).items() if name not in in_path}
+        operation: dict[str, Any] = {
+            "summary": f"agent-lightning 0.3: {route.request.method}",
+            "description": route.request.__doc__ or "",
+            "tags": ["agent-lightning"],
+            "responses": {str(route.status_code): {"description": "agl's answer"}},
+        }
+        if route.method == "GET":
+            for name, value in properties.items():
+                if name in route.list_fields:
+                    value = {"type": "array", "items": value}
+                parameters.append({"name": name, "in": "query", "required": False, "schema": value})
+        elif route.body_is is not None:
+            body = properties[route.body_is]
+            operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
+        else:
+            required = [name for name in schema.get("required", []) if name not in in_path]
+            body = {"type": "object", "properties": properties, "required": required, "additionalProperties": False}
+            operation["requestBody"] = {"required": False, "content": {"application/json": {"schema": body}}}
+        if parameters:
+            operation["parameters"] = parameters
+        paths.setdefault(PREFIX + route.path, {})[route.method.lower()] = operation
+    return paths, schemas
+
+
 async def _health(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
@@ -130,6 +167,8 @@ def _endpoint(store: LightningStore, route: AglRoute) -> Callable[..., Any]:
             return _error(http_status(exc), str(exc))
         except json.JSONDecodeError as exc:
             return _error(400, f"{route.request.method}: the body is not JSON: {exc}")
+        except UnicodeDecodeError as exc:
+            return _error(400, f"{route.request.method}: the body is not UTF-8 text (JSON is): {exc}")
         except Exception:
             logger.exception("unexpected error in %s %s", request.method, request.url.path)
             return _error(500, "internal server error; see the store server's log")

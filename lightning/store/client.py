@@ -16,6 +16,7 @@ import aiohttp
 import pydantic
 from yarl import URL
 
+from lightning.credentials import split_credentials
 from lightning.store import contract
 from lightning.store.base import LightningStore
 from lightning.store.contract import MAX_WAIT_SECONDS, Request
@@ -45,6 +46,9 @@ class HttpLightningStore(LightningStore):
     def __init__(self, base_url: str, *, token: str | None = None, timeout: float = 30.0, retries: int = 3) -> None:
         if retries < 0:
             raise InvalidArgumentError(f"retries must be >= 0, got {retries}")
+        # `http://:TOKEN@host` is a token too; the URL kept (and printed in errors) has none.
+        base_url, in_url = split_credentials(base_url)
+        token = token or in_url
         self.base_url = base_url.rstrip("/")
         self._headers = {"content-type": "application/json", "accept": "application/json"}
         if token:

@@ -12,9 +12,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 
-from lightning.serving import BearerAuth, BodyTooLarge, read_body
+from lightning.serving import DEFAULT_MAX_BODY_BYTES, BearerAuth, BodyTooLarge, read_body
 from lightning.store import contract
-from lightning.store.agl_routes import PathToken, agl_routes
+from lightning.store.agl_routes import PathToken, agl_openapi, agl_routes
 from lightning.store.base import LightningStore, describe_validation_error, handle_one_http_request
 from lightning.store.contract import REQUESTS
 from lightning.store.errors import InvalidArgumentError, StoreError, http_status
@@ -22,7 +22,6 @@ from lightning.store.otlp import add_otlp_route, otlp_refusal
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 """Largest request body accepted (413 beyond): a rollout's input or a batch of spans is far smaller."""
 
 
@@ -128,8 +127,9 @@ def create_app(
         )
     store_routes = [r for r in app.router.routes if isinstance(r, _StoreRoute) and r.path.startswith("/v1/store/")]
     app.add_middleware(_StoreRoutes, handlers={route.path: route.get_route_handler() for route in store_routes})
-    # agent-lightning 0.3's wire (/v1/agl/...), for its own client and runners.
+    # agent-lightning 0.3's wire (/v1/agl/...), for its own client and runners; in the API schema beside ours.
     app.router.routes.extend(agl_routes(store))
+    _describe_agl_routes(app)
     add_otlp_route(app, store)
     if token is not None:
         if not token:
@@ -137,6 +137,23 @@ def create_app(
         app.add_middleware(BearerAuth, token=token, refusal=otlp_refusal(_unauthorised))
         app.add_middleware(PathToken)  # outermost: /t/<token>/... becomes a bearer token before the check
     return app
+
+
+def _describe_agl_routes(app: FastAPI) -> None:
+    """Add agl's routes (plain Starlette routes, which FastAPI leaves out) to the app's OpenAPI schema."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            paths, schemas = agl_openapi()
+            schema["paths"].update(paths)
+            known = schema.setdefault("components", {}).setdefault("schemas", {})
+            known.update({name: value for name, value in schemas.items() if name not in known})
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _endpoint(store: LightningStore, request_type: type[contract.Request]) -> Callable[..., Awaitable[Any]]:

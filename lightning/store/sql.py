@@ -23,6 +23,7 @@ import functools
 import json
 import logging
 import operator
+import os
 import re
 import sqlite3
 import threading
@@ -1636,6 +1637,9 @@ def _sqlite_engine(url: URL) -> Any:
     in_memory = url.database in (None, "", ":memory:")
     if not in_memory:
         Path(url.database).parent.mkdir(parents=True, exist_ok=True)
+        # Created readable by its owner only (SQLite gives its -wal and -shm files the same mode): it holds the
+        # run's spans, prompts and resources, the proxy's token among them. An existing file keeps its mode.
+        os.close(os.open(url.database, os.O_CREAT | os.O_RDWR, 0o600))
     engine = create_engine(
         url,
         poolclass=StaticPool,

@@ -2,7 +2,7 @@
 to use instead where there is none.
 
 `import lightning` puts `FINDER` on `sys.meta_path`. A module of ours at agl's path (lightning.store,
-lightning.adapter.messages, lightning.logging, ...) is imported as usual; one listed in `MODULES` is made on import
+lightning.adapter.messages, lightning.config, ...) is imported as usual; one listed in `MODULES` is made on import
 from the modules of ours it names (`lightning.litagent` offers `lightning.agent`'s names); one in `NO_MODULE`, or
 below one, raises `NotInLightning`, whose message says what to use. A name agl has and we do not raises
 `NotInLightning` too (from `NAMES`), from the module where agl has it: `from lightning import APO` fails with the
@@ -37,6 +37,9 @@ MODULES: dict[str, tuple[str, ...]] = {
     "litagent": ("lightning.agent",),
     "litagent.decorator": ("lightning.agent",),
     "litagent.litagent": ("lightning.agent",),
+    # Ours is lightning.log_setup: a module named `logging` would hide the standard library's from any script run
+    # from inside lightning/.
+    "logging": ("lightning.log_setup",),
     "reward": ("lightning.tracing",),
     "runner.agent": ("lightning.runner",),
     "runner.base": ("lightning.runner",),
@@ -51,8 +54,8 @@ MODULES: dict[str, tuple[str, ...]] = {
 }
 """agl module (after `agentlightning.`) -> our modules whose names `lightning.<that path>` offers, first found first.
 agl's modules at a path where we have a module of our own are not here: lightning.adapter, lightning.adapter.messages,
-lightning.algorithm, lightning.cli, lightning.config, lightning.logging, lightning.runner, lightning.semconv,
-lightning.store, lightning.store.base, lightning.store.memory, lightning.trainer, lightning.types."""
+lightning.algorithm, lightning.cli, lightning.config, lightning.runner, lightning.semconv, lightning.store,
+lightning.store.base, lightning.store.memory, lightning.trainer, lightning.types."""
 
 _ADAPTER = (
     "adapters here are functions over spans: lightning.adapter.spans_to_triplets and spans_to_messages "

@@ -1,0 +1,118 @@
+"""Bad and oversized requests against real servers on 127.0.0.1: each server answers a 4xx in its own error shape,
+reads no more of a body than its limit (declared or chunked), forwards nothing it refused, and stays up."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+from support.fixed_backend import FixedBackend
+from support.servers import serving
+
+from lightning.inference import create_inference_app
+from lightning.proxy import LLMProxy
+from lightning.store.agl_routes import PREFIX, ROUTES
+from lightning.store.server import create_app
+from lightning.store.sql import SqlLightningStore
+
+LIMIT = 10_000
+
+
+@pytest.fixture
+async def sql_store(tmp_path: Path) -> AsyncIterator[SqlLightningStore]:
+    store = SqlLightningStore(f"sqlite:///{tmp_path / 'store.db'}", watchdog_interval=None)
+    yield store
+    await store.close()
+
+
+def answer_to_an_unfinished_chunked_body(url: str, path: str, chunks: int = 4, size: int = 64 * 1024) -> int:
+    """Send `chunks` chunks of a chunked body (more than the limit) and never its end; the status the server answers
+    meanwhile. A server that read the body whole before judging it would never answer (a timeout here)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=20) as sock:
+        head = f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        sock.sendall((head + "Transfer-Encoding: chunked\r\n\r\n").encode())
+        for _ in range(chunks):
+            sock.sendall(f"{size:x}\r\n".encode() + b" " * size + b"\r\n")
+        status_line = sock.makefile("rb").readline().decode()
+    return int(status_line.split()[1])
+
+
+def test_every_agl_post_route_answers_400_to_a_body_that_is_not_utf8(sql_store: SqlLightningStore) -> None:
+    posts = [route for route in ROUTES if route.method == "POST"]
+    with serving(create_app(sql_store)) as url:
+        for route in posts:
+            path = route.path.replace("{rollout_id}", "ro-x").replace("{attempt_id}", "at-x")
+            path = path.replace("{worker_id}", "w").replace("{resources_id}", "rs-x")
+            for body in (b'"\xe9"', b'{"input": "\xff\xfe"}'):
+                answer = httpx.post(url + PREFIX + path, content=body, headers={"content-type": "application/json"})
+                assert answer.status_code == 400, (route.path, answer.status_code, answer.text)
+                assert "not UTF-8" in answer.json()["detail"]
+        assert len(posts) >= 13
+        assert httpx.get(url + "/health").status_code == 200
+
+
+def test_the_store_refuses_a_chunked_body_while_reading_it(sql_store: SqlLightningStore) -> None:
+    # 256 KiB sent of a body that never ends, against a 10,000-byte limit: refused while reading.
+    with serving(create_app(sql_store, max_body_bytes=LIMIT)) as url:
+        for path in ("/v1/store/enqueue_rollout", PREFIX + "/rollouts", "/v1/traces"):
+            assert answer_to_an_unfinished_chunked_body(url, path) == 413, path
+        assert httpx.post(url + "/v1/store/enqueue_rollout", json={"input": "x"}).status_code == 200
+
+
+def test_the_proxy_refuses_a_large_body_before_forwarding_it(sql_store: SqlLightningStore) -> None:
+    backend = FixedBackend()
+    with serving(backend) as backend_url:
+        proxy = LLMProxy(sql_store, [backend_url + "/v1"], max_body_bytes=LIMIT)
+        url = proxy.start()
+        try:
+            big = {"model": "policy", "messages": [{"role": "user", "content": "x" * 2 * LIMIT}]}
+            answer = httpx.post(url + "/v1/chat/completions", json=big)
+            assert answer.status_code == 413
+            assert "at most 10,000" in answer.json()["error"]["message"]
+            assert answer_to_an_unfinished_chunked_body(url, "/v1/chat/completions") == 413
+            assert backend.requests == []  # nothing refused reached the backend
+            small = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
+            assert httpx.post(url + "/v1/chat/completions", json=small).status_code == 200
+        finally:
+            proxy.stop()
+
+
+def test_the_inference_server_bounds_bodies_and_refuses_long_prompts_before_tokenizing(tiny_dir: Path) -> None:
+    app = create_inference_app(tiny_dir, served_model_name="policy", max_body_bytes=1_000_000)
+    engine = app.state.engine
+    engine.start()
+    try:
+        with serving(app) as url:
+            chat = f"{url}/v1/chat/completions"
+            huge = {"model": "policy", "messages": [{"role": "user", "content": "x" * 2_000_000}]}
+            answer = httpx.post(chat, json=huge, timeout=60)
+            assert answer.status_code == 413 and answer.json()["error"]["type"] == "RequestTooLarge"
+            assert answer_to_an_unfinished_chunked_body(url, "/v1/chat/completions", chunks=20) == 413
+            # Under the body limit but far over the context (512 tokens): refused by its length, not tokenized.
+            long = {"model": "policy", "messages": [{"role": "user", "content": "ab " * 300_000}]}
+            started = time.perf_counter()
+            answer = httpx.post(chat, json=long, timeout=60)
+            seconds = time.perf_counter() - started
+            assert answer.status_code == 400 and answer.json()["error"]["param"] == "messages"
+            assert "at least" in answer.json()["error"]["message"], answer.text
+            prompt = {"model": "policy", "prompt": "ab " * 300_000, "max_tokens": 1}
+            answer = httpx.post(f"{url}/v1/completions", json=prompt, timeout=60)
+            assert answer.status_code == 400 and answer.json()["error"]["param"] == "prompt"
+            ok = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            assert httpx.post(chat, json=ok, timeout=60).status_code == 200
+            assert seconds < 30  # generous for a loaded machine; tokenizing first took 9.5 s for 5 MB
+    finally:
+        engine.stop()
+
+
+def test_the_limit_is_a_setting_of_the_run() -> None:
+    from lightning.config import TrainConfig
+
+    assert TrainConfig(agent="examples.copy_task.agent:copy_agent").inference.max_request_mb == 32
+    with pytest.raises(ValueError, match="max_request_mb"):
+        TrainConfig(agent="examples.copy_task.agent:copy_agent", inference={"max_request_mb": 0})
