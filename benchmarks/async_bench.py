@@ -34,7 +34,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from lightning.config import load_config, parse_overrides  # noqa: E402
+from lightning.config import load_config  # noqa: E402
+from lightning.config_file import parse_overrides  # noqa: E402
 
 
 class CpuSampler:

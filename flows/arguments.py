@@ -8,7 +8,7 @@ import argparse
 import sys
 
 from lightning import owner
-from lightning.config import load_config, parse_overrides
+from lightning.config_file import apply_overrides, named_run, parse_overrides, read_config_file
 from lightning.errors import ConfigError
 
 
@@ -29,8 +29,9 @@ def take_the_run(argv: list[str]) -> owner.RunLock | None:
     the command itself says so)."""
     try:
         args, _ = flow_arguments("train", None).parse_known_args(argv)
-        config = load_config(args.config, **parse_overrides(args.set))
-        return owner.acquire(config.run_dir, config.run_name)
+        # The config as data (the library is not imported yet: on a loaded machine that takes seconds).
+        run_dir, run_name = named_run(apply_overrides(read_config_file(args.config), parse_overrides(args.set)))
+        return owner.acquire(run_dir, run_name)
     except owner.RunLocked as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(1) from None

@@ -20,7 +20,8 @@ from typing import Any
 from flows.arguments import flow_arguments
 from flows.secret_blocks import URL_FIELDS, export_secret_blocks
 from lightning import owner, preflight, stopping
-from lightning.config import load_config, parse_overrides
+from lightning.config import load_config
+from lightning.config_file import parse_overrides
 from lightning.credentials import references
 from lightning.environment import PREFECT_UI
 from lightning.errors import ConfigError

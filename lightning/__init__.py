@@ -3,80 +3,116 @@
 `import lightning as agl` gives an agent-lightning 0.3 script the names it uses (`agl.LitAgent`, `agl.rollout`,
 `agl.emit_reward`, `agl.Trainer`, ...), and agl's module paths resolve below it (`from lightning.litagent import
 rollout`; see lightning.agl_import_paths). An agl name with no counterpart raises `NotInLightning` (an ImportError)
-saying what to use instead. The heavier names (tracing, runner, trainer) load on first use.
+saying what to use instead. Every name loads on first use.
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning import agl_import_paths
-from lightning.agent import Hook, LitAgent, RolloutRawResult, llm_rollout, prompt_rollout, rollout
-from lightning.log_setup import configure_logger
-from lightning.log_setup import setup as setup_logging
-from lightning.log_setup import setup_module as setup_module_logging
-from lightning.store import LightningStore, SqlLightningStore
-from lightning.types import (
-    LLM,
-    Attempt,
-    AttemptedRollout,
-    AttemptStatus,
-    Attributes,
-    AttributeValue,
-    EnqueueRolloutRequest,
-    Event,
-    Link,
-    NamedResources,
-    OtelResource,
-    PaginatedResult,
-    PromptTemplate,
-    ProxyLLM,
-    Resource,
-    ResourcesUpdate,
-    ResourceUnion,
-    Rollout,
-    RolloutConfig,
-    RolloutMode,
-    RolloutStatus,
-    Span,
-    SpanContext,
-    SpanLike,
-    StatusCode,
-    TaskInput,
-    TraceState,
-    TraceStatus,
-    Triplet,
-    Worker,
-    WorkerStatus,
-)
 
-# Loaded on first use: name -> module.
-_LAZY = {
-    "Dataset": "lightning.types",
-    "Trainer": "lightning.trainer",
-    "TrainConfig": "lightning.config",
-    "TrainerConfig": "lightning.algorithm.config",
-    "Runner": "lightning.runner",
-    "LitAgentRunner": "lightning.runner",
-    "Tracer": "lightning.tracing",
-    "SpanCoreFields": "lightning.tracing",
-    "emit_reward": "lightning.tracing",
-    "emit_message": "lightning.tracing",
-    "emit_object": "lightning.tracing",
-    "emit_exception": "lightning.tracing",
-    "operation": "lightning.tracing",
-    "find_final_reward": "lightning.tracing",
-    "find_rewards": "lightning.tracing",
-    "find_reward_spans": "lightning.tracing",
-    "is_reward_span": "lightning.tracing",
-    "get_reward_value": "lightning.tracing",
-    "get_final_reward": "lightning.tracing",
-    "TraceToMessages": "lightning.adapter",
-    "LightningStoreClient": "lightning.store.client",
-    "InMemoryLightningStore": "lightning.store.memory",
-}
+if TYPE_CHECKING:  # what the names below are, for type checkers and editors; at run time each loads on first use
+    from lightning.agent import Hook, LitAgent, RolloutRawResult, llm_rollout, prompt_rollout, rollout
+    from lightning.log_setup import configure_logger
+    from lightning.log_setup import setup as setup_logging
+    from lightning.log_setup import setup_module as setup_module_logging
+    from lightning.store import LightningStore, SqlLightningStore
+    from lightning.types import (
+        LLM,
+        Attempt,
+        AttemptedRollout,
+        AttemptStatus,
+        Attributes,
+        AttributeValue,
+        EnqueueRolloutRequest,
+        Event,
+        Link,
+        NamedResources,
+        OtelResource,
+        PaginatedResult,
+        PromptTemplate,
+        ProxyLLM,
+        Resource,
+        ResourcesUpdate,
+        ResourceUnion,
+        Rollout,
+        RolloutConfig,
+        RolloutMode,
+        RolloutStatus,
+        Span,
+        SpanContext,
+        SpanLike,
+        StatusCode,
+        TaskInput,
+        TraceState,
+        TraceStatus,
+        Triplet,
+        Worker,
+        WorkerStatus,
+    )
+
+# Every public name loads on first use (`import lightning.owner` must not import the store, SQLAlchemy or torch:
+# a command takes a run's lock before anything heavy). name -> (module, attribute).
+_LAZY: dict[str, tuple[str, str]] = {
+    **{name: ("lightning.types", name) for name in (
+        "LLM",
+        "Attempt",
+        "AttemptedRollout",
+        "AttemptStatus",
+        "Attributes",
+        "AttributeValue",
+        "EnqueueRolloutRequest",
+        "Event",
+        "Link",
+        "NamedResources",
+        "OtelResource",
+        "PaginatedResult",
+        "PromptTemplate",
+        "ProxyLLM",
+        "Resource",
+        "ResourcesUpdate",
+        "ResourceUnion",
+        "Rollout",
+        "RolloutConfig",
+        "RolloutMode",
+        "RolloutStatus",
+        "Span",
+        "SpanContext",
+        "SpanLike",
+        "StatusCode",
+        "TaskInput",
+        "TraceState",
+        "TraceStatus",
+        "Triplet",
+        "Worker",
+        "WorkerStatus",
+        "Dataset",
+    )},
+    **{name: ("lightning.agent", name) for name in (
+        "Hook", "LitAgent", "RolloutRawResult", "llm_rollout", "prompt_rollout", "rollout",
+    )},
+    "configure_logger": ("lightning.log_setup", "configure_logger"),
+    "setup_logging": ("lightning.log_setup", "setup"),
+    "setup_module_logging": ("lightning.log_setup", "setup_module"),
+    "LightningStore": ("lightning.store", "LightningStore"),
+    "SqlLightningStore": ("lightning.store", "SqlLightningStore"),
+    "Trainer": ("lightning.trainer", "Trainer"),
+    "TrainConfig": ("lightning.config", "TrainConfig"),
+    "TrainerConfig": ("lightning.algorithm.config", "TrainerConfig"),
+    "Runner": ("lightning.runner", "Runner"),
+    "LitAgentRunner": ("lightning.runner", "LitAgentRunner"),
+    **{name: ("lightning.tracing", name) for name in (
+        "Tracer", "SpanCoreFields", "emit_reward", "emit_message", "emit_object", "emit_exception", "operation",
+        "find_final_reward", "find_rewards", "find_reward_spans", "is_reward_span", "get_reward_value",
+        "get_final_reward",
+    )},
+    "TraceToMessages": ("lightning.adapter", "TraceToMessages"),
+    "LightningStoreClient": ("lightning.store.client", "LightningStoreClient"),
+    "InMemoryLightningStore": ("lightning.store.memory", "InMemoryLightningStore"),
+}  # fmt: skip
 # agent-lightning's submodules (agl.litagent, agl.store, ...) as attributes, imported on first use.
 _SUBMODULES = frozenset(
     {"adapter", "algorithm", "config", "emitter", "litagent", "logging", "reward", "runner", "semconv", "store",
@@ -88,7 +124,8 @@ sys.meta_path.append(agl_import_paths.FINDER)
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
+        module, attribute = _LAZY[name]
+        value = getattr(importlib.import_module(module), attribute)
         globals()[name] = value
         return value
     if name in _SUBMODULES:
@@ -96,69 +133,4 @@ def __getattr__(name: str) -> Any:
     agl_import_paths.missing(__name__, name)
 
 
-__all__ = [
-    "Attempt",
-    "AttemptStatus",
-    "AttemptedRollout",
-    "AttributeValue",
-    "Attributes",
-    "Dataset",
-    "EnqueueRolloutRequest",
-    "Event",
-    "Hook",
-    "InMemoryLightningStore",
-    "LLM",
-    "LightningStore",
-    "LightningStoreClient",
-    "Link",
-    "LitAgent",
-    "LitAgentRunner",
-    "NamedResources",
-    "OtelResource",
-    "PaginatedResult",
-    "PromptTemplate",
-    "ProxyLLM",
-    "Resource",
-    "ResourceUnion",
-    "ResourcesUpdate",
-    "Rollout",
-    "RolloutConfig",
-    "RolloutMode",
-    "RolloutRawResult",
-    "RolloutStatus",
-    "Runner",
-    "Span",
-    "SpanContext",
-    "SpanCoreFields",
-    "SpanLike",
-    "SqlLightningStore",
-    "StatusCode",
-    "TaskInput",
-    "TraceState",
-    "TraceStatus",
-    "TraceToMessages",
-    "Tracer",
-    "TrainConfig",
-    "Trainer",
-    "TrainerConfig",
-    "Triplet",
-    "Worker",
-    "WorkerStatus",
-    "configure_logger",
-    "emit_exception",
-    "emit_message",
-    "emit_object",
-    "emit_reward",
-    "find_final_reward",
-    "find_reward_spans",
-    "find_rewards",
-    "get_final_reward",
-    "get_reward_value",
-    "is_reward_span",
-    "llm_rollout",
-    "operation",
-    "prompt_rollout",
-    "rollout",
-    "setup_logging",
-    "setup_module_logging",
-]
+__all__ = sorted(_LAZY)  # every public name is one that loads on first use

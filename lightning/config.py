@@ -7,21 +7,25 @@ and a dataset. Validation errors name the field and say how to fix it.
 
 from __future__ import annotations
 
-import copy
 import difflib
 import importlib
 import json
 import re
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from lightning.agent import LitAgent
 from lightning.agl_import_paths import missing
 from lightning.algorithm.config import TrainerConfig, VerlOptions
+from lightning.config_file import (
+    DEFAULT_OUTPUT_DIR,
+    DEFAULT_RUN_NAME,
+    apply_overrides,
+    read_config_file,
+)
 from lightning.devices import DeviceSetting
 from lightning.errors import ConfigError
 from lightning.metrics import DEFAULT_TRACKING_URI
@@ -154,6 +158,11 @@ class StageTimeouts(BaseModel):
     """One held-out evaluation."""
     stall_warning: float = Field(default=900, gt=0)
     """Nothing finished (a stage, a rollout) for this long: the run logs the stacks of its processes."""
+    blocked_loop: float = Field(default=30, gt=0)
+    """An agent that holds its runner's event loop this long (a blocking call inside `async def`: `time.sleep`, a
+    synchronous client) fails its rollout, naming the line; a loop still blocked once every rollout on it is past its
+    `rollout.timeout_seconds` is given up and its runner task fails, to be retried (`lightning.runner.blocking`).
+    Long enough for a busy machine's pauses: it only has to catch what would otherwise hang the run."""
     stop: float = Field(default=30, gt=0)
     """A run asked to stop (Ctrl-C, SIGTERM) ends its stage in flight, closes and exits within this; past it,
     `python -m flows.*` ends at once (its servers die with it)."""
@@ -299,7 +308,7 @@ class TrainConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    run_name: str = "demo"
+    run_name: str = DEFAULT_RUN_NAME
     """Names the run everywhere (store metadata, checkpoints, MLflow run). A run whose name exists resumes."""
     agent: str | None = None
     """The agent, as `module:function` (a @rollout function) or `module:Class` (a LitAgent subclass). Required to
@@ -333,7 +342,7 @@ class TrainConfig(BaseModel):
     system_metrics: bool = True
     """Log the flow's machine's CPU, memory, disk, network (and GPU) use to the MLflow run every 10 s
     ($MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL); needs psutil (and pynvml for GPUs)."""
-    output_dir: str = ".lightning/runs"
+    output_dir: str = DEFAULT_OUTPUT_DIR
     """The run's files (checkpoints, batches, state) go to output_dir/run_name."""
 
     algorithm: TrainerConfig = Field(default_factory=lambda: TrainerConfig(lr=1e-5))
@@ -587,43 +596,8 @@ def load_config(source: str | Path | dict[str, Any], **overrides: Any) -> TrainC
     if isinstance(source, dict):
         data, where = source, "the configuration"
     else:
-        path = Path(source)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path} must hold a mapping of TrainConfig fields, not a {type(data).__name__}")
-        where = str(path)
+        data, where = read_config_file(source), str(source)
     return validate_config(apply_overrides(data, overrides), where, overridden=overrides)
-
-
-def parse_overrides(pairs: Iterable[str]) -> dict[str, Any]:
-    """The command line's `FIELD=VALUE` overrides (`--set iterations=3`) as a dict of dotted fields
-    (`{"iterations": 3}`); each value is read as YAML: numbers, booleans, lists, mappings."""
-    overrides = {}
-    for pair in pairs:
-        name, sep, text = pair.partition("=")
-        if not sep or not name:
-            raise ConfigError(f"override {pair!r}: write field=value, e.g. algorithm.lr=0.0001")
-        overrides[name] = yaml.safe_load(text)
-    return overrides
-
-
-def apply_overrides(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """A copy of `data` with each dotted override set: `{"algorithm.lr": 1e-4}` sets `data["algorithm"]["lr"]`."""
-    result = copy.deepcopy(dict(data))
-    for dotted, value in overrides.items():
-        *parents, last = dotted.split(".")
-        node = result
-        for part in parents:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"override {dotted}: {part} is not a mapping")
-        node[last] = value
-    return result
 
 
 def with_overrides(config: TrainConfig | dict[str, Any], overrides: dict[str, Any] | None) -> TrainConfig:

@@ -16,7 +16,7 @@ from typing import Any
 
 import lightning as agl
 from examples.agl_room_selector.agent import room_selector, train_tasks, val_tasks
-from lightning.config import apply_overrides, parse_overrides
+from lightning.config_file import apply_overrides, parse_overrides
 
 DEFAULTS: dict[str, Any] = {
     "run_name": "agl-room-selector",

@@ -15,7 +15,7 @@ from typing import Any
 
 import lightning as agl
 from examples.agl_sql_agent.agent import LitSqlAgent, train_tasks, val_tasks
-from lightning.config import apply_overrides, parse_overrides
+from lightning.config_file import apply_overrides, parse_overrides
 
 DEFAULTS: dict[str, Any] = {
     "run_name": "agl-sql-agent",
