@@ -102,18 +102,21 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
 
     # These two have their own parsers (also `python -m lightning.models|inference`); `main` hands over to them.
-    _group(
+    # Their subcommands are listed here for `--help` only.
+    models = _group(
         commands, "models",
         help="local models: `lightning models build-tiny DIR` writes a tiny random-init model and tokenizer",
         description="`lightning models build-tiny DIR [--seed N]`: a tiny Llama and a tokenizer trained on the fly, "
         "as a Hugging Face directory (nothing is downloaded). See `lightning models build-tiny --help`.",
     )  # fmt: skip
-    _group(
+    models.add_parser("build-tiny", help="write a tiny random-init model and its tokenizer to DIR", add_help=False)
+    inference = _group(
         commands, "inference",
         help="`lightning inference serve --model DIR`: the embedded OpenAI-compatible inference server",
         description="`lightning inference serve --model DIR [--port 8000]`: serve a Hugging Face model directory on "
         "transformers + torch. See `lightning inference serve --help`.",
     )  # fmt: skip
+    inference.add_parser("serve", help="serve a Hugging Face model directory over OpenAI's API", add_help=False)
 
     proxy = _group(
         commands, "proxy", help="the LLM proxy between agents and inference servers",

@@ -379,9 +379,11 @@ class TrainConfig(BaseModel):
     eval_sampling: dict[str, Any] = Field(default_factory=lambda: {"temperature": 0.0, "max_tokens": 64})
     """Sampling parameters of held-out evaluation rollouts."""
     max_prompt_length: int = Field(default=1024, ge=1)
-    """Prompt tokens kept per training row (longer prompts are cut from the left)."""
+    """The longest prompt a training row may have, in tokens: a row whose prompt is longer is dropped, not cut (a
+    cut prompt is not what the model answered), and counted in the batch's report (`prompt_too_long`)."""
     max_response_length: int = Field(default=512, ge=1)
-    """Response tokens kept per training row."""
+    """Response tokens kept per training row: a longer response is cut to its first max_response_length tokens,
+    the reward on the last one kept (counted as `response_truncated`)."""
     adapter_shape: Literal["transition", "trajectory"] = "transition"
     """transition: one training row per LLM call; trajectory: one row per rollout, its turns joined."""
     eval_every: int = Field(default=0, ge=0)

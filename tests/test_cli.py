@@ -117,3 +117,25 @@ def test_mlflow_ui_serves_a_run_store_offline(tmp_path: Path) -> None:
 
         os.killpg(ui.pid, signal.SIGTERM)
         ui.wait(30)
+
+
+def test_the_groups_list_their_subcommands(capsys: pytest.CaptureFixture[str]) -> None:
+    """`lightning inference --help` and `lightning models` name what there is to run (they listed nothing)."""
+    with pytest.raises(SystemExit):
+        main(["inference", "--help"])
+    assert "serve" in capsys.readouterr().out
+    assert main(["models"]) == 2
+    assert "build-tiny" in capsys.readouterr().out
+
+
+def test_compare_logprobs_says_in_one_line_what_it_cannot_reach(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An unknown rollout id and an unreachable store: one error line each, exit 1, no traceback."""
+    model = build_tiny_model(tmp_path / "model")
+    store = f"sqlite:///{tmp_path}/store.db"
+    assert main(["debug", "compare-logprobs", str(model), "--store", store, "--rollout", "ro-nope"]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "error: query_spans: no rollout 'ro-nope'"
+    assert main(["debug", "compare-logprobs", str(model), "--store", "http://127.0.0.1:1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: query_rollouts: no answer from the store at http://127.0.0.1:1")
