@@ -67,8 +67,14 @@ class Adapter:
 
     description: str
     open_store: Callable[[], AbstractAsyncContextManager[Any]]
-    span: Callable[[dict[str, Any]], Any]
-    request: Callable[[dict[str, Any]], Any]
+    span_type: Any
+    request_type: Any
+
+    def span(self, fields: dict[str, Any]) -> Any:
+        return self.span_type.model_validate(fields)
+
+    def request(self, fields: dict[str, Any]) -> Any:
+        return self.request_type.model_validate(fields)
 
 
 def ours_adapter(http: bool = False, postgres: str | None = None, threaded: bool = True) -> Adapter:
@@ -81,7 +87,7 @@ def ours_adapter(http: bool = False, postgres: str | None = None, threaded: bool
     from lightning.types import EnqueueRolloutRequest, Span
 
     @contextlib.contextmanager
-    def database(folder: str) -> Iterator[str]:
+    def database(folder: Path) -> Iterator[str]:
         if postgres is None:
             yield f"sqlite:///{folder}/store.db"
         else:
@@ -90,50 +96,28 @@ def ours_adapter(http: bool = False, postgres: str | None = None, threaded: bool
 
     @contextlib.asynccontextmanager
     async def open_store() -> AsyncIterator[Any]:
-        folder = tempfile.mkdtemp(prefix="store_bench_")
-        try:
-            with database(folder) as url:
-                store = SqlLightningStore(url, watchdog_interval=None, threaded=threaded)
-                try:
-                    yield store
-                finally:
-                    await store.close()
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
+        with scratch_folder("store_bench_") as folder, database(folder) as url:
+            async with closed_after(SqlLightningStore(url, watchdog_interval=None, threaded=threaded)) as store:
+                yield store
 
     @contextlib.asynccontextmanager
     async def open_http_store() -> AsyncIterator[Any]:
         from lightning.store.client import HttpLightningStore
 
-        folder = tempfile.mkdtemp(prefix="store_bench_")
         port = free_port()
-        try:
-            with database(folder) as url:
-                command = [sys.executable, "-m", "lightning.cli", "store", "serve", "--port", str(port)]
-                command += ["--db", url, "--log-level", "warning"]
-                with server_process(command, f"http://127.0.0.1:{port}/health", Path(folder)):
-                    store = HttpLightningStore(f"http://127.0.0.1:{port}")
-                    try:
-                        yield store
-                    finally:
-                        await store.close()
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
+        with scratch_folder("store_bench_") as folder, database(folder) as url:
+            command = [sys.executable, "-m", "lightning.cli", "store", "serve", "--port", str(port)]
+            command += ["--db", url, "--log-level", "warning"]
+            with server_process(command, f"http://127.0.0.1:{port}/health", folder):
+                async with closed_after(HttpLightningStore(f"http://127.0.0.1:{port}")) as store:
+                    yield store
 
     backend = "SQLite file, WAL" if postgres is None else f"PostgreSQL {postgres_version(postgres)}"
     if http:
-        return Adapter(
-            description=f"lightning HttpLightningStore -> `lightning store serve` ({backend}) in its own process",
-            open_store=open_http_store,
-            span=Span.model_validate,
-            request=EnqueueRolloutRequest.model_validate,
-        )
-    return Adapter(
-        description=f"lightning SqlLightningStore ({backend}{'' if threaded else ', threaded=False'})",
-        open_store=open_store,
-        span=Span.model_validate,
-        request=EnqueueRolloutRequest.model_validate,
-    )
+        description = f"lightning HttpLightningStore -> `lightning store serve` ({backend}) in its own process"
+        return Adapter(description, open_http_store, Span, EnqueueRolloutRequest)
+    description = f"lightning SqlLightningStore ({backend}{'' if threaded else ', threaded=False'})"
+    return Adapter(description, open_store, Span, EnqueueRolloutRequest)
 
 
 def peer_adapter(http: bool = False) -> Adapter:
@@ -154,34 +138,38 @@ def peer_adapter(http: bool = False) -> Adapter:
         # `agl store`: LightningStoreServer over a thread-safe InMemoryLightningStore, its own process.
         from agentlightning.store.client_server import LightningStoreClient
 
-        folder = tempfile.mkdtemp(prefix="store_bench_peer_")
         port = free_port()
         command = [sys.executable, "-m", "agentlightning.cli.store", "--host", "127.0.0.1", "--port", str(port)]
         command += ["--log-level", "WARNING"]
-        try:
-            with server_process(command, f"http://127.0.0.1:{port}/v1/agl/health", Path(folder)):
-                store = LightningStoreClient(f"http://127.0.0.1:{port}")
-                try:
-                    yield store
-                finally:
-                    await store.close()
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
+        health = f"http://127.0.0.1:{port}/v1/agl/health"
+        with scratch_folder("store_bench_peer_") as folder, server_process(command, health, folder):
+            async with closed_after(LightningStoreClient(f"http://127.0.0.1:{port}")) as store:
+                yield store
 
     name = f"agentlightning {version('agentlightning')}"
     if http:
-        return Adapter(
-            description=f"{name} LightningStoreClient -> LightningStoreServer (InMemoryLightningStore), own process",
-            open_store=open_http_store,
-            span=Span.model_validate,
-            request=EnqueueRolloutRequest.model_validate,
-        )
-    return Adapter(
-        description=f"{name} InMemoryLightningStore",
-        open_store=open_store,
-        span=Span.model_validate,
-        request=EnqueueRolloutRequest.model_validate,
-    )
+        description = f"{name} LightningStoreClient -> LightningStoreServer (InMemoryLightningStore), own process"
+        return Adapter(description, open_http_store, Span, EnqueueRolloutRequest)
+    return Adapter(f"{name} InMemoryLightningStore", open_store, Span, EnqueueRolloutRequest)
+
+
+@contextlib.contextmanager
+def scratch_folder(prefix: str) -> Iterator[Path]:
+    """A new temporary folder, removed with all it holds at the end."""
+    folder = tempfile.mkdtemp(prefix=prefix)
+    try:
+        yield Path(folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.asynccontextmanager
+async def closed_after(store: Any) -> AsyncIterator[Any]:
+    """`store`, closed (`await store.close()`) at the end."""
+    try:
+        yield store
+    finally:
+        await store.close()
 
 
 def psycopg_url(url: str) -> str:

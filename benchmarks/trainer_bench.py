@@ -30,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,8 @@ from lightning import pipeline, reporting, stages  # noqa: E402
 from lightning.algorithm.batch import TrainingBatch  # noqa: E402
 from lightning.algorithm.trainer import TorchTrainer, TrainerConfig  # noqa: E402
 from lightning.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from lightning.config import load_config, parse_overrides  # noqa: E402
+from lightning.config import load_config  # noqa: E402
+from lightning.config_file import parse_overrides  # noqa: E402
 from lightning.models import build_tiny_model  # noqa: E402
 from lightning.run import Run  # noqa: E402
 
@@ -64,12 +66,41 @@ def warm_start(model_dir: Path, tasks: list[dict], *, steps: int, lr: float, roo
     return load_checkpoint(save_checkpoint(root, 0, trainer.model, trainer.tokenizer)).model_dir
 
 
-async def held_out(run: Run, step: int, clock: float, curve: list[tuple[float, int, float]], label: str) -> float:
-    """The policy's greedy held-out reward now (outside the training clock), added to `curve` and printed."""
-    reward = (await stages.collect_rollouts(run, step, "val"))[1]["reward_mean"]
-    curve.append((clock, step, reward))
-    print(f"  {label}: {clock:6.1f}s step {step:4d} held-out reward {reward:.3f}", flush=True)
-    return reward
+@dataclass
+class HeldOut:
+    """One of our runs' held-out rewards over its training clock, evaluated every `eval_every_s` until `seconds`."""
+
+    label: str
+    seconds: float
+    eval_every_s: float
+    curve: list[tuple[float, int, float]] = field(default_factory=list)
+    last_eval: float | None = None
+    time_to_one: float | None = None
+
+    def due(self, clock: float) -> bool:
+        return self.last_eval is None or clock - self.last_eval >= self.eval_every_s or clock >= self.seconds
+
+    async def evaluate(self, run: Run, step: int, clock: float) -> bool:
+        """The policy's greedy held-out reward now (outside the training clock), recorded and printed; whether
+        training is over (the time is up, or the reward is 1.0)."""
+        reward = (await stages.collect_rollouts(run, step, "val"))[1]["reward_mean"]
+        self.curve.append((clock, step, reward))
+        print(f"  {self.label}: {clock:6.1f}s step {step:4d} held-out reward {reward:.3f}", flush=True)
+        self.last_eval = clock
+        if reward >= 1.0 and self.time_to_one is None:
+            self.time_to_one = clock
+        return clock >= self.seconds or reward >= 1.0
+
+    def result(self, steps: int, clock: float, parts: dict[str, float]) -> dict[str, Any]:
+        """What `main` tabulates, with `parts` (seconds spent in each part of the steps) as mean ms per step."""
+        return {
+            "curve": self.curve,
+            "steps": steps,
+            "seconds_per_step": clock / max(steps, 1),
+            "time_to_1.0": self.time_to_one,
+            "best_heldout": max(r for _, _, r in self.curve),
+            "ms_per_step": {name: 1000 * total / max(steps, 1) for name, total in parts.items()},
+        }
 
 
 async def run_ours(
@@ -109,11 +140,9 @@ async def run_ours(
             "output_dir": str(workdir / "runs"),
         }
     )  # fmt: skip
-    curve: list[tuple[float, int, float]] = []
+    held_out = HeldOut("ours", seconds, eval_every_s)
     train_clock = 0.0
-    time_to_one = None
     step = 0
-    last_eval = -eval_every_s
     parts = {
         "rollouts": 0.0,
         "adapt": 0.0,
@@ -129,12 +158,8 @@ async def run_ours(
             await run.close()
     try:
         while True:
-            if train_clock - last_eval >= eval_every_s or train_clock >= seconds:
-                reward = await held_out(run, step, train_clock, curve, "ours")
-                last_eval = train_clock
-                time_to_one = train_clock if reward >= 1.0 and time_to_one is None else time_to_one
-                if train_clock >= seconds or reward >= 1.0:
-                    break
+            if held_out.due(train_clock) and await held_out.evaluate(run, step, train_clock):
+                break
             started = time.perf_counter()
             ids, rollouts = await stages.collect_rollouts(run, step, "train")
             rollout_seconds = time.perf_counter() - started
@@ -153,15 +178,7 @@ async def run_ours(
             train_clock += ended - started
     finally:
         await run.close()
-    best = max(r for _, _, r in curve)
-    return {
-        "curve": curve,
-        "steps": step,
-        "seconds_per_step": train_clock / max(step, 1),
-        "time_to_1.0": time_to_one,
-        "best_heldout": best,
-        "ms_per_step": {name: 1000 * total / max(step, 1) for name, total in parts.items()},
-    }
+    return held_out.result(step, train_clock, parts)
 
 
 async def pipelined(run: Run, *, seconds: float, eval_every_s: float) -> dict[str, Any]:
@@ -191,20 +208,17 @@ async def pipelined(run: Run, *, seconds: float, eval_every_s: float) -> dict[st
         parts["update"] += updated - waited
         parts["checkpoint + publish"] += time.perf_counter() - updated
 
-    curve: list[tuple[float, int, float]] = []
+    held_out = HeldOut("ours-async", seconds, eval_every_s)
     in_flight: dict[int, asyncio.Task[None]] = {}
-    train_clock, last_eval, time_to_one, step = 0.0, -eval_every_s, None, 0
+    train_clock, step = 0.0, 0
     resumed = time.perf_counter()
     try:
         while True:
-            if train_clock + time.perf_counter() - resumed - last_eval >= eval_every_s or train_clock >= seconds:
+            if held_out.due(train_clock + time.perf_counter() - resumed):
                 for started in sorted(in_flight):
                     await in_flight.pop(started)
                 train_clock += time.perf_counter() - resumed
-                reward = await held_out(run, step, train_clock, curve, "ours-async")
-                last_eval = train_clock
-                time_to_one = train_clock if reward >= 1.0 and time_to_one is None else time_to_one
-                if train_clock >= seconds or reward >= 1.0:
+                if await held_out.evaluate(run, step, train_clock):
                     break
                 resumed = time.perf_counter()
             while len(in_flight) > staleness:
@@ -216,14 +230,7 @@ async def pipelined(run: Run, *, seconds: float, eval_every_s: float) -> dict[st
         for task in in_flight.values():
             task.cancel()
         await asyncio.gather(*in_flight.values(), return_exceptions=True)
-    return {
-        "curve": curve,
-        "steps": step,
-        "seconds_per_step": train_clock / max(step, 1),
-        "time_to_1.0": time_to_one,
-        "best_heldout": max(r for _, _, r in curve),
-        "ms_per_step": {name: 1000 * total / max(step, 1) for name, total in parts.items()},
-    }
+    return held_out.result(step, train_clock, parts)
 
 
 RECIPE_FIELDS = ("algorithm", "batch_size", "samples_per_task", "dynamic_sampling", "max_sampling_rounds")

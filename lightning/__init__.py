@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 from lightning import agl_import_paths
 
 if TYPE_CHECKING:  # what the names below are, for type checkers and editors; at run time each loads on first use
-    from lightning.agent import Hook, LitAgent, RolloutRawResult, llm_rollout, prompt_rollout, rollout
-    from lightning.log_setup import configure_logger
-    from lightning.log_setup import setup as setup_logging
-    from lightning.log_setup import setup_module as setup_module_logging
-    from lightning.store import LightningStore, SqlLightningStore
-    from lightning.types import (
+    from lightning.agent import Hook, LitAgent, RolloutRawResult, llm_rollout, prompt_rollout, rollout  # noqa: F401
+    from lightning.log_setup import configure_logger  # noqa: F401
+    from lightning.log_setup import setup as setup_logging  # noqa: F401
+    from lightning.log_setup import setup_module as setup_module_logging  # noqa: F401
+    from lightning.store import LightningStore, SqlLightningStore  # noqa: F401
+    from lightning.types import (  # noqa: F401
         LLM,
         Attempt,
         AttemptedRollout,

@@ -88,9 +88,6 @@ def _parser() -> argparse.ArgumentParser:
         "password off the command line)",
     )  # fmt: skip
     serve.add_argument(
-        "--max-body-mb", type=float, default=32, help="answer 413 to a request body larger than this (default: 32)"
-    )
-    serve.add_argument(
         "--watchdog-interval", type=_positive_seconds, default=1.0, metavar="SECONDS",
         help="seconds between the watchdog's passes, which mark attempts past their timeout_seconds or "
         "unresponsive_seconds (default: %(default)s; agent-lightning's server checks on every request: a small value "
@@ -155,9 +152,6 @@ def _parser() -> argparse.ArgumentParser:
         "call of its attempt is then sent token-exactly (the earlier prompt and response ids, then the new messages'), "
         "so a multi-turn trajectory trains as one row",
     )  # fmt: skip
-    proxy_serve.add_argument(
-        "--max-body-mb", type=float, default=32, help="answer 413 to a request body larger than this (default: 32)"
-    )
     proxy_serve.add_argument(
         "--any-agent-key", action="store_true",
         help="serve agents' model calls whatever API key they send (agent-lightning's habit: agents send 'dummy' or "
@@ -258,7 +252,8 @@ def _command(commands: Any, name: str, run: Callable[..., int], **texts: str) ->
 
 
 def _listening(parser: argparse.ArgumentParser, *, port: int, token_env: str, log_level: str) -> None:
-    """How a server command listens: --host, --port, --token (from `token_env` by default), --log-level."""
+    """How a server command listens: --host, --port, --token (from `token_env` by default), --log-level, and
+    --max-body-mb."""
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=int, default=port, help="port to listen on (default: %(default)s)")
     parser.add_argument(
@@ -267,6 +262,9 @@ def _listening(parser: argparse.ArgumentParser, *, port: int, token_env: str, lo
         "required when --host is not a loopback address",
     )  # fmt: skip
     parser.add_argument("--log-level", default=log_level, choices=LOG_LEVELS, help="(default: %(default)s)")
+    parser.add_argument(
+        "--max-body-mb", type=float, default=32, help="answer 413 to a request body larger than this (default: 32)"
+    )
 
 
 def _from_environment(

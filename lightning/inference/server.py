@@ -6,7 +6,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -227,8 +227,14 @@ def create_inference_app(
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         outputs = engine.generate(request_id, prompt_ids, params)
         if body.stream:
-            return StreamingResponse(
-                chat_stream(engine, body, model_name, request_id, prompt_ids, outputs), media_type="text/event-stream"
+            first = [
+                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for i in range(body.n)
+            ]
+            opening = {"choices": first, **({"prompt_token_ids": prompt_ids} if body.return_token_ids else {})}
+            choice = chat_chunk_choice(engine, body)
+            return streamed_response(
+                body, request_id, "chat.completion.chunk", model_name, prompt_ids, outputs, choice, opening
             )
         choices = await collect(outputs, params.n)
         response = whole_response(request_id, "chat.completion", model_name, prompt_ids, choices)
@@ -267,10 +273,8 @@ def create_inference_app(
         request_id = f"cmpl-{uuid.uuid4().hex}"
         outputs = engine.generate(request_id, prompt_ids, params)
         if body.stream:
-            return StreamingResponse(
-                completion_stream(engine, body, model_name, request_id, prompt_ids, outputs),
-                media_type="text/event-stream",
-            )
+            choice = completion_chunk_choice(engine, body, prompt_ids)
+            return streamed_response(body, request_id, "text_completion", model_name, prompt_ids, outputs, choice)
         choices = await collect(outputs, params.n)
         response = whole_response(request_id, "text_completion", model_name, prompt_ids, choices)
         for index, choice in enumerate(choices):
@@ -522,101 +526,95 @@ def sse_error(exc: Exception) -> str:
     return sse({"error": {"message": str(exc), "type": "InternalServerError", "param": None, "code": 500}})
 
 
-async def chat_stream(
-    engine: InferenceEngine,
-    body: ChatCompletionRequest,
-    model_name: str,
+def streamed_response(
+    body: _GenerationRequest,
     request_id: str,
+    kind: str,
+    model_name: str,
     prompt_ids: list[int],
     outputs: AsyncIterator[Output],
-) -> AsyncIterator[str]:
-    created = int(time.time())
+    choice: Callable[[Output], dict[str, Any]],
+    opening: dict[str, Any] | None = None,
+) -> StreamingResponse:
+    """The envelope of a streamed response: an event of `opening`'s fields (if given), one per output with its
+    `choice`, the usage if `stream_options` asks for it, then [DONE]."""
 
-    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
-        data = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model_name}
-        return sse({**data, "choices": choices, **extra})
+    async def events() -> AsyncIterator[str]:
+        envelope = {"id": request_id, "object": kind, "created": int(time.time()), "model": model_name}
+        if opening is not None:
+            yield sse({**envelope, **opening})
+        completion_tokens = 0
+        try:
+            async for output in outputs:
+                completion_tokens += len(output.token_ids)
+                yield sse({**envelope, "choices": [choice(output)]})
+        except Exception as exc:
+            yield sse_error(exc)
+            return
+        if body.stream_options and body.stream_options.include_usage:
+            yield sse({**envelope, "choices": [], "usage": usage(len(prompt_ids), completion_tokens)})
+        yield "data: [DONE]\n\n"
 
-    first = [
-        {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        for i in range(body.n)
-    ]
-    yield chunk(first, **({"prompt_token_ids": prompt_ids} if body.return_token_ids else {}))
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def chat_chunk_choice(engine: InferenceEngine, body: ChatCompletionRequest) -> Callable[[Output], dict[str, Any]]:
+    """A streamed chat completion's choice for each output, in order."""
     # With tools, each choice's text goes through a parser: a tool call goes out whole once its block is closed.
     parsers = [ToolCallParser() for _ in range(body.n)] if body.parses_tool_calls() else None
     tool_calls_sent = [0] * body.n
-    completion_tokens = 0
-    try:
-        async for output in outputs:
-            completion_tokens += len(output.token_ids)
-            delta: dict[str, Any] = {"content": output.text}
-            finish_reason = output.finish_reason
-            if parsers is not None:
-                parser = parsers[output.index]
-                pieces = parser.feed(output.text) + (parser.finish() if output.finish_reason else [])
-                calls = [piece for piece in pieces if isinstance(piece, ToolCall)]
-                delta = {"content": "".join(piece for piece in pieces if isinstance(piece, str))}
-                if calls:
-                    delta["content"] = delta["content"] or None  # OpenAI: null beside tool calls
-                    first_index = tool_calls_sent[output.index]
-                    delta["tool_calls"] = [
-                        {"index": first_index + k, **call.model_dump()} for k, call in enumerate(calls)
-                    ]
-                    tool_calls_sent[output.index] += len(calls)
-                if tool_calls_sent[output.index]:
-                    finish_reason = tool_calls_finish_reason(finish_reason)
-            choice: dict[str, Any] = {
-                "index": output.index,
-                "delta": delta,
-                "logprobs": chat_logprobs(engine, output.logprobs) if body.logprobs else None,
-                "finish_reason": finish_reason,
-            }
-            if body.return_token_ids:
-                choice["token_ids"] = output.token_ids
-            yield chunk([choice])
-    except Exception as exc:
-        yield sse_error(exc)
-        return
-    if body.stream_options and body.stream_options.include_usage:
-        yield chunk([], usage=usage(len(prompt_ids), completion_tokens))
-    yield "data: [DONE]\n\n"
+
+    def choice(output: Output) -> dict[str, Any]:
+        delta: dict[str, Any] = {"content": output.text}
+        finish_reason = output.finish_reason
+        if parsers is not None:
+            parser = parsers[output.index]
+            pieces = parser.feed(output.text) + (parser.finish() if output.finish_reason else [])
+            calls = [piece for piece in pieces if isinstance(piece, ToolCall)]
+            delta = {"content": "".join(piece for piece in pieces if isinstance(piece, str))}
+            if calls:
+                delta["content"] = delta["content"] or None  # OpenAI: null beside tool calls
+                first_index = tool_calls_sent[output.index]
+                delta["tool_calls"] = [{"index": first_index + k, **call.model_dump()} for k, call in enumerate(calls)]
+                tool_calls_sent[output.index] += len(calls)
+            if tool_calls_sent[output.index]:
+                finish_reason = tool_calls_finish_reason(finish_reason)
+        chunk_choice: dict[str, Any] = {
+            "index": output.index,
+            "delta": delta,
+            "logprobs": chat_logprobs(engine, output.logprobs) if body.logprobs else None,
+            "finish_reason": finish_reason,
+        }
+        if body.return_token_ids:
+            chunk_choice["token_ids"] = output.token_ids
+        return chunk_choice
+
+    return choice
 
 
-async def completion_stream(
-    engine: InferenceEngine,
-    body: CompletionRequest,
-    model_name: str,
-    request_id: str,
-    prompt_ids: list[int],
-    outputs: AsyncIterator[Output],
-) -> AsyncIterator[str]:
-    created = int(time.time())
+def completion_chunk_choice(
+    engine: InferenceEngine, body: CompletionRequest, prompt_ids: list[int]
+) -> Callable[[Output], dict[str, Any]]:
+    """A streamed completion's choice for each output, in order."""
     text_offsets = [0] * body.n
     started: set[int] = set()
-    completion_tokens = 0
-    try:
-        async for output in outputs:
-            completion_tokens += len(output.token_ids)
-            logprobs = None
-            if body.logprobs is not None:
-                logprobs = completion_logprobs(engine, output.logprobs, text_offsets[output.index])
-                text_offsets[output.index] += sum(len(token) for token in logprobs["tokens"])
-            choice: dict[str, Any] = {
-                "index": output.index,
-                "text": output.text,
-                "logprobs": logprobs,
-                "finish_reason": output.finish_reason,
-            }
-            if body.return_token_ids:
-                if output.index not in started:
-                    choice["prompt_token_ids"] = prompt_ids
-                choice["token_ids"] = output.token_ids
-            started.add(output.index)
-            data = {"id": request_id, "object": "text_completion", "created": created, "model": model_name}
-            yield sse({**data, "choices": [choice]})
-    except Exception as exc:
-        yield sse_error(exc)
-        return
-    if body.stream_options and body.stream_options.include_usage:
-        data = {"id": request_id, "object": "text_completion", "created": created, "model": model_name}
-        yield sse({**data, "choices": [], "usage": usage(len(prompt_ids), completion_tokens)})
-    yield "data: [DONE]\n\n"
+
+    def choice(output: Output) -> dict[str, Any]:
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = completion_logprobs(engine, output.logprobs, text_offsets[output.index])
+            text_offsets[output.index] += sum(len(token) for token in logprobs["tokens"])
+        chunk_choice: dict[str, Any] = {
+            "index": output.index,
+            "text": output.text,
+            "logprobs": logprobs,
+            "finish_reason": output.finish_reason,
+        }
+        if body.return_token_ids:
+            if output.index not in started:
+                chunk_choice["prompt_token_ids"] = prompt_ids
+            chunk_choice["token_ids"] = output.token_ids
+        started.add(output.index)
+        return chunk_choice
+
+    return choice

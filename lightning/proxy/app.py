@@ -19,6 +19,7 @@ import re
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import aiohttp
@@ -329,9 +330,8 @@ class LLMProxy:
         continuation = Continuation()
         if routed and operation == "chat" and self.conversations is not None:
             continuation = self.conversations.prompt_for((rollout_id, attempt_id), body)  # type: ignore[arg-type]
-        return await self._guarded(
-            self._forward(raw, body, path, operation, rollout_id, attempt_id, request, continuation)
-        )
+        outbound = _Outbound(raw, body, path, operation)
+        return await self._guarded(self._forward(outbound, rollout_id, attempt_id, request, continuation))
 
     async def _guarded(self, handler: Any) -> Response:
         """Run a call while counting it in flight (a stream stays in flight until its last byte)."""
@@ -358,20 +358,16 @@ class LLMProxy:
 
     async def _forward(
         self,
-        raw: bytes,
-        body: dict[str, Any],
-        path: str,
-        operation: str | None,
+        outbound: _Outbound,
         rollout_id: str | None,
         attempt_id: str | None,
         request: Request,
         continuation: Continuation,
     ) -> Response:
         started = time.time()
+        body, operation = outbound.body, outbound.operation
         stream = bool(body.get("stream"))
-        upstream, backend, tries, as_completion = await self._send_continued(
-            raw, body, path, operation, rollout_id, continuation
-        )
+        upstream, backend, tries, as_completion = await self._send_continued(outbound, rollout_id, continuation)
         if operation is None or rollout_id is None or attempt_id is None:
             return await _pass_through(upstream, stream)  # not an LLM call of an attempt: no span
         call = Call(operation=operation, request=body, stream=stream, status_code=upstream.status)
@@ -421,23 +417,17 @@ class LLMProxy:
         return StreamingResponse(relay(), status_code=200, media_type="text/event-stream")
 
     async def _send_continued(
-        self,
-        raw: bytes,
-        body: dict[str, Any],
-        path: str,
-        operation: str | None,
-        rollout_id: str | None,
-        continuation: Continuation,
+        self, outbound: _Outbound, rollout_id: str | None, continuation: Continuation
     ) -> tuple[aiohttp.ClientResponse, Backend, int, bool]:
         """`_send`, with a continued chat call's token-exact prompt: on the backend's `chat/completions/tokens` route
         (the request's fields plus `tokens`, the prompt ids: the embedded server's token-in chat route), or, on a
         backend without it (404: vLLM), as a `completions` call on the same ids whose answer `_forward` makes a chat
         completion (`completion_as_chat`; not for streams, which then go as plain chat and split). The last item:
         whether the answer is a completion to convert."""
+        body = outbound.body
         if continuation.prompt_ids is not None and self._token_route:
             joined = {**body, "tokens": continuation.prompt_ids}
-            route = "chat/completions/tokens"
-            sent = await self._send(json.dumps(joined).encode(), joined, route, operation, rollout_id)
+            sent = await self._send(_Outbound.of(joined, "chat/completions/tokens", outbound.operation), rollout_id)
             if not await _route_missing(sent[0]):
                 return (*sent, False)
             sent[0].release()
@@ -446,8 +436,7 @@ class LLMProxy:
         readable = not body.get("tools") or all(b.tool_call_format == "hermes" for b in self.backends)
         if continuation.prompt_ids is not None and not body.get("stream") and readable:
             completion = chat_as_completion(body, continuation.prompt_ids)
-            encoded = json.dumps(completion).encode()
-            sent = await self._send(encoded, completion, "completions", "text_completion", rollout_id)
+            sent = await self._send(_Outbound.of(completion, "completions", "text_completion"), rollout_id)
             return (*sent, True)
         if continuation.prompt_ids is not None:
             continuation.reason = (
@@ -456,11 +445,9 @@ class LLMProxy:
                 else "an inference server without a chat/completions/tokens route, and tool calls in a form the proxy "
                 "does not read"
             )
-        return (*await self._send(raw, body, path, operation, rollout_id), False)
+        return (*await self._send(outbound, rollout_id), False)
 
-    async def _send(
-        self, raw: bytes, body: dict[str, Any], path: str, operation: str | None, rollout_id: str | None
-    ) -> tuple[aiohttp.ClientResponse, Backend, int]:
+    async def _send(self, outbound: _Outbound, rollout_id: str | None) -> tuple[aiohttp.ClientResponse, Backend, int]:
         """Send to the rollout's backend; on a connection error or a 5xx, try the next one."""
         client = self._http()
         order = self._backend_order(rollout_id)
@@ -473,10 +460,10 @@ class LLMProxy:
             headers = {"content-type": "application/json", "accept-encoding": "identity"}
             if backend.api_key:
                 headers["authorization"] = f"Bearer {backend.api_key}"
-            url = f"{backend.url.rstrip('/')}/{path}"
+            url = f"{backend.url.rstrip('/')}/{outbound.path}"
             try:
-                model = await self._backend_model(backend, body)
-                response = await client.post(url, data=_payload(raw, body, backend, operation, model), headers=headers)
+                model = await self._backend_model(backend, outbound.body)
+                response = await client.post(url, data=_payload(outbound, backend, model), headers=headers)
             except _RETRYABLE as exc:
                 failure = f"{backend.url}: {type(exc).__name__}: {exc}"
                 if isinstance(exc, aiohttp.ClientConnectorError):
@@ -766,9 +753,25 @@ def _other_served_model(listing: Any, model_name: str) -> str | None:
     return None if not ids or model_name in ids else ids[0]
 
 
-def _payload(raw: bytes, body: dict[str, Any], backend: Backend, operation: str | None, model: str | None) -> bytes:
+@dataclass(frozen=True)
+class _Outbound:
+    """A request for a backend: its JSON body as bytes (sent as they are when the proxy changes nothing) and parsed,
+    its route (`chat/completions`, ...), and the LLM call it is (`chat`, `text_completion`; None: not one)."""
+
+    raw: bytes
+    body: dict[str, Any]
+    path: str
+    operation: str | None
+
+    @classmethod
+    def of(cls, body: dict[str, Any], path: str, operation: str | None) -> _Outbound:
+        return cls(json.dumps(body).encode(), body, path, operation)
+
+
+def _payload(outbound: _Outbound, backend: Backend, model: str | None) -> bytes:
     """The request as the agent sent it, but asking for token ids and the sampled tokens' log-probs (which the
     trainer compares with its own: the train/inference mismatch), and naming the server's model (`model`)."""
+    body, operation = outbound.body, outbound.operation
     changes: dict[str, Any] = {}
     if operation is not None and backend.token_ids and body.get("return_token_ids") is not True:
         changes["return_token_ids"] = True
@@ -777,7 +780,7 @@ def _payload(raw: bytes, body: dict[str, Any], backend: Backend, operation: str 
         changes["logprobs"] = True if operation == "chat" else 0
     if model is not None and body.get("model") != model:
         changes["model"] = model
-    return json.dumps({**body, **changes}).encode() if changes else raw
+    return json.dumps({**body, **changes}).encode() if changes else outbound.raw
 
 
 _COMPLETION_FIELDS = (

@@ -9,7 +9,7 @@ Each model is the method's arguments, validated (a bad argument is an error that
 - the HTTP server (server.py) serves `POST /v1/store/<method>` with the model as its body (and in its
   OpenAPI schema), and the client (client.py) sends it there.
 
-Adding a filter to a query is a field here plus its condition in sql.py.
+Adding a filter to a query is a field here plus its name in the query's `_filters` in sql.py.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ import re
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -243,6 +243,18 @@ class SqlLightningStore(LightningStore):
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self._transaction, fn, args, write)
 
+    async def _read_first(self, select_: Callable[[_Tx, Any], list[T]], stmt: Any) -> T | None:
+        """The first of what `select_` reads with `stmt`, or None."""
+        found = await self._run(select_, stmt, write=False)
+        return found[0] if found else None
+
+    async def _read_page(
+        self, select_: Callable[[_Tx, Any], list[T]], stmt: Any, table: Any, page: contract.Page, default_order: Any
+    ) -> PaginatedResult[T]:
+        """The page of `stmt` that `page` asks for (see `_order_and_page`), read by `select_`, with the total."""
+        paged = _order_and_page(stmt, table, page, default_order)
+        return await self._run(_op_page, select_, stmt, paged, page, write=False)
+
     def _create_tables(self) -> None:
         def create(tx: _Tx) -> None:
             metadata.create_all(tx.conn)
@@ -344,24 +356,12 @@ class SqlLightningStore(LightningStore):
 
     async def _get_rollout_by_id(self, request: contract.GetRolloutById) -> Rollout | None:
         stmt = _ROLLOUT_WITH_LATEST_ATTEMPT.where(rollouts.c.rollout_id == request.rollout_id)
-        found = await self._run(_op_select_rollouts, stmt, write=False)
-        return found[0] if found else None
+        return await self._read_first(_op_select_rollouts, stmt)
 
     async def _query_rollouts(self, request: contract.QueryRollouts) -> list[Rollout]:
-        conditions: list[ColumnElement[bool]] = []
-        if request.status_in is not None:
-            conditions.append(rollouts.c.status.in_(request.status_in))
-        if request.rollout_id_in is not None:
-            conditions.append(rollouts.c.rollout_id.in_(request.rollout_id_in))
-        if request.rollout_id_contains is not None:
-            conditions.append(rollouts.c.rollout_id.contains(request.rollout_id_contains, autoescape=True))
-        if request.mode is not None:
-            conditions.append(rollouts.c.mode == request.mode)
-        if request.queue is not None:
-            conditions.append(rollouts.c.queue == request.queue)
+        conditions = _filters(request, rollouts, ("status_in", "rollout_id_in", "rollout_id_contains", "mode", "queue"))
         stmt = _ROLLOUT_WITH_LATEST_ATTEMPT.where(*_combine(conditions, request.filter_logic))
-        paged = _order_and_page(stmt, rollouts, request, rollouts.c.seq)
-        return await self._run(_op_page, _op_select_rollouts, stmt, paged, request, write=False)
+        return await self._read_page(_op_select_rollouts, stmt, rollouts, request, rollouts.c.seq)
 
     async def _update_rollout(self, request: contract.UpdateRollout) -> Rollout:
         given = request.model_fields_set - {"rollout_id"}
@@ -373,16 +373,10 @@ class SqlLightningStore(LightningStore):
         if "resources_id" in given:
             changes["resources_id"] = request.resources_id
         if "config" in given:
-            if request.config is None:
-                raise InvalidArgumentError("update_rollout: config cannot be null; give a RolloutConfig")
-            changes["config"] = request.config.model_dump_json()
+            changes["config"] = _not_null(request, "config", "a RolloutConfig").model_dump_json()
         if "metadata" in given:
             changes["metadata"] = _json_or_none(request.metadata, "metadata")
-        status = UNSET
-        if "status" in given:
-            if request.status is None:
-                raise InvalidArgumentError("update_rollout: status cannot be null; give a rollout status")
-            status = request.status
+        status = _not_null(request, "status", "a rollout status") if "status" in given else UNSET
         rollout = await self._run(_op_update_rollout, request.rollout_id, changes, status, time.time())
         self._notify()
         return rollout
@@ -426,9 +420,8 @@ class SqlLightningStore(LightningStore):
 
     async def _query_attempts(self, request: contract.QueryAttempts) -> list[Attempt]:
         stmt = select(*_ATTEMPT_COLUMNS).where(attempts.c.rollout_id == request.rollout_id)
-        paged = _order_and_page(stmt, attempts, request, None)
         select_ = functools.partial(_op_query_attempts, rollout_id=request.rollout_id)
-        return await self._run(_op_page, select_, stmt, paged, request, write=False)
+        return await self._read_page(select_, stmt, attempts, request, None)
 
     async def _get_latest_attempt(self, request: contract.GetLatestAttempt) -> Attempt | None:
         return await self._run(_op_latest_attempt, request.rollout_id, write=False)
@@ -442,11 +435,7 @@ class SqlLightningStore(LightningStore):
             changes["last_heartbeat_time"] = request.last_heartbeat_time
         if "metadata" in given:
             changes["metadata"] = _json_or_none(request.metadata, "metadata")
-        status = UNSET
-        if "status" in given:
-            if request.status is None:
-                raise InvalidArgumentError("update_attempt: status cannot be null; give an attempt status")
-            status = request.status
+        status = _not_null(request, "status", "an attempt status") if "status" in given else UNSET
         attempt = await self._run(
             _op_update_attempt, request.rollout_id, request.attempt_id, status, changes, time.time()
         )
@@ -527,22 +516,15 @@ class SqlLightningStore(LightningStore):
 
     async def _get_resources_by_id(self, request: contract.GetResourcesById) -> ResourcesUpdate | None:
         stmt = select(resources).where(resources.c.resources_id == request.resources_id)
-        found = await self._run(_op_select_resources, stmt, write=False)
-        return found[0] if found else None
+        return await self._read_first(_op_select_resources, stmt)
 
     async def _get_latest_resources(self, request: contract.GetLatestResources) -> ResourcesUpdate | None:
         stmt = select(resources).order_by(resources.c.latest_order.desc()).limit(1)
-        found = await self._run(_op_select_resources, stmt, write=False)
-        return found[0] if found else None
+        return await self._read_first(_op_select_resources, stmt)
 
     async def _query_resources(self, request: contract.QueryResources) -> list[ResourcesUpdate]:
-        stmt = select(resources)
-        if request.resources_id is not None:
-            stmt = stmt.where(resources.c.resources_id == request.resources_id)
-        if request.resources_id_contains is not None:
-            stmt = stmt.where(resources.c.resources_id.contains(request.resources_id_contains, autoescape=True))
-        paged = _order_and_page(stmt, resources, request, resources.c.create_time)
-        return await self._run(_op_page, _op_select_resources, stmt, paged, request, write=False)
+        stmt = select(resources).where(*_filters(request, resources, ("resources_id", "resources_id_contains")))
+        return await self._read_page(_op_select_resources, stmt, resources, request, resources.c.create_time)
 
     # --- workers -----------------------------------------------------------------------------
 
@@ -554,18 +536,12 @@ class SqlLightningStore(LightningStore):
 
     async def _get_worker_by_id(self, request: contract.GetWorkerById) -> Worker | None:
         stmt = select(workers).where(workers.c.worker_id == request.worker_id)
-        found = await self._run(_op_select_workers, stmt, write=False)
-        return found[0] if found else None
+        return await self._read_first(_op_select_workers, stmt)
 
     async def _query_workers(self, request: contract.QueryWorkers) -> list[Worker]:
-        conditions: list[ColumnElement[bool]] = []
-        if request.status_in is not None:
-            conditions.append(workers.c.status.in_(request.status_in))
-        if request.worker_id_contains is not None:
-            conditions.append(workers.c.worker_id.contains(request.worker_id_contains, autoescape=True))
+        conditions = _filters(request, workers, ("status_in", "worker_id_contains"))
         stmt = select(workers).where(*_combine(conditions, request.filter_logic))
-        paged = _order_and_page(stmt, workers, request, workers.c.worker_id)
-        return await self._run(_op_page, _op_select_workers, stmt, paged, request, write=False)
+        return await self._read_page(_op_select_workers, stmt, workers, request, workers.c.worker_id)
 
     # --- watchdog and housekeeping ------------------------------------------------------------
 
@@ -1221,17 +1197,10 @@ def _op_allocate_sequence_ids(tx: _Tx, pairs: list[tuple[str, str]]) -> list[int
 def _span_statements(request: contract.QuerySpans) -> tuple[Any | None, Any | None]:
     """(None, None) for all spans of the rollout (or attempt) in sequence order, the common case; else the filtered
     statement and the same sorted and paged."""
-    conditions: list[ColumnElement[bool]] = []
-    for column, value, part in (
-        (spans.c.trace_id, request.trace_id, request.trace_id_contains),
-        (spans.c.span_id, request.span_id, request.span_id_contains),
-        (spans.c.parent_id, request.parent_id, request.parent_id_contains),
-        (spans.c.name, request.name, request.name_contains),
-    ):
-        if value is not None:
-            conditions.append(column == value)
-        if part is not None:
-            conditions.append(column.contains(part, autoescape=True))
+    conditions = _filters(request, spans, (
+        "trace_id", "trace_id_contains", "span_id", "span_id_contains", "parent_id", "parent_id_contains", "name",
+        "name_contains",
+    ))  # fmt: skip
     default_shape = (
         request.sort_by == "sequence_id" and request.sort_order == "asc" and request.limit == -1 and not request.offset
     )
@@ -1586,6 +1555,31 @@ def _dialect_insert(conn: Connection) -> Any:
 def _check_rollout_exists(tx: _Tx, rollout_id: str, where: str) -> None:
     if tx.first(_SELECT_ROLLOUT_EXISTS, {"r_id": rollout_id}) is None:
         raise NotFoundError(f"{where}: no rollout {rollout_id!r}")
+
+
+def _not_null(request: Request, name: str, expected: str) -> Any:
+    """The request's field `name`, which may be left out but not given as null."""
+    value = getattr(request, name)
+    if value is None:
+        raise InvalidArgumentError(f"{request.method}: {name} cannot be null; give {expected}")
+    return value
+
+
+def _filters(request: Request, table: Any, names: Sequence[str]) -> list[ColumnElement[bool]]:
+    """The conditions of the request's filters `names` that are given (not None): `X_in`, column X is one of the
+    values; `X_contains`, X contains the text (LIKE's wildcards taken literally); `X`, X equals the value."""
+    conditions: list[ColumnElement[bool]] = []
+    for name in names:
+        value = getattr(request, name)
+        if value is None:
+            continue
+        if name.endswith("_in"):
+            conditions.append(table.c[name.removesuffix("_in")].in_(value))
+        elif name.endswith("_contains"):
+            conditions.append(table.c[name.removesuffix("_contains")].contains(value, autoescape=True))
+        else:
+            conditions.append(table.c[name] == value)
+    return conditions
 
 
 def _combine(conditions: list[ColumnElement[bool]], filter_logic: str) -> list[ColumnElement[bool]]:
