@@ -8,10 +8,10 @@ spans become EVALUATOR spans. The exact token ids and log-probs stay in the stor
 truth; MLflow gets a copy of a sample (`TrainConfig.mlflow_traces`).
 
 Trace tags, for filtering (`search_traces(filter_string="tags.iteration = '3' AND tags.reward = '1.0'")`, or the
-Traces tab's Filters pop-up): `run_name`, `mode` (train or val), `iteration` (the training iteration, or the
-checkpoint step evaluated), `rollout_id`, `attempt` (1 for the first), `attempt_id`, `task` (its input, cut to 100
-characters), `status` and `reward` (`none` when the rollout has none). The reward is also the trace's `reward`
-assessment (feedback from CODE), which the Traces tab shows as a column.
+Traces tab's Filters pop-up): `run_name`, `mode` (train or val), `iteration` (a training rollout's iteration) or
+`checkpoint` (a held-out rollout's: the checkpoint step it evaluated), `rollout_id`, `attempt` (1 for the first),
+`attempt_id`, `task` (its input, cut to 100 characters), `status` and `reward` (`none` when the rollout has none).
+The reward is also the trace's `reward` assessment (feedback from CODE), which the Traces tab shows as a column.
 
 Exporting is idempotent: an attempt already in the run's traces is not written again (a retried stage, a resumed
 run). MLflow's tracing writes through its process-wide tracer, bound to the global tracking URI, so each export sets
@@ -156,11 +156,11 @@ def trace_tags(rollout: AttemptedRollout, reward: float | None) -> dict[str, str
     task = json.dumps(rollout.input, ensure_ascii=False, default=str)
     if len(task) > TASK_TAG_CHARS:
         task = task[: TASK_TAG_CHARS - 1] + "…"
-    mode, iteration = _tag_values(rollout)
+    mode, where, value = _tag_values(rollout)
     return {
         "run_name": str(metadata.get("run_name", "")),
         "mode": mode,
-        "iteration": iteration,
+        where: value,
         "rollout_id": rollout.rollout_id,
         "attempt": str(rollout.attempt.sequence_id),
         "attempt_id": rollout.attempt.attempt_id,
@@ -170,19 +170,23 @@ def trace_tags(rollout: AttemptedRollout, reward: float | None) -> dict[str, str
     }
 
 
-def _tag_values(rollout: Rollout) -> tuple[str, str]:
-    return str(rollout.mode or ""), str((rollout.metadata or {}).get("iteration", ""))
+def _tag_values(rollout: Rollout) -> tuple[str, str, str]:
+    """(mode, the tag that places the rollout, its value): a training rollout's `iteration`; a held-out rollout's
+    `checkpoint`, the step it evaluated (its metadata's `iteration` holds that step), so that `tags.iteration = '3'`
+    finds iteration 3's training rollouts only."""
+    mode = str(rollout.mode or "")
+    return mode, "checkpoint" if mode == "val" else "iteration", str((rollout.metadata or {}).get("iteration", ""))
 
 
-def _exported_attempts(tracker: Any, groups: set[tuple[str, str]]) -> set[str]:
-    """The attempt ids among the run's traces of these (mode, iteration) groups."""
+def _exported_attempts(tracker: Any, groups: set[tuple[str, str, str]]) -> set[str]:
+    """The attempt ids among the run's traces of these (mode, tag, value) groups."""
     attempts = set()
-    for mode, iteration in groups:
+    for mode, where, value in groups:
         token = None
         while True:
             page = tracker.client.search_traces(
                 locations=[tracker.experiment_id], run_id=tracker.run_id, include_spans=False, max_results=PAGE,
-                filter_string=f"tags.mode = '{mode}' AND tags.iteration = '{iteration}'", page_token=token,
+                filter_string=f"tags.mode = '{mode}' AND tags.{where} = '{value}'", page_token=token,
             )  # fmt: skip
             attempts.update(trace.info.tags.get("attempt_id") for trace in page)
             token = page.token

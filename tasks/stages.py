@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 from prefect import Task, get_client, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import ObjectNotFound
+from prefect.runtime import task_run
 
 from lightning import stages
 from lightning.algorithm.worker import TrainerCrashed, UpdateLost
@@ -49,6 +50,21 @@ GPU_TAG = "gpu"
 """The tag whose concurrency limit, where the server has one, lets one `ppo_step` at a time use the GPU."""
 
 T = TypeVar("T", bound=Task[Any, Any])
+
+
+def _phase_name(stage: str, *more: str) -> Callable[[], str]:
+    """The task run name of a rollout phase's stage: `update_resources-train-3` in iteration 3, and for held-out
+    rollouts the checkpoint they evaluate, `update_resources-val-checkpoint-5` (`-val-initial`: the model before the
+    warm start); `more` names parameters added at the end (`run_runner-train-3-0`: its index)."""
+
+    def name() -> str:
+        parameters = task_run.parameters
+        mode, iteration = parameters["mode"], parameters["iteration"]
+        held_out = "initial" if iteration < 0 else f"checkpoint-{iteration}"
+        where = str(iteration) if mode == "train" else held_out
+        return "-".join([stage, mode, where, *(str(parameters[field]) for field in more)])
+
+    return name
 
 
 class InjectedFault(RuntimeError):
@@ -182,7 +198,7 @@ def flow_run_tags() -> dict[str, str]:
 
 @stage(
     "update_resources", lambda config: config.timeouts.update_resources,
-    task_run_name="update_resources-{mode}-{iteration}", cache_policy=NO_CACHE, **TRANSIENT,
+    task_run_name=_phase_name("update_resources"), cache_policy=NO_CACHE, **TRANSIENT,
 )  # fmt: skip
 async def update_resources(run: Run, iteration: int, mode: Mode) -> str:
     drill(run, "update_resources", iteration)
@@ -191,7 +207,7 @@ async def update_resources(run: Run, iteration: int, mode: Mode) -> str:
 
 @stage(
     "enqueue_rollouts", lambda config: config.timeouts.enqueue_rollouts,
-    task_run_name="enqueue_rollouts-{mode}-{iteration}", **STAGE, **TRANSIENT,
+    task_run_name=_phase_name("enqueue_rollouts"), **STAGE, **TRANSIENT,
 )  # fmt: skip
 async def enqueue_rollouts(
     run: Run, iteration: int, resources_id: str, mode: Mode, refill: int = 0, count: int | None = None
@@ -201,7 +217,7 @@ async def enqueue_rollouts(
     return await stages.enqueue_rollouts(run, iteration, resources_id, mode, refill, count)
 
 
-@stage("run_runner", _rollouts, task_run_name="run_runner-{mode}-{iteration}-{index}", **STAGE, **TRANSIENT)
+@stage("run_runner", _rollouts, task_run_name=_phase_name("run_runner", "index"), **STAGE, **TRANSIENT)
 async def run_runner(
     run: Run, iteration: int, rollout_ids: list[str], index: int, mode: Mode, round_: int = 0
 ) -> dict[str, Any]:
@@ -213,7 +229,7 @@ async def run_runner(
     return {"host": socket.gethostname(), "pid": os.getpid(), **done}
 
 
-@stage("wait_for_rollouts", _rollouts, task_run_name="wait_for_rollouts-{mode}-{iteration}", **STAGE, **TRANSIENT)
+@stage("wait_for_rollouts", _rollouts, task_run_name=_phase_name("wait_for_rollouts"), **STAGE, **TRANSIENT)
 async def wait_for_rollouts(
     run: Run, iteration: int, rollout_ids: list[str], mode: Mode, round_: int = 0
 ) -> dict[str, Any]:
@@ -223,7 +239,7 @@ async def wait_for_rollouts(
 
 @stage(
     "requeue_unsuccessful", lambda config: config.timeouts.enqueue_rollouts,
-    task_run_name="requeue_unsuccessful-{mode}-{iteration}", **STAGE, **TRANSIENT,
+    task_run_name=_phase_name("requeue_unsuccessful"), **STAGE, **TRANSIENT,
 )  # fmt: skip
 async def requeue_unsuccessful(run: Run, iteration: int, rollout_ids: list[str], mode: Mode, round_: int) -> int:
     drill(run, "requeue_unsuccessful", iteration)

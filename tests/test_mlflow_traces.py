@@ -14,7 +14,7 @@ import pytest
 
 from lightning import mlflow_traces, semconv
 from lightning.metrics import MlflowTracker
-from lightning.mlflow_traces import TraceWriter, choose, write_traces
+from lightning.mlflow_traces import TraceWriter, choose, trace_tags, write_traces
 from lightning.types import Attempt, AttemptedRollout, Span
 
 
@@ -22,6 +22,15 @@ def test_choose_spreads_the_sample_over_the_rollouts() -> None:
     ids = [f"r{i}" for i in range(32)]
     assert choose(ids, 4) == ["r0", "r8", "r16", "r24"]
     assert choose(ids, "all") == ids and choose(ids, 100) == ids and choose(ids, 0) == []
+
+
+def test_a_held_out_trace_is_placed_by_its_checkpoint_not_an_iteration() -> None:
+    """`tags.iteration = '3'` finds iteration 3's training rollouts; a held-out rollout of checkpoint 3 is tagged
+    `checkpoint` (it was tagged `iteration` with the step, and the filter found it instead)."""
+    trained, _ = rollout(0.0)
+    held_out = trained.model_copy(update={"mode": "val"})
+    assert trace_tags(trained, 1.0)["iteration"] == "2" and "checkpoint" not in trace_tags(trained, 1.0)
+    assert trace_tags(held_out, 1.0)["checkpoint"] == "2" and "iteration" not in trace_tags(held_out, 1.0)
 
 
 def rollout(start: float) -> tuple[AttemptedRollout, list[Span]]:
