@@ -60,7 +60,9 @@ def main(argv: list[str] | None = None) -> None:
     served = deployments(config)
     # Relative paths in a config mean the same as in the deployments of prefect.yaml: relative to the checkout.
     os.chdir(REPO_ROOT)
-    serve(*served)
+    # A stopped server leaves the deployments as they were (Prefect would pause them: `train/demo` then stayed paused
+    # after a SIGTERM, and its runs and schedules waited).
+    serve(*served, pause_on_shutdown=False)
 
 
 if __name__ == "__main__":

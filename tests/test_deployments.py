@@ -406,6 +406,9 @@ def test_serve_runs_prefect_yamls_deployments_without_a_worker(tmp_path: Path) -
             completed(server, deployment_run(server, "dev/dev", "--param", f"overrides={json.dumps(overrides)}"), log)
         finally:
             stop_process_group(served)
+        # SIGTERM leaves the deployments as they were: not paused (Prefect pauses them by default on shutdown).
+        with SyncPrefectClient(server.api_url) as client:
+            assert not [each.name for each in client.read_deployments() if each.paused]
 
 
 def _deployments(client: SyncPrefectClient) -> set[str]:

@@ -125,3 +125,15 @@ def test_cli_build_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert capsys.readouterr().out.strip() == str(tmp_path / "cli")
     config = json.loads((tmp_path / "cli" / "config.json").read_text())
     assert (config["hidden_size"], config["num_hidden_layers"]) == (32, 1)
+
+
+def test_a_full_disk_names_the_path_and_the_size(tmp_path: Path) -> None:
+    """A full disk while the tiny model is written (its tokenizer file points at /dev/full, which answers every
+    write with ENOSPC) is a NoSpaceLeft naming the directory and the size, not a bare "os error 28"."""
+    from lightning.diskspace import NoSpaceLeft
+
+    target = tmp_path / "model"
+    target.mkdir()
+    (target / "tokenizer.json").symlink_to("/dev/full")
+    with pytest.raises(NoSpaceLeft, match=rf"no space left on {target}: the tiny model's [\d.]+ MB could not be"):
+        build_tiny_model(target)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from lightning.diskspace import NoSpaceLeft
 from lightning.models.files import make_tokenizer_config_portable, no_progress_bars
 
 EOS_TOKEN = "<|endoftext|>"
@@ -137,8 +139,17 @@ def build_tiny_model(
         bos_token_id=eos_id, eos_token_id=[im_end_id, eos_id], pad_token_id=eos_id, do_sample=True
     )
     path.mkdir(parents=True, exist_ok=True)
-    with no_progress_bars():
-        model.save_pretrained(path)
-        tokenizer.save_pretrained(path)
+    try:
+        with no_progress_bars():
+            model.save_pretrained(path)
+            tokenizer.save_pretrained(path)
+    except Exception as exc:  # safetensors says a full disk as "os error 28", without the path
+        if getattr(exc, "errno", None) == errno.ENOSPC or "os error 28" in str(exc):
+            size = sum(parameter.numel() * parameter.element_size() for parameter in model.parameters())
+            raise NoSpaceLeft(
+                f"no space left on {path}: the tiny model's {size / 2**20:.1f} MB could not be written ({exc}); free "
+                "space there, then run the same command again"
+            ) from exc
+        raise
     make_tokenizer_config_portable(path / "tokenizer_config.json")
     return path
