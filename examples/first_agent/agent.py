@@ -7,7 +7,7 @@ from typing import Any
 from openai import AsyncOpenAI
 
 from lightning.agent import rollout
-from lightning.types import LLM
+from lightning.types import LLM, Triplet
 
 
 @rollout
@@ -20,3 +20,18 @@ async def first_letter(task: dict[str, Any], llm: LLM) -> float:
     )
     answer = (response.choices[0].message.content or "").strip()
     return 1.0 if answer == task["word"][0] else 0.0
+
+
+def demonstrations(tokenizer: Any, tasks: list[dict[str, Any]]) -> list[Triplet]:
+    """The right answers, for a supervised warm start (`warm_start` in config.yaml): each task's prompt as the chat
+    template renders it, and the answer with the template's end of turn as the response."""
+    rows = []
+    for index, task in enumerate(tasks):
+        question = [{"role": "user", "content": f"First letter of {task['word']}?"}]
+        asked = tokenizer.apply_chat_template(question, add_generation_prompt=True, tokenize=False)
+        answered = question + [{"role": "assistant", "content": task["word"][0]}]
+        whole = tokenizer.apply_chat_template(answered, tokenize=False)
+        prompt = tokenizer.encode(asked, add_special_tokens=False)
+        response = tokenizer.encode(whole[len(asked) :].rstrip(), add_special_tokens=False)
+        rows.append(Triplet(prompt=prompt, response=response, reward=1.0, metadata={"group_id": f"demo-{index}"}))
+    return rows
