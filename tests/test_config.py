@@ -12,15 +12,8 @@ import pytest
 import torch
 import yaml
 
-from lightning.config import (
-    TrainConfig,
-    apply_overrides,
-    load_agent,
-    load_config,
-    load_tasks,
-    parse_overrides,
-    with_overrides,
-)
+from lightning.config import TrainConfig, load_agent, load_config, load_tasks, with_overrides
+from lightning.config_file import apply_overrides, parse_overrides
 from lightning.errors import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
