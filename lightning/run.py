@@ -40,6 +40,7 @@ from lightning.environment import PROXY_TOKEN, VLLM_PYTHON
 from lightning.serving import is_loopback
 from lightning.store import lifecycle
 from lightning.store.base import LightningStore
+from lightning.types import ProxyLLM
 
 logger = logging.getLogger(__name__)
 
@@ -130,10 +131,28 @@ class Run(BaseModel):
         return checkpoints_dir(self.config)
 
     def resources_id(self, mode: str) -> str:
-        """The id of the run's LLM resources for `mode` (train or val): one per run and mode, updated in place, so a
-        rollout enqueued by an earlier process of the run reaches this process's proxy."""
-        digest = hashlib.sha256(f"{self.name}/{mode}".encode()).hexdigest()[:24]
+        """The id of the run's LLM resources for `mode` (train or val): one per queue and mode, updated in place, so a
+        rollout enqueued by an earlier process of the run reaches this process's proxy (`Run.open` points them there
+        before anything runs). Per queue: a `dev` or `evaluate` flow beside a training run never points the
+        training's rollouts at its own proxy. (A training run's queue is its name, as the id's key was before.)"""
+        digest = hashlib.sha256(f"{self.queue}/{mode}".encode()).hexdigest()[:24]
         return f"rs-run-{digest}-{mode}"
+
+    def llm(self, mode: str) -> ProxyLLM:
+        """The run's LLM resource for `mode` (train or val): this process's proxy, with the mode's sampling
+        parameters (`lightning.stages.update_resources` stores it under the run's resources id)."""
+        config = self.config
+        sampling = config.eval_sampling if mode == "val" else config.sampling
+        return ProxyLLM(
+            endpoint=self._proxy_endpoint(), model=self.endpoints.model_name, sampling_parameters=sampling,
+            api_key=self._llm_key(),
+        )  # fmt: skip
+
+    def _proxy_endpoint(self) -> str:
+        return f"{self.endpoints.proxy_url}/v1"
+
+    def _llm_key(self) -> str | None:
+        return proxy_token() if self.config.proxy_endpoint else self.proxy_token
 
     # --- what only an open run has -----------------------------------------------------------
 
@@ -472,6 +491,9 @@ class Run(BaseModel):
             parts.weight_version = serving_step(config, weights)
             if not config.proxy_endpoint:  # every span from now on records the weights that produced it
                 await asyncio.to_thread(run.proxy_admin, "resume", {"weight_version": parts.weight_version})
+            # Before any runner of this process claims anything: what an earlier process left unfinished (requeued
+            # above) calls this process's proxy, not the dead one's port.
+            await point_resources_here(run)
             parts.supervisor = Supervisor(run, max_restarts=config.inference.max_restarts)
         except BaseException as exc:
             if tracking is not None and parts.tracker is None:
@@ -629,8 +651,8 @@ next process requeues it."""
 async def requeue_orphans(store: LightningStore, queue: str) -> int:
     """Take over what an earlier process of the run left in its queue: rollouts whose attempt was left preparing or
     running (the process was killed mid-iteration), with nobody to finish it, are requeued and that attempt marked
-    unresponsive; rollouts a graceful stop cancelled are requeued. Call it only when no runner of the run is alive.
-    Returns how many it requeued."""
+    unresponsive; rollouts a graceful stop cancelled are requeued. Call it only when no runner of the run is alive;
+    `point_resources_here` then points what they carry at this process's proxy. Returns how many it requeued."""
     orphans = await store.query_rollouts(queue=queue, status_in=sorted(lifecycle.ACTIVE_ROLLOUT))
     for rollout in orphans:
         await store.update_attempt(rollout.rollout_id, "latest", status="unresponsive")
@@ -647,6 +669,36 @@ async def requeue_orphans(store: LightningStore, queue: str) -> int:
             "requeued %d rollouts that the stop of an earlier process of run %s cancelled", len(stopped), queue
         )
     return len(orphans) + len(stopped)
+
+
+async def point_resources_here(run: Run) -> int:
+    """Point the LLM resource (`llm_resource_name`, the run's proxy) of the run's resources, and of those the
+    unfinished rollouts of its queue carry (prompt optimisation's candidates), at this process's proxy and token,
+    their sampling parameters kept: a rollout an earlier process of the run enqueued, or that its stop cancelled and
+    `requeue_orphans` requeued, would otherwise call that process's proxy, gone with it, and fail (its port refuses:
+    `ClientConnectorError`). Call it once the serving parts are up and before any runner of the run claims. How many
+    resources it changed."""
+    store, name = run.store, run.config.llm_resource_name
+    unfinished = await store.query_rollouts(
+        queue=run.queue, status_in=sorted(lifecycle.QUEUED_ROLLOUT | lifecycle.ACTIVE_ROLLOUT)
+    )
+    ids = {run.resources_id("train"), run.resources_id("val")}
+    ids |= {rollout.resources_id for rollout in unfinished if rollout.resources_id}
+    endpoint, key = run._proxy_endpoint(), run._llm_key()
+    changed = 0
+    for resources_id in sorted(ids):
+        stored = await store.get_resources_by_id(resources_id)
+        llm = None if stored is None else stored.resources.get(name)
+        if stored is None or not isinstance(llm, ProxyLLM) or (llm.endpoint, llm.api_key) == (endpoint, key):
+            continue
+        moved = llm.model_copy(update={"endpoint": endpoint, "api_key": key})
+        await store.update_resources(resources_id, {**stored.resources, name: moved})
+        changed += 1
+    if changed:
+        logger.info(
+            "run %s: %d resources of its queue point at this process's proxy %s now", run.name, changed, endpoint
+        )
+    return changed
 
 
 # --- bringing the parts up -------------------------------------------------------------------------------

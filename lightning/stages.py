@@ -28,7 +28,7 @@ from lightning import stopping
 from lightning.config import load_agent, load_entry_point
 from lightning.pipeline import drop_stale
 from lightning.reporting import no_rows_reason, rollouts_failed_reason
-from lightning.run import STOPPED, Run, proxy_token
+from lightning.run import STOPPED, Run
 from lightning.runner.fleet import run_fleet_until, wait_unless_stopped
 from lightning.seeding import rollout_seed
 from lightning.store.base import LightningStore
@@ -72,13 +72,7 @@ def run_resources(run: Run, mode: Mode, prompt: dict[str, PromptTemplate]) -> di
 
 def run_llm(run: Run, mode: Mode) -> ProxyLLM:
     """The run's LLM resource for `mode`: this process's proxy, with the mode's sampling parameters."""
-    config = run.config
-    sampling = config.eval_sampling if mode == "val" else config.sampling
-    token = proxy_token() if config.proxy_endpoint else run.proxy_token
-    return ProxyLLM(
-        endpoint=f"{run.endpoints.proxy_url}/v1", model=run.endpoints.model_name, sampling_parameters=sampling,
-        api_key=token,
-    )  # fmt: skip
+    return run.llm(mode)
 
 
 def select_tasks(run: Run, iteration: int, refill: int = 0, count: int | None = None) -> list[Any]:
@@ -149,24 +143,38 @@ def rollout_deadline(run: Run, mode: Mode) -> float:
 async def run_runners(run: Run, rollout_ids: Sequence[str], index: int = 0, mode: Mode = "train") -> dict[str, Any]:
     """One runner task: `runner_concurrency` runners claim rollouts of the run's queue until every one of
     `rollout_ids` has finished, or the phase's deadline passes (`lightning.runner.fleet.run_fleet_until`). They run on
-    this event loop, or, with task_runner `processes`, in a runner process of the open run
+    an event loop of their own (a thread of this process, watched for an agent that blocks it), or, with task_runner
+    `processes`, in a runner process of the open run
     (`lightning.runner.processes`); in a process the run was sent to (a Ray worker), here with a store connection of
     its own."""
     started = time.perf_counter()
     config = run.config
+    if await _all_finished(run, rollout_ids):
+        # Nothing of its own left to run (a phase summarised again on resume): a fleet would only claim the queue's
+        # other rollouts, another phase's (the requeued training rollouts, under a resumed run's first evaluation).
+        return {"runner": index, "ran": 0, "finished": len(set(rollout_ids)), "seconds": time.perf_counter() - started}
     # Where the run is not open (a Ray worker) this does nothing: the flow's process sees the stages finish.
     progress = lambda: run.made_progress("a rollout")  # noqa: E731
     if config.task_runner == "processes" and run.is_open:
         done = await run.runner_processes().run_fleet(
-            rollout_ids, index, timeout=rollout_deadline(run, mode), on_progress=progress
-        )
+            rollout_ids, index, timeout=rollout_deadline(run, mode), blocked_after=config.timeouts.blocked_loop,
+            on_progress=progress,
+        )  # fmt: skip
     else:
         async with run.connect_store() as store:
             done = await run_fleet_until(
                 load_agent(config.agent), store, rollout_ids, queue=run.queue, concurrency=config.runner_concurrency,
-                index=index, timeout=rollout_deadline(run, mode), on_rollout_end=progress,
+                index=index, timeout=rollout_deadline(run, mode), blocked_after=config.timeouts.blocked_loop,
+                on_rollout_end=progress,
             )  # fmt: skip
     return {**done, "seconds": time.perf_counter() - started}
+
+
+async def _all_finished(run: Run, rollout_ids: Sequence[str]) -> bool:
+    """Every one of the rollouts has finished already (succeeded, failed or cancelled)."""
+    async with run.connect_store() as store:
+        finished = await store.wait_for_rollouts(rollout_ids=list(rollout_ids), timeout=0.0)
+    return len({rollout.rollout_id for rollout in finished}) >= len(set(rollout_ids))
 
 
 async def cancel_for_stop(run: Run) -> int:

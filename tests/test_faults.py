@@ -290,7 +290,9 @@ TWIN_REFUSED_SECONDS = 5.0
 
 
 def stop_config(tmp_path: Path, name: str) -> tuple[dict[str, Any], TrainConfig, Path]:
-    data = {**fault_config(tmp_path, name), "agent": SLOW_AGENT}
+    """The fault config with the slow agent and the default rollout policy, one attempt a rollout: a rollout that a
+    stop cancelled and that then fails on resume stays failed, where retries would hide it."""
+    data = {**fault_config(tmp_path, name), "agent": SLOW_AGENT, "rollout": {"timeout_seconds": 60}}
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(data))
     return data, validate_config(data), path
@@ -373,6 +375,16 @@ async def wait_for_rollouts(config: TrainConfig, iteration: int, process: Any, l
             await asyncio.sleep(0.02)
 
 
+def assert_trained_every_rollout(config: TrainConfig, log: Path) -> None:
+    """Every iteration, the interrupted ones included, trained on all its batch_size * samples_per_task rollouts
+    (its row of the history: what it trained on), none failed, and no round of running failed rollouts again was
+    needed (at the default min_success_fraction, 29 of 32 would have started none)."""
+    rows = recorded_history(config)
+    trained = {row["iteration"]: (row["rollouts_ok"], row["rollouts_failed"]) for row in rows}
+    assert trained == {i: (BATCH * SAMPLES, 0) for i in range(ITERATIONS)}, f"(trained, failed): {trained}\n{tail(log)}"
+    assert " rollouts again" not in log.read_text(errors="replace"), tail(log)
+
+
 def resume_command(log: Path) -> str:
     """The command the stopped run's last line says resumes it."""
     last = log.read_text(errors="replace").strip().splitlines()[-1]
@@ -417,6 +429,7 @@ def test_ctrl_c_in_a_terminal_stops_the_run_and_the_same_command_resumes_it(tmp_
         stop_process_group(second)
     resumed_after = time.monotonic() - stopped_at
     assert_invariants(config, log)
+    assert_trained_every_rollout(config, log)
     interrupted = recorded_history(config)[1]
     # The break (the stop, the new process's start-up) is not the rollouts' time.
     assert interrupted["rollout_seconds"] < resumed_after / 2, (interrupted, resumed_after)
@@ -480,6 +493,7 @@ def test_a_signal_at_three_points_stops_the_run_and_it_resumes(
     finally:
         stop_process_group(last)
     assert_invariants(config, log)
+    assert_trained_every_rollout(config, log)
     print(f"\n{signal.Signals(number).name} in rollouts, PPO step, start-up: stopped in "
           + ", ".join(f"{took:.1f} s" for took in timings))  # fmt: skip
 
@@ -528,3 +542,54 @@ def test_a_full_disk_at_checkpoint_time_fails_in_one_line_and_the_run_resumes_on
     final = load_checkpoint(latest_checkpoint(checkpoints))
     assert final.step == 2 and [row["iteration"] for row in recorded_history(config)] == [0, 1]
     print(f"\ndisk full: {last}")
+
+
+# --- what a stop cancelled, on resume: the mechanism, in process (seconds, without Prefect) ----------------------
+
+
+async def test_what_a_stop_cancelled_runs_on_the_resumed_runs_proxy_and_in_its_own_phase(tmp_path: Path) -> None:
+    """A stop cancels iteration 0's rollouts; the next process opens the run (a new proxy, on another port, with a
+    new token): the run's resources point at it before anything runs, so those rollouts, whoever claims them first,
+    call it and succeed; and its first evaluation (done already) starts no runners, so it claims none of them. The
+    default rollout config allows one attempt: no retry hides a rollout that failed calling the old proxy."""
+    from lightning import stages, stopping
+    from lightning.run import Run
+
+    data = {**fault_config(tmp_path, "resume-proxy"), "agent": "examples.copy_task.agent:copy_agent"}
+    data.pop("rollout")
+    data["inference"], data["proxy_in_process"] = {"in_process": True}, True
+    config = validate_config(data)
+    first = await Run.open(config, train=False, track=False)
+    try:
+        val_ids, _ = await stages.collect_rollouts(first, 0, "val")
+        train_ids = await stages.enqueue_rollouts(first, 0, await stages.update_resources(first, "train"))
+        old_proxy = first.endpoints.proxy_url
+        stopping.request_stop("SIGTERM")
+        try:
+            assert await stages.cancel_for_stop(first) == len(train_ids) == BATCH * SAMPLES
+        finally:
+            stopping.clear()
+    finally:
+        await first.close("KILLED")
+
+    second = await Run.open(config, train=False, track=False)
+    try:
+        assert second.endpoints.proxy_url != old_proxy
+        for mode in ("train", "val"):
+            stored = await second.store.get_resources_by_id(second.resources_id(mode))
+            assert stored is not None
+            llm = stored.resources[config.llm_resource_name]
+            assert (llm.endpoint, llm.api_key) == (f"{second.endpoints.proxy_url}/v1", second.proxy_token), mode
+        # The evaluation, summarised again: no runner claims the requeued training rollouts.
+        assert await stages.run_runners(second, val_ids, mode="val") == {
+            "runner": 0, "ran": 0, "finished": len(val_ids), "seconds": pytest.approx(0, abs=5)
+        }  # fmt: skip
+        statuses = Counter(r.status for r in await second.store.query_rollouts(rollout_id_in=train_ids))
+        assert statuses == {"requeuing": len(train_ids)}, statuses
+        # Runners that claim them before this process's update_resources("train") still reach this proxy.
+        await stages.run_runners(second, train_ids)
+        ids, summary = await stages.collect_rollouts(second, 0, "train")
+        assert ids == train_ids
+        assert (summary["succeeded"], summary["failed"]) == (len(train_ids), 0), summary
+    finally:
+        await second.close()

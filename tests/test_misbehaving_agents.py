@@ -9,6 +9,7 @@ import json
 import math
 import time
 import zlib
+from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,34 @@ async def test_an_agent_that_never_returns_is_ended_by_the_rollout_timeout(tmp_p
         took = time.monotonic() - started
     assert "latest attempts {'timeout': 4}" in str(failed.value).splitlines()[0], str(failed.value)
     assert took < 30, f"the hung rollouts took {took:.1f} s to end (rollout.timeout_seconds 3)"
+
+
+async def test_an_agent_that_blocks_the_event_loop_fails_its_rollouts_naming_the_line_and_the_others_finish(
+    tmp_path: Path,
+) -> None:
+    """`time.sleep` inside `async def` in half the rollouts: each holds the loop the runners share for 2 s; the
+    watchdog fails it at `timeouts.blocked_loop` (1 s), naming the line, and the other rollouts succeed."""
+    from openai import AsyncOpenAI
+
+    # The well-behaved rollouts' OpenAI client loads its resources on first use, which blocks the loop too (1.2 s on
+    # 2 loaded cores; far below the default blocked_loop, not below this test's 1 s): loaded here first.
+    assert AsyncOpenAI(base_url="http://127.0.0.1:9", api_key="unused").chat.completions is not None
+    support = Path(__file__).parent / "support" / "misbehaving.py"
+    line = next(n for n, text in enumerate(support.read_text().splitlines(), 1) if "# BLOCKS" in text)
+    tasks = tasks_of("block", count=2, block_seconds=2.0) + tasks_of(None, count=4)[2:]
+    config = config_for(tmp_path, tasks, timeouts={"blocked_loop": 1.0})
+    async with opened(config) as run:
+        started = time.monotonic()
+        with pytest.raises(stages.RolloutsFailed) as failed:
+            await stages.collect_rollouts(run, 0)
+        took = time.monotonic() - started
+        statuses = Counter(rollout.status for rollout in await run.store.query_rollouts(queue=run.queue))
+    first_line = str(failed.value).splitlines()[0]
+    assert first_line.startswith("iteration 0: 4 of 8 rollouts succeeded"), first_line
+    assert "the agent raised EventLoopBlocked: the agent blocked its runner's event loop for 1." in first_line
+    assert f"support/misbehaving.py:{line} in misbehaving_agent" in first_line, first_line
+    assert statuses == {"succeeded": 4, "failed": 4}
+    assert took < 60, f"the rollout phase took {took:.1f} s with four 2 s blocks"
 
 
 async def test_an_agent_that_raises_in_30_percent_of_rollouts_is_counted_and_the_iteration_goes_on(

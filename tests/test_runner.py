@@ -43,6 +43,19 @@ async def test_step_runs_the_agent_and_its_float_becomes_the_reward(store: Any) 
     await runner.close()
 
 
+async def test_a_numpy_number_is_a_reward_like_a_float(store: Any) -> None:
+    import numpy as np
+
+    @rollout
+    def numpy_agent(task: dict[str, Any]) -> Any:
+        return np.float32(task["reward"])
+
+    runner = Runner(numpy_agent, store)
+    finished = await runner.step({"reward": 0.5})
+    assert finished.status == "succeeded" and await final_reward(store, finished.rollout_id) == 0.5
+    await runner.close()
+
+
 async def test_agent_that_emits_its_reward_returns_none(store: Any) -> None:
     @rollout
     async def agent(task: dict[str, Any]) -> None:

@@ -8,6 +8,9 @@ While the agent works, a background task beats the attempt's heartbeat, so a lon
 call is not taken for a dead runner, and checks that the attempt is still this runner's: if the
 store's watchdog timed it out or a newer attempt superseded it, the runner abandons the work and
 writes nothing over the newer attempt.
+
+An agent that blocks the event loop instead (a blocking call inside `async def`) cannot be watched from it: a
+thread watches the loop of a runner task's fleet (`lightning.runner.blocking`) and fails the attempt that holds it.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import numbers
 import os
 import secrets
 import socket
@@ -25,6 +29,7 @@ from typing import Any
 
 from lightning.agent import Hook, LitAgent, RolloutResult, _current_runner
 from lightning.agl_import_paths import missing
+from lightning.runner import blocking
 from lightning.store import lifecycle
 from lightning.store.base import LightningStore
 from lightning.store.errors import AuthError, StoreError
@@ -146,7 +151,8 @@ class Runner:
             watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watch
-            failure = work.exception()
+            # Cancelled: by the loop's watchdog, which failed the attempt in the store (the agent blocked the loop).
+            failure = work.cancelled() or work.exception() is not None
             status = await self._record_outcome(
                 rollout_id, attempt_id, "failed" if failure else "succeeded", getattr(trace, "handed_over", [])
             )
@@ -176,7 +182,8 @@ class Runner:
             for hook in self.hooks:
                 await hook.on_trace_start(agent=self.agent, runner=self, rollout=claimed)
             try:
-                result = await self.agent.run(claimed.input, resources, claimed)
+                with blocking.holding(claimed):  # an agent that blocks the loop is blamed on this attempt
+                    result = await self.agent.run(claimed.input, resources, claimed)
                 await self._store_result(claimed, result, emit_reward)
             except Exception as exc:
                 logger.info("rollout %s failed: %r", claimed.rollout_id, exc)
@@ -205,7 +212,7 @@ class Runner:
     async def _store_result(self, claimed: AttemptedRollout, result: RolloutResult, emit_reward: Any) -> None:
         if result is None:
             return
-        if isinstance(result, int | float):  # a bool too: 1.0 / 0.0, as in agent-lightning
+        if isinstance(result, numbers.Real):  # a bool too (1.0 / 0.0, as in agent-lightning), numpy's np.float32 too
             emit_reward(float(result))
             return
         if isinstance(result, list):

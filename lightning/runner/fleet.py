@@ -15,6 +15,7 @@ from typing import Any
 from lightning import stopping
 from lightning.agent import Hook, LitAgent
 from lightning.runner import Runner, run_fleet
+from lightning.runner.blocking import STOP_GRACE_SECONDS, EventLoopBlocked, WatchedLoop
 from lightning.store.base import LightningStore
 
 logger = logging.getLogger(__name__)
@@ -29,38 +30,65 @@ async def run_fleet_until(
     concurrency: int,
     index: int,
     timeout: float,
+    blocked_after: float,
     on_rollout_end: Callable[[], None],
 ) -> dict[str, Any]:
-    """Runner task `index`'s fleet: `concurrency` runners of `agent` on this event loop, taking rollouts of `queue` in
-    `store` until every one of `rollout_ids` finished or `timeout` seconds passed; `on_rollout_end` is called as each
-    rollout ends. A stop asked for (`lightning.stopping`) cancels the rollouts in flight and raises RunStopped."""
+    """Runner task `index`'s fleet: `concurrency` runners of `agent` taking rollouts of `queue` in `store` until every
+    one of `rollout_ids` finished or `timeout` seconds passed; `on_rollout_end` is called as each rollout ends. A stop
+    asked for (`lightning.stopping`) cancels the rollouts in flight and raises RunStopped.
+
+    The fleet runs on an event loop of a thread of its own, watched (`lightning.runner.blocking.WatchedLoop`), and
+    this loop waits: an agent that blocks the fleet's loop for `blocked_after` seconds has its rollout failed, and one
+    that keeps it blocked past every rollout's timeout there raises EventLoopBlocked here (the loop is left behind)."""
     from lightning.tracing import Tracer
 
-    stop = asyncio.Event()
+    stop = threading.Event()
     tracer = Tracer(store)  # one exporter for the fleet, not a thread per runner
     progress = [_Progress(on_rollout_end)]
     names = [f"{queue}-runner{index}-{i}" for i in range(concurrency)]
     fleet = [Runner(agent, store, tracer=tracer, worker_id=name, queue=queue, hooks=progress) for name in names]
     # One claim loop for the fleet, not a poll per idle runner; its claims bring the resources once.
-    working = asyncio.create_task(run_fleet(fleet, store, stop_event=stop, queue=queue, idle_wait=0.05))
+    claims = run_fleet(fleet, store, stop_event=stop, queue=queue, idle_wait=0.05)
+    working = WatchedLoop(claims, store, blocked_after=blocked_after, name=f"{queue}-fleet{index}")
     try:
-        finished = await wait_unless_stopped(store, rollout_ids, timeout)
+        finished = await wait_unless_stopped(store, rollout_ids, timeout, give_up=lambda: working.lost is not None)
     finally:
         stop.set()
-        if stopping.stop_requested():  # the rollouts in flight are cancelled, not waited for
+        if stopping.stop_requested() or working.lost:  # the rollouts in flight are cancelled, not waited for
             working.cancel()
-        (ran,) = await asyncio.gather(working, return_exceptions=True)
+        ran = await _fleet_end(working)
         await asyncio.to_thread(tracer.shutdown)
     if stopping.stop_requested() and len(finished) < len(set(rollout_ids)):
         raise stopping.RunStopped(f"runner task {index} stopped with {len(finished)} of its rollouts finished")
+    if working.lost:
+        raise EventLoopBlocked(
+            f"runner task {index}: {working.lost}; {len(finished)} of its {len(set(rollout_ids))} rollouts had "
+            "finished, the others run again on a fresh fleet"
+        )
     if isinstance(ran, BaseException):
         logger.error("runner task %d stopped early: %r", index, ran)
     return {"runner": index, "ran": ran if isinstance(ran, int) else 0, "finished": len(finished)}
 
 
-async def wait_unless_stopped(store: LightningStore, rollout_ids: Sequence[str], timeout: float) -> list[Any]:
-    """`store.wait_for_rollouts`, in slices of `stopping.POLL_SECONDS`, so that a stop asked for ends the wait
-    within one slice; the rollouts that finished."""
+async def _fleet_end(working: WatchedLoop) -> Any:
+    """What the fleet's claim loop returned or raised, once it ended; None for a fleet left behind: its loop given
+    up, or, in a stop, not beating for STOP_GRACE_SECONDS (an agent blocks it)."""
+    ended = asyncio.wrap_future(working.done)
+    while not ended.done():
+        if working.lost or (stopping.stop_requested() and working.silent_for() > STOP_GRACE_SECONDS):
+            ended.add_done_callback(lambda future: future.cancelled() or future.exception())  # retrieved: not logged
+            return None
+        await asyncio.wait({ended}, timeout=stopping.POLL_SECONDS)
+    if ended.cancelled():
+        return asyncio.CancelledError()
+    return ended.exception() or ended.result()
+
+
+async def wait_unless_stopped(
+    store: LightningStore, rollout_ids: Sequence[str], timeout: float, give_up: Callable[[], bool] | None = None
+) -> list[Any]:
+    """`store.wait_for_rollouts`, in slices of `stopping.POLL_SECONDS`, so that a stop asked for (or `give_up()`
+    turning true) ends the wait within one slice; the rollouts that finished."""
     deadline = time.monotonic() + timeout
     while True:
         left = deadline - time.monotonic()
@@ -68,6 +96,8 @@ async def wait_unless_stopped(store: LightningStore, rollout_ids: Sequence[str],
             rollout_ids=list(rollout_ids), timeout=max(min(left, stopping.POLL_SECONDS), 0.0)
         )
         if len(finished) >= len(set(rollout_ids)) or left <= 0 or stopping.stop_requested():
+            return finished
+        if give_up is not None and give_up():
             return finished
 
 

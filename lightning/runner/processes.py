@@ -7,8 +7,10 @@ Children are started when first needed and kept for the run (spawned: a second o
 included); two rollout phases at once (max_staleness >= 1) use two. Parent and child speak JSON over a pipe: one
 request (the rollout ids, the deadline), progress notes while it runs (the run's stall warning hears of finished
 rollouts), one reply. A child that dies fails its runner task, whose retry gets a fresh child; one that is silent
-past the phase's deadline and a margin is killed. A stop asked for in the flow's process reaches the child as
-SIGTERM, and its fleet stops as one in the flow does (the rollouts in flight cancelled).
+past the phase's deadline and a margin is killed; one whose fleet's event loop an agent blocked for good answers
+with that error (`lightning.runner.blocking`) and is ended, as is every child that failed. A stop asked for in the
+flow's process reaches the child as SIGTERM, and its fleet stops as one in the flow does (the rollouts in flight
+cancelled).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from lightning import pipes, stopping
 MARGIN_SECONDS = 60.0
 """How long past the phase's deadline a silent child is given before it is killed (its fleet stops at the deadline
 and answers)."""
+REAP_SECONDS = 2.0
+"""How long a child whose pipe closed is waited for, for its exit code."""
 PROGRESS_EVERY = 1.0
 """Seconds between a child's progress notes (at most one a second, however many rollouts finish)."""
 
@@ -78,17 +82,27 @@ class RunnerProcesses:
         return [child.pid for child in children if child.alive]
 
     async def run_fleet(
-        self, rollout_ids: Sequence[str], index: int, *, timeout: float, on_progress: Callable[[], None]
+        self,
+        rollout_ids: Sequence[str],
+        index: int,
+        *,
+        timeout: float,
+        blocked_after: float,
+        on_progress: Callable[[], None],
     ) -> dict[str, Any]:
         """Runner task `index`'s fleet in a child until `rollout_ids` finish or `timeout` passes (the child enforces
         it; MARGIN_SECONDS later it is killed); the fleet's result. `on_progress` is called for each progress
-        note."""
+        note; `blocked_after`: `run_fleet_until`'s (an agent that blocks the fleet's loop for good fails the task,
+        and the child is ended)."""
         child = self._take()
         healthy = False
         try:
             if not child.alive:
                 await asyncio.to_thread(child.start, self.fleet, self.start_timeout, self.stacks_dir)
-            request = {"op": "run", "rollout_ids": list(rollout_ids), "index": index, "timeout": timeout}
+            request = {
+                "op": "run", "rollout_ids": list(rollout_ids), "index": index, "timeout": timeout,
+                "blocked_after": blocked_after,
+            }  # fmt: skip
             result = await child.call(request, timeout + MARGIN_SECONDS, on_progress)
             healthy = True
             return result
@@ -190,7 +204,11 @@ class _Child:
         try:
             message = json.loads(self._conn.recv_bytes())
         except (EOFError, OSError):
-            code = self._process.exitcode if self._process is not None else None
+            code = None
+            if self._process is not None:
+                # The pipe closes as the child dies, a moment before it can be reaped: its exit code comes after.
+                self._process.join(REAP_SECONDS)
+                code = self._process.exitcode
             raise RunnerProcessDied(
                 f"runner process {self.pid} died during {op} (exit code {code}); its claimed rollouts are requeued "
                 "by the store's watchdog when their attempts time out"
@@ -232,11 +250,11 @@ def _serve(conn: Connection, fleet: FleetSpec, parent: int, stacks_dir: str | No
     for request in pipes.requests(conn):
         try:
             result = loop.run_until_complete(_run_request(fleet, store, request, conn))
-            pipes.send(conn, {"result": result})
+            _send(conn, {"result": result})
         except stopping.RunStopped as exc:
-            pipes.send(conn, {"stopped": str(exc)})
+            _send(conn, {"stopped": str(exc)})
         except Exception as exc:
-            pipes.send(conn, pipes.error_reply(exc))
+            _send(conn, pipes.error_reply(exc))
     with contextlib.suppress(Exception):
         loop.run_until_complete(store.close())
     sys.stdout.flush()
@@ -258,14 +276,25 @@ async def _run_request(fleet: FleetSpec, store: Any, request: dict[str, Any], co
 
     last = [0.0]
 
-    def progress() -> None:
+    def progress() -> None:  # on the fleet's thread
         now = time.monotonic()
         if now - last[0] >= PROGRESS_EVERY:
             last[0] = now
-            pipes.send(conn, {"progress": 1})
+            _send(conn, {"progress": 1})
 
     done = await run_fleet_until(
         load_agent(fleet.agent), store, request["rollout_ids"], queue=fleet.queue, concurrency=fleet.concurrency,
-        index=request["index"], timeout=request["timeout"], on_rollout_end=progress,
+        index=request["index"], timeout=request["timeout"], blocked_after=request["blocked_after"],
+        on_rollout_end=progress,
     )  # fmt: skip
     return {**done, "pid": os.getpid()}  # where the runner task's rollouts ran
+
+
+_sending = threading.Lock()
+
+
+def _send(conn: Connection, message: dict[str, Any]) -> None:
+    """One message to the parent: the fleet's thread sends progress notes, this one the replies (and a fleet left
+    behind, its loop blocked, may still send one when it wakes)."""
+    with _sending:
+        pipes.send(conn, message)
