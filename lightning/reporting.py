@@ -282,3 +282,13 @@ async def rollouts_failed_reason(run: Run, iteration: int, rollout_ids: Sequence
         f"restarts so far: {run.restarts()}"
         + (f"; the first failed rollouts (the rest in their spans):{more}" if errors else "")
     )
+
+
+def busy_seconds(intervals: Sequence[tuple[float, float]]) -> float:
+    """The length of the union of the (start, end) intervals: the time at least one of them was running."""
+    total, covered_until = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > covered_until:
+            total += end - max(start, covered_until)
+            covered_until = end
+    return total

@@ -27,7 +27,7 @@ from typing import Any, Literal
 from lightning import stopping
 from lightning.config import load_agent, load_entry_point
 from lightning.pipeline import drop_stale
-from lightning.reporting import no_rows_reason, rollouts_failed_reason
+from lightning.reporting import busy_seconds, no_rows_reason, rollouts_failed_reason
 from lightning.run import STOPPED, Run
 from lightning.runner.fleet import run_fleet_until, wait_unless_stopped
 from lightning.seeding import rollout_seed
@@ -252,16 +252,6 @@ async def summarize_rollouts(store: LightningStore, rollout_ids: Sequence[str]) 
         **({"flat_group_reward": sum(flat.values()) / len(flat)} if flat else {}),
         "seconds": busy_seconds(intervals) if intervals else None,
     }
-
-
-def busy_seconds(intervals: Sequence[tuple[float, float]]) -> float:
-    """The length of the union of the (start, end) intervals: the time at least one of them was running."""
-    total, covered_until = 0.0, float("-inf")
-    for start, end in sorted(intervals):
-        if end > covered_until:
-            total += end - max(start, covered_until)
-            covered_until = end
-    return total
 
 
 def flat_groups(rewards: dict[str, list[float]]) -> dict[str, float]:

@@ -21,9 +21,9 @@ import pytest
 from lightning import owner, stopping
 from lightning.config import load_config
 from lightning.diskspace import NoSpaceLeft, check_free_space, checkpoint_bytes
+from lightning.reporting import busy_seconds
 from lightning.run import Run
 from lightning.runner.fleet import wait_unless_stopped
-from lightning.stages import busy_seconds
 from lightning.store import SqlLightningStore
 from lightning.types import EnqueueRolloutRequest
 
