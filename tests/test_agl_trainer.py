@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prefect.testing.utilities import prefect_test_harness
 from support.agl_letter_agent import LetterAgent, letter_tasks
 
 import lightning as agl
@@ -22,6 +21,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module", autouse=True)
 def prefect_server() -> Iterator[None]:
+    from prefect.testing.utilities import prefect_test_harness  # here: Prefect's server code costs 4 s to import
+
     with prefect_test_harness(server_startup_timeout=180):
         yield
 

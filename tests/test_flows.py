@@ -18,7 +18,6 @@ import torch
 from mlflow.tracking import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterName
-from prefect.testing.utilities import prefect_test_harness
 
 from examples.copy_task import data as copy_data
 from flows.dev import dev
@@ -35,6 +34,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module", autouse=True)
 def prefect_server() -> Iterator[None]:
+    from prefect.testing.utilities import prefect_test_harness  # here: Prefect's server code costs 4 s to import
+
     with prefect_test_harness(server_startup_timeout=180):
         yield
 
@@ -129,6 +130,10 @@ async def test_train_runs_two_iterations_of_seven_stages_and_reports_them(tmp_pa
         )  # fmt: skip
         assert all(t.state.is_completed() for t in tasks)
         assert next(t for t in tasks if t.name == "ppo_step-1").tags == ["gpu"]
+        # Held-out rollouts are named by the checkpoint they evaluate (they were `update_resources-val--1`).
+        evaluation = by_name["t-evaluation-2"]
+        tasks = await client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [evaluation.id]}))
+        assert "update_resources-val-checkpoint-2" in {t.name for t in tasks}
         artifacts = await client.read_artifacts(
             artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["t-training"]))
         )
@@ -325,3 +330,14 @@ def test_every_stage_task_declares_its_deadline_beside_it() -> None:
 
     with pytest.raises(TypeError, match="task 'a_new_stage' has no deadline: declare it with tasks.stages.stage"):
         timed(undeclared, config)
+
+
+@pytest.mark.parametrize(("given", "expected"), [(None, "False"), ("true", "True")])
+def test_prefect_telemetry_is_off_unless_the_user_turns_it_on(given: str | None, expected: str) -> None:
+    """Offline, Prefect's temporary server logged "Failed to send telemetry" every 10 minutes of a run."""
+    env = {key: value for key, value in os.environ.items() if key != "PREFECT_SERVER_ANALYTICS_ENABLED"}
+    if given is not None:
+        env["PREFECT_SERVER_ANALYTICS_ENABLED"] = given
+    code = "import flows; from prefect.settings import get_current_settings as s; print(s().server.analytics_enabled)"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == expected, done.stderr[-2000:]

@@ -23,7 +23,6 @@ import yaml
 from mlflow.tracking import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
-from prefect.testing.utilities import prefect_test_harness
 
 from examples.copy_task.data import val_tasks
 from flows.train import train
@@ -40,6 +39,8 @@ STARTUP_SECONDS = 120
 def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`mlflow server` on a free port of 127.0.0.1, on SQLite, serving its artifacts (its URL), started while
     Prefect's test server starts."""
+    from prefect.testing.utilities import prefect_test_harness  # here: Prefect's server code costs 4 s to import
+
     root = tmp_path_factory.mktemp("mlflow-server")
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

@@ -24,7 +24,6 @@ import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
 from prefect.settings import PREFECT_SERVER_ANALYTICS_ENABLED, temporary_settings
-from prefect.testing.utilities import prefect_test_harness
 from prefect_server import free_port, start_logged, stop_process_group, tail
 
 from flows.train import task_runner, train
@@ -100,6 +99,8 @@ def test_ray_workers_get_the_tokens_and_the_checkout(tmp_path: Path, monkeypatch
 
 @pytest.fixture(scope="module")
 def prefect_harness() -> Iterator[None]:
+    from prefect.testing.utilities import prefect_test_harness  # here: Prefect's server code costs 4 s to import
+
     # Without telemetry: its heartbeat fails offline and races the new server's database ("database is locked").
     quiet = temporary_settings({PREFECT_SERVER_ANALYTICS_ENABLED: False})
     with quiet, prefect_test_harness(server_startup_timeout=180):

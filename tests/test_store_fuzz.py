@@ -8,8 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import schemathesis
-from hypothesis import HealthCheck, given, settings
 
 from lightning.store import SqlLightningStore
 from lightning.store.server import create_app
@@ -22,6 +20,10 @@ EXAMPLES_PER_ROUTE = 30
 def test_no_generated_request_makes_the_store_server_fail(
     backend: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
+    # Here, not at the top: every pytest process (each xdist worker) imports the test modules, and these take seconds.
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+
     url = f"sqlite:///{tmp_path / 'store.db'}" if backend == "sqlite" else request.getfixturevalue("pg_schema_url")
     store = SqlLightningStore(url, watchdog_interval=None)
     schema = schemathesis.openapi.from_asgi("/openapi.json", create_app(store))
