@@ -110,7 +110,8 @@ async def test_a_run_s_traces_tags_config_and_model_in_a_real_mlflow_server(
     # Traces: 4 of the 8 training rollouts, and the 4 held-out rollouts of each of the 2 evaluations (steps 0, 1).
     traces = client.search_traces(locations=[experiment_id], run_id=run_id, max_results=100)
     assert (
-        sorted((t.info.tags["mode"], t.info.tags["iteration"]) for t in traces)
+        # A training trace is placed by its iteration, a held-out one by the checkpoint it evaluated.
+        sorted((t.info.tags["mode"], t.info.tags.get("iteration") or t.info.tags["checkpoint"]) for t in traces)
         == [("train", "0")] * 4 + [("val", "0")] * 4 + [("val", "1")] * 4
     )
     train_traces = client.search_traces(
