@@ -135,7 +135,7 @@ def test_a_token_server_refuses_agl_without_the_token_in_the_address(agl_python:
             [agl_python, str(SCRIPT), "enqueue", f"{url}/t/wrong", "1"],
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=120,  # as agl()'s: agent-lightning's import alone took 60 s with the suite's workers beside it
             env=AGL_ENV,
         )
     assert done.returncode != 0 and "401" in done.stderr
