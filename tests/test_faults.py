@@ -54,6 +54,7 @@ def fault_config(tmp_path: Path, name: str) -> dict[str, Any]:
     val = tmp_path / "val.jsonl"
     val.write_text("".join(json.dumps({"letters": c * 4, "target": c}) + "\n" for c in "bdfgjkmp"))
     return {
+        "agent": "examples.copy_task.agent:copy_agent",
         "run_name": name, "iterations": ITERATIONS, "batch_size": BATCH, "samples_per_task": SAMPLES,
         "n_runners": 1, "runner_concurrency": 2, "val_data": str(val),
         "sampling": {"temperature": 1.0, "max_tokens": 2}, "eval_sampling": {"temperature": 0.0, "max_tokens": 2},
