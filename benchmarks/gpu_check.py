@@ -9,7 +9,8 @@ fails or is cut off leaves what it printed, and the next one runs.
   env      Python, torch, transformers, TRL, the GPU and one bf16 matmul's TFLOP/s; that `lightning`, `examples`
            and `benchmarks` are this checkout's (a machine may have PyTorch Lightning installed as `lightning`)
   update   benchmarks/update_bench.py at issue 28's shape (a 0.47B Llama, 64 rows of 512 + 512 tokens): the plain
-           torch step (micro-batches of 8) beside TorchTrainer.step's paths (micro-batches of 16 rows' tokens)
+           torch step (micro-batches of 8) beside TorchTrainer.step's paths (micro-batches of 16 rows' tokens),
+           full fine-tuning and LoRA (rank 16 on the attention and MLP projections)
   serving  benchmarks/serving_bench.py: the embedded server (bf16) against model.generate, 1, 16 and 64 requests
   loop     benchmarks/trainer_bench.py: our whole loop without MLflow (4 runner processes), the same with
            max_staleness 1, then TRL's GRPOTrainer, all on the GPU
@@ -42,8 +43,9 @@ WHEELS = REPO / ".gpu-wheels"
 SITE = Path("/tmp/gpu-check-site")
 
 FULL = {
-    "update": (110, ["benchmarks/update_bench.py", "--size", "issue", "--lengths", "full", "--micro", "16",
-                     "--plain-micro", "8", "--variants", "plain,ours,lean,lean-kl,lean-ckpt,lean-bf16"]),
+    "update": (130, ["benchmarks/update_bench.py", "--size", "issue", "--lengths", "full", "--micro", "16",
+                     "--plain-micro", "8", "--variants",
+                     "plain,ours,lean,lean-kl,lean-ckpt,lean-bf16,lean-lora,lean-lora-kl,lean-ckpt-lora"]),
     "serving": (80, ["benchmarks/serving_bench.py", "--size", "issue", "--levels", "1,16,64", "--max-tokens", "64"]),
     "loop": (240, ["benchmarks/trainer_bench.py", "--seconds", "40", "--async-staleness", "1", "--no-mlflow",
                    "--task-runner", "processes", "--runners", "4"]),
@@ -52,7 +54,7 @@ FULL = {
 }  # fmt: skip
 """Each part's time limit (s) and command (a script of this checkout and its arguments; --json is added)."""
 SMALL = {
-    "update": (300, ["benchmarks/update_bench.py", "--variants", "plain,ours,lean,lean-kl", "--steps", "1",
+    "update": (300, ["benchmarks/update_bench.py", "--variants", "plain,ours,lean,lean-kl,lean-lora", "--steps", "1",
                      "--warmup", "0"]),
     "serving": (200, ["benchmarks/serving_bench.py", "--levels", "1,4", "--max-tokens", "8"]),
     "loop": (400, ["benchmarks/trainer_bench.py", "--seconds", "8", "--data", "small", "--set", "batch_size=8",

@@ -59,8 +59,8 @@ def generate(
     """Each prompt's response token ids (up to and with the first end token) and its text."""
     length = max(len(p) for p in prompts)
     pad = tokenizer.pad_token_id
-    input_ids = torch.tensor([[pad] * (length - len(p)) + p for p in prompts])
-    attention = torch.tensor([[0] * (length - len(p)) + [1] * len(p) for p in prompts])
+    input_ids = torch.tensor([[pad] * (length - len(p)) + p for p in prompts], device=model.device)
+    attention = torch.tensor([[0] * (length - len(p)) + [1] * len(p) for p in prompts], device=model.device)
     torch.manual_seed(seed)
     out = model.generate(
         input_ids=input_ids, attention_mask=attention, do_sample=not greedy, max_new_tokens=max_tokens,
@@ -83,6 +83,14 @@ def held_out(trainer: TorchTrainer, tasks: list[dict[str, Any]], max_tokens: int
         wrong = [f"{t['letters']}>{text.strip()}" for text, t in pairs if text.strip() != t["target"]]
         print(f"      {len(wrong)} of {len(tasks)} held-out answers wrong: {' '.join(wrong)}")
     return sum(reward(text, t["target"]) for text, t in zip(texts, tasks, strict=True)) / len(tasks)
+
+
+def with_overrides(fields: dict[str, Any], items: list[str]) -> dict[str, Any]:
+    """`fields` with each `--set name=JSON` item applied (a TrainerConfig field each)."""
+    for item in items:
+        name, _, value = item.partition("=")
+        fields = {**fields, name: json.loads(value)}
+    return fields
 
 
 def run(seed: int, args: argparse.Namespace, config: TrainerConfig, model_dir: Path) -> dict[str, Any]:
@@ -168,10 +176,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    fields: dict[str, Any] = {"lr": 1e-3, "micro_batch_size": 512, "kl_coef": 0.0}
-    for item in args.set:
-        name, _, value = item.partition("=")
-        fields[name] = json.loads(value)
+    fields = with_overrides({"lr": 1e-3, "micro_batch_size": 512, "kl_coef": 0.0}, args.set)
     config = TrainerConfig(**fields)
     with tempfile.TemporaryDirectory() as tmp:
         size = {"hidden_size": args.hidden, "num_layers": args.layers}

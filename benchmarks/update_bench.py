@@ -5,9 +5,14 @@ memory, and the step's loss and gradient norm (the same batch from the same weig
 
     .venv/bin/python benchmarks/update_bench.py                       # CPU, small: packing against padding
     .venv/bin/python benchmarks/update_bench.py --size issue --lengths full --micro 16 --variants plain,ours,lean
+    .venv/bin/python benchmarks/update_bench.py --size cpu100m --variants lean,lean-lora,lean-kl,lean-lora-kl --memory
 
 Sizes: `small` (hidden 256, 4 layers, vocab 8,000; 16 rows of at most 64 + 192 tokens) for a CPU; `issue` (issue
-28's: about 0.47B parameters, hidden 1024, 24 layers, 16 heads, vocab 32,000; 64 rows of 512 + 512 tokens) for a GPU.
+28's: about 0.47B parameters, hidden 1024, 24 layers, 16 heads, vocab 32,000; 64 rows of 512 + 512 tokens) for a GPU;
+`cpu100m` (about 134M parameters, hidden 768, 12 layers, vocab 32,000; 8 rows of at most 64 + 64 tokens): the largest
+that a CPU steps through in seconds. `--memory` runs each variant in a process of its own and reports its peak
+resident memory (CPU: the model, optimizer state and the update's activations together) beside the memory the model
+alone took.
 `--lengths mixed` draws each row's prompt from 1/4 to all of the prompt length and its response from 1/8 to all of
 the response length (what a batch of agent rollouts looks like); `full` gives every row the whole length.
 
@@ -22,6 +27,11 @@ Variants (`--variants`, comma-separated):
   lean-ckpt        lean with gradient checkpointing
   lean-bf16        lean with bf16 weights and float32 master weights
   lean-ckpt-bf16   both
+  lean-lora        lean with LoRA adapters (rank 16, alpha 32) on the attention and MLP projections: only they train
+  lean-lora-kl     lean-lora with the KL loss (the reference: the base, adapters off; no frozen copy)
+  lean-ckpt-lora   lean-lora with gradient checkpointing
+  lean-bf16-lora   lean-lora with the base in bf16 (and the adapters, with float32 master copies of them alone)
+  lean-ckpt-bf16-lora  lean-ckpt-lora with the base in bf16 (the adapters' float32 master copies alone)
 """
 
 from __future__ import annotations
@@ -52,10 +62,13 @@ SIZES: dict[str, dict[str, int]] = {
               "response": 192, "micro": 4},
     "issue": {"hidden": 1024, "layers": 24, "heads": 16, "inter": 4096, "vocab": 32000, "rows": 64, "prompt": 512,
               "response": 512, "micro": 8},
+    "cpu100m": {"hidden": 768, "layers": 12, "heads": 12, "inter": 2048, "vocab": 32000, "rows": 8, "prompt": 64,
+                "response": 64, "micro": 4},
 }  # fmt: skip
 
 KL = {"use_kl_loss": True, "kl_coef": 0.001, "kl_kind": "low_var_kl"}
 LEAN = {"pack_sequences": True, "logit_chunk_tokens": 4096}
+LORA = {"lora": {"rank": 16, "alpha": 32}}
 VARIANTS: dict[str, dict[str, Any] | None] = {
     "plain": None,
     "ours": {},
@@ -66,6 +79,11 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "lean-ckpt": {**LEAN, "gradient_checkpointing": True},
     "lean-bf16": {**LEAN, "bf16_weights": True},
     "lean-ckpt-bf16": {**LEAN, "gradient_checkpointing": True, "bf16_weights": True},
+    "lean-lora": {**LEAN, **LORA},
+    "lean-lora-kl": {**LEAN, **KL, **LORA},
+    "lean-ckpt-lora": {**LEAN, "gradient_checkpointing": True, **LORA},
+    "lean-bf16-lora": {**LEAN, "bf16_weights": True, **LORA},
+    "lean-ckpt-bf16-lora": {**LEAN, "gradient_checkpointing": True, "bf16_weights": True, **LORA},
 }
 """TrainerConfig changes of each variant of ours (None: the plain torch step). Packed ones take micro-batches by
 token budget."""
@@ -177,20 +195,53 @@ def peak_flops(device: torch.device) -> float | None:
     return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
 
 
-def run_variant(name: str, args: argparse.Namespace, size: dict[str, int], batch: TrainingBatch, device: Any) -> Any:
+def rss_gib() -> float:
+    """This process's resident memory now."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
+def run_variant_alone(name: str, args: argparse.Namespace, size: dict[str, int], batch: TrainingBatch) -> Any:
+    """run_variant in a fresh process (spawned: nothing of this one's memory), with its peak resident memory."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(1) as pool:
+        return pool.apply(_variant_with_memory, (name, args, size, batch))
+
+
+def _variant_with_memory(name: str, args: argparse.Namespace, size: dict[str, int], batch: TrainingBatch) -> Any:
+    import resource
+
+    import peft  # noqa: F401  (imported before the baseline: its own memory is not the update's)
+
+    torch.set_num_threads(args.threads or default_threads(os.cpu_count() or 1, cuda=False))
+    before = rss_gib()
+    result = run_variant(name, args, size, batch, torch.device("cpu"), keep_model_rss=True)
+    result["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    result["rss_at_start_gib"] = before
+    return result
+
+
+def run_variant(
+    name: str, args: argparse.Namespace, size: dict[str, int], batch: TrainingBatch, device: Any,
+    keep_model_rss: bool = False,
+) -> Any:  # fmt: skip
     model = build_model(size, device)
+    model_rss = rss_gib() if keep_model_rss else None
     params = sum(p.numel() for p in model.parameters())
     changes = VARIANTS[name]
     if changes is None:
         step = plain_step(model, batch, args.plain_micro or size["micro"], device)
     else:
         step = ours_step(model, batch, changes, args.micro or size["micro"], device)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)  # LoRA froze the base by now
     result = measure(step, device, args.steps, args.warmup)
     del step, model
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"variant": name, "params": params, **result}
+    return {"variant": name, "params": params, "trained_params": trained, "model_rss_gib": model_rss, **result}
 
 
 def arguments() -> argparse.ArgumentParser:
@@ -205,6 +256,9 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads (default: half the cores, as the trainer's)"
+    )
+    parser.add_argument(
+        "--memory", action="store_true", help="each variant in a process of its own, with its peak resident memory"
     )
     parser.add_argument("--json", type=Path, default=None)
     return parser
@@ -235,7 +289,10 @@ def main() -> None:
     results = []
     for name in args.variants.split(","):
         try:
-            result = run_variant(name, args, size, batch, device)
+            if args.memory and device.type == "cpu":
+                result = run_variant_alone(name, args, size, batch)
+            else:
+                result = run_variant(name, args, size, batch, device)
         except torch.OutOfMemoryError as exc:
             print(f"{name}: out of memory ({str(exc)[:200]})", flush=True)
             results.append({"variant": name, "error": "out of memory"})
@@ -247,19 +304,21 @@ def main() -> None:
         results.append(result)
         print(f"{name}: {result['step_s']:.3f} s/step ({', '.join(f'{t:.3f}' for t in result['times_s'])})", flush=True)
     base = next((r for r in results if r["variant"] == "plain" and "step_s" in r), None)
-    print("\n| variant | s/step | tokens/s | x plain | MFU | peak GiB | loss | grad norm |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| variant | trained params | s/step | tokens/s | x plain | MFU | peak GiB | loss | grad norm |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         if "step_s" not in r:
-            print(f"| {r['variant']} | {r['error']} | | | | | | |")
+            print(f"| {r['variant']} | {r['error']} | | | | | | | |")
             continue
         ratio = f"{base['step_s'] / r['step_s']:.2f}" if base else ""
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
-        memory = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
+        memory = f"{r['peak_gib']:.2f}" if r["peak_gib"] is not None else "-"
+        if r.get("peak_rss_gib") is not None:  # --memory on a CPU: the process's peak, and the model's share of it
+            memory = f"{r['peak_rss_gib']:.2f} RSS ({r['peak_rss_gib'] - r['model_rss_gib']:.2f} above the model)"
         loss, grad = r["metrics"].get("loss", float("nan")), r["metrics"].get("grad_norm", float("nan"))
         print(
-            f"| {r['variant']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {ratio} | {mfu} | {memory} | "
-            f"{loss:.4f} | {grad:.4f} |"
+            f"| {r['variant']} | {r['trained_params'] / 1e6:.1f}M | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | "
+            f"{ratio} | {mfu} | {memory} | {loss:.4f} | {grad:.4f} |"
         )
     print(f"\nload average (1 min): {load_before:.2f} at the start, {os.getloadavg()[0]:.2f} at the end")
     if args.json:

@@ -8,7 +8,7 @@ from typing import Any
 from uuid import UUID
 
 from prefect import get_client
-from prefect.artifacts import TableArtifact
+from prefect.artifacts import TableArtifact, acreate_progress_artifact, aupdate_progress_artifact
 from prefect.client.schemas.actions import ArtifactUpdate
 
 from lightning.run import Run
@@ -26,14 +26,26 @@ async def publish_table(key: str, rows: list[dict[str, Any]], description: str, 
     table = TableArtifact(key=key, table=rows, description=description)
     async with get_client() as client:
         if artifact_id is None:
-            artifact_id = await _table_of_this_flow_run(client, key)
+            artifact_id = await _artifact_of_this_flow_run(client, key)
         if artifact_id is None:
             return (await table.acreate(client)).id
         await client.update_artifact(artifact_id, ArtifactUpdate(data=await table.aformat(), description=description))
     return artifact_id
 
 
-async def _table_of_this_flow_run(client: Any, key: str) -> UUID | None:
+async def publish_progress(key: str, percent: float, description: str, artifact_id: UUID | None) -> UUID:
+    """The progress artifact `key` of this flow run at `percent`, updated in place like `publish_table`: a retried
+    flow run moves the card its first attempt made instead of leaving it behind at the percentage it stopped at."""
+    if artifact_id is None:
+        async with get_client() as client:
+            artifact_id = await _artifact_of_this_flow_run(client, key)
+    if artifact_id is None:
+        return await acreate_progress_artifact(percent, key=key, description=description)
+    await aupdate_progress_artifact(artifact_id, percent)
+    return artifact_id
+
+
+async def _artifact_of_this_flow_run(client: Any, key: str) -> UUID | None:
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
     from prefect.client.schemas.sorting import ArtifactSort
     from prefect.runtime import flow_run

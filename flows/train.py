@@ -21,10 +21,10 @@ from typing import Any
 from uuid import UUID
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import acreate_markdown_artifact, acreate_progress_artifact, aupdate_progress_artifact
+from prefect.artifacts import acreate_markdown_artifact
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from flows.artifacts import artifact_key, publish_table
+from flows.artifacts import artifact_key, publish_progress, publish_table
 from flows.evaluate import evaluate_at
 from flows.params import flow_prologue, flow_run_name
 from flows.rollouts import collect_rollouts, task_runner
@@ -81,16 +81,18 @@ async def train(
     """
     config = await flow_prologue(config, overrides)
     logger = get_run_logger()
-    # One Ray connection for the whole run: prefect-ray reuses it instead of a new job (new workers) per iteration.
-    connected = config.task_runner == "ray" and raycluster.connect(config.ray_address)
     run = await timed(open_run, config)(config)
-    status = "FAILED"
+    status, connected = "FAILED", False
     try:
+        # One Ray connection for the whole run: prefect-ray reuses it instead of a new job (new workers) per
+        # iteration. Made once the run is open, so that its workers get the run's proxy token (`raycluster`).
+        connected = config.task_runner == "ray" and raycluster.connect(config.ray_address)
         first = run.completed_iterations()
         if first >= config.iterations:
             logger.info("run %s already finished its %d iterations", config.run_name, config.iterations)
         elif first:
-            logger.info("resuming run %s at iteration %d of %d", config.run_name, first + 1, config.iterations)
+            # Numbered as the progress line, the table and MLflow number iterations: from 0, then how many are done.
+            logger.info("resuming run %s at iteration %d (%d/%d)", config.run_name, first, first + 1, config.iterations)
         initial = None
         if config.warm_start is not None:
             initial = await evaluate_at(run, -1)
@@ -100,17 +102,15 @@ async def train(
                     "warm start: %d supervised steps on %d demonstrations", done["steps"], done["demonstrations"]
                 )
         before = await evaluate_at(run, 0)
-        progress = await acreate_progress_artifact(
-            100.0 * first / config.iterations, key=artifact_key(run, "progress"),
-            description=f"Iterations of {run.name} done",
-        )  # fmt: skip
+        progress_key, progress_text = artifact_key(run, "progress"), f"Iterations of {run.name} done"
+        progress = await publish_progress(progress_key, 100.0 * first / config.iterations, progress_text, None)
         pace, table_id = reporting.Pace(), None
 
         async def report(iteration: int, done: dict[str, Any]) -> None:
             nonlocal table_id
             [row] = [row for row in run.history if row["iteration"] == iteration]  # a later one may be there too
             logger.info(reporting.progress_line(run, row, *pace.lap(iteration + 1, done["seconds"])))
-            await aupdate_progress_artifact(progress, 100.0 * (iteration + 1) / config.iterations)
+            await publish_progress(progress_key, 100.0 * (iteration + 1) / config.iterations, progress_text, progress)
             table_id = await _publish(run, table_id)
 
         iteration_flow = training_iteration.with_options(task_runner=task_runner(config))
@@ -122,6 +122,7 @@ async def train(
                 await in_flight.start(iteration)
             await in_flight.finish()
         after = await evaluate_at(run, config.iterations)
+        await _publish(run, table_id)  # the last row's val_reward: the final held-out evaluation's
         status = "FINISHED"
         summary = stages.finish(run, before, after, initial)
         await acreate_markdown_artifact(

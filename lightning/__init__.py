@@ -16,6 +16,13 @@ from lightning import agl_import_paths
 
 if TYPE_CHECKING:  # what the names below are, for type checkers and editors; at run time each loads on first use
     from lightning.agent import Hook, LitAgent, RolloutRawResult, llm_rollout, prompt_rollout, rollout  # noqa: F401
+    from lightning.agl_algorithms import APO, VERL, Algorithm, algo  # noqa: F401
+    from lightning.env_var import (  # noqa: F401
+        LightningEnvVar,
+        resolve_bool_env_var,
+        resolve_int_env_var,
+        resolve_str_env_var,
+    )
     from lightning.log_setup import configure_logger  # noqa: F401
     from lightning.log_setup import setup as setup_logging  # noqa: F401
     from lightning.log_setup import setup_module as setup_module_logging  # noqa: F401
@@ -105,18 +112,23 @@ _LAZY: dict[str, tuple[str, str]] = {
     "Runner": ("lightning.runner", "Runner"),
     "LitAgentRunner": ("lightning.runner", "LitAgentRunner"),
     **{name: ("lightning.tracing", name) for name in (
-        "Tracer", "SpanCoreFields", "emit_reward", "emit_message", "emit_object", "emit_exception", "operation",
+        "Tracer", "OtelTracer", "AgentOpsTracer", "SpanCoreFields", "emit_reward", "emit_message", "emit_object",
+        "emit_exception", "operation",
         "find_final_reward", "find_rewards", "find_reward_spans", "is_reward_span", "get_reward_value",
         "get_final_reward",
     )},
     "TraceToMessages": ("lightning.adapter", "TraceToMessages"),
+    **{name: ("lightning.agl_algorithms", name) for name in ("APO", "VERL", "Algorithm", "algo")},
+    **{name: ("lightning.env_var", name) for name in (
+        "LightningEnvVar", "resolve_bool_env_var", "resolve_int_env_var", "resolve_str_env_var",
+    )},
     "LightningStoreClient": ("lightning.store.client", "LightningStoreClient"),
     "InMemoryLightningStore": ("lightning.store.memory", "InMemoryLightningStore"),
 }  # fmt: skip
 # agent-lightning's submodules (agl.litagent, agl.store, ...) as attributes, imported on first use.
 _SUBMODULES = frozenset(
-    {"adapter", "algorithm", "config", "emitter", "litagent", "logging", "reward", "runner", "semconv", "store",
-     "tracer", "trainer", "types"}
+    {"adapter", "algorithm", "config", "emitter", "env_var", "litagent", "logging", "reward", "runner", "semconv",
+     "store", "tracer", "trainer", "types"}
 )  # fmt: skip
 
 sys.meta_path.append(agl_import_paths.FINDER)

@@ -28,6 +28,12 @@ class NotInLightning(ImportError):
 MODULES: dict[str, tuple[str, ...]] = {
     "adapter.base": ("lightning.adapter",),
     "adapter.triplet": ("lightning.adapter",),
+    "algorithm.apo": ("lightning.agl_algorithms",),
+    "algorithm.apo.apo": ("lightning.agl_algorithms",),
+    "algorithm.base": ("lightning.agl_algorithms",),
+    "algorithm.decorator": ("lightning.agl_algorithms",),
+    "algorithm.verl": ("lightning.agl_algorithms",),
+    "algorithm.verl.interface": ("lightning.agl_algorithms",),
     "emitter": ("lightning.tracing",),
     "emitter.annotation": ("lightning.tracing",),
     "emitter.exception": ("lightning.tracing",),
@@ -46,7 +52,9 @@ MODULES: dict[str, tuple[str, ...]] = {
     "store.client_server": ("lightning.store.client",),
     "store.sqlite": ("lightning.store.sql",),
     "tracer": ("lightning.tracing",),
+    "tracer.agentops": ("lightning.tracing",),
     "tracer.base": ("lightning.tracing",),
+    "tracer.otel": ("lightning.tracing",),
     "trainer.trainer": ("lightning.trainer",),
     "types.core": ("lightning.types", "lightning.agent"),
     "types.resources": ("lightning.types",),
@@ -54,29 +62,21 @@ MODULES: dict[str, tuple[str, ...]] = {
 }
 """agl module (after `agentlightning.`) -> our modules whose names `lightning.<that path>` offers, first found first.
 agl's modules at a path where we have a module of our own are not here: lightning.adapter, lightning.adapter.messages,
-lightning.algorithm, lightning.cli, lightning.config, lightning.runner, lightning.semconv, lightning.store,
-lightning.store.base, lightning.store.memory, lightning.trainer, lightning.types."""
+lightning.algorithm, lightning.cli, lightning.config, lightning.env_var, lightning.runner, lightning.semconv,
+lightning.store, lightning.store.base, lightning.store.memory, lightning.trainer, lightning.types."""
 
 _ADAPTER = (
     "adapters here are functions over spans: lightning.adapter.spans_to_triplets and spans_to_messages "
     "(lightning.adapter.TraceToMessages is agl's messages adapter over the latter); a run picks its training rows' "
     "shape with adapter_shape='transition' (one row per LLM call) or 'trajectory'"
 )
-_ALGORITHM = (
-    "training is the `train` flow (lightning.Trainer(...).fit, python -m flows.train) set by lightning.TrainerConfig "
-    "(lr, kl_coef, advantage, ...); prompt optimisation is the `optimize_prompt` flow. There is no Algorithm class to "
-    "subclass"
-)
-_APO = (
-    "prompt optimisation is the `optimize_prompt` flow: give the TrainConfig an `apo` section (the seed prompt, and "
-    "APO's beam_width, branch_factor, beam_rounds, gradient_batch_size, val_batch_size, gradient_model, "
-    "apply_edit_model, diversity_temperature) and run `python -m flows.optimize_prompt CONFIG.yaml` "
-    "(examples/room_booking/apo.yaml)"
+_FAST = (
+    "a quick look at an agent is Trainer(...).dev(agent, dataset) (the `dev` flow: one batch of rollouts, adapted, "
+    "nothing trained); a custom algorithm subclasses lightning.algorithm.Algorithm or is an @algo function"
 )
 _VERL = (
-    "give lightning.Trainer(algorithm={...}) the fields of lightning.TrainerConfig (lr, kl_coef, advantage, ...) and "
-    "TrainConfig fields as keywords (batch_size, samples_per_task, max_prompt_length, ...); trainer_backend='verl' "
-    "runs verl's FSDP workers"
+    "agl's verl integration (its trainer, daemon and dataset) is lightning.VERL(config) given to "
+    "lightning.Trainer(algorithm=...), which maps the verl config onto the `train` flow (trainer_backend verl)"
 )
 _CLI = (
     "the command line is `lightning`: `lightning store serve` (agl's `agl store`), `lightning proxy serve`, "
@@ -86,22 +86,23 @@ _LEGACY = (
     "agent-lightning's deprecated 0.1/0.2 API: use lightning.Trainer(...).fit / .dev, lightning.Runner(agent, store) "
     "and the store (lightning.store.client.LightningStoreClient for a store server)"
 )
-_ENV = "a run's settings are TrainConfig fields (`lightning config defaults` lists them) and LIGHTNING_* variables"
 _STRATEGY = (
     "a run's runners are threads of the flow (task_runner='default'), processes of the run (task_runner='processes') "
     "or Ray tasks (task_runner='ray'); size them with Trainer(n_runners=...) and runner_concurrency"
 )
 _INSTRUMENT = (
-    "nothing to instrument: every call through the rollout's LLM resource is recorded by the run's LLM proxy, token "
-    "ids included"
+    "nothing to switch on: every call through the rollout's LLM resource is recorded by the run's LLM proxy, token "
+    "ids included, and the tracer instruments the OpenAI SDK itself for the agent's other calls "
+    "(lightning.tracing.instrument)"
 )
 _STORE = (
     "the store is lightning.SqlLightningStore (a SQLite file, `sqlite://` in memory, or a PostgreSQL URL); "
     "lightning.store.memory.InMemoryLightningStore is one in memory"
 )
 _TRACER = (
-    "the tracer is the runner's own (lightning.Tracer, as `self.tracer` in an agent) and every LLM call is recorded "
-    "by the run's LLM proxy: there is no tracer to choose or activate"
+    "the tracer is lightning.Tracer (agl's OtelTracer and AgentOpsTracer name it), the runner's own (`self.tracer` "
+    "in an agent): give it to LitAgentRunner(tracer), or let Runner(agent, store) make one. It records every span, "
+    "rewards included, so there is no tracer that records nothing, and none is active outside a runner"
 )
 _COMPONENTS = (
     "a run's parts are chosen by TrainConfig fields (inference.backend, trainer_backend, task_runner, store_url), "
@@ -114,12 +115,8 @@ _FILTERS = (
 )
 
 NO_MODULE: dict[str, str] = {
-    "algorithm.apo": _APO,
-    "algorithm.base": _ALGORITHM,
-    "algorithm.decorator": _ALGORITHM,
-    "algorithm.fast": _ALGORITHM,
-    "algorithm.utils": _ALGORITHM,
-    "algorithm.verl": _VERL,
+    "algorithm.fast": _FAST,
+    "algorithm.utils": _INTERNAL,
     "verl": _VERL,
     "cli.prometheus": _CLI,
     "cli.store": _CLI,
@@ -128,7 +125,6 @@ NO_MODULE: dict[str, str] = {
     "server": _LEGACY,
     "runner.legacy": _LEGACY,
     "trainer.legacy": _LEGACY,
-    "env_var": _ENV,
     "execution": _STRATEGY,
     "instrumentation": _INSTRUMENT,
     "llm_proxy": "every run starts its own LLM proxy (`lightning proxy serve` alone); TrainConfig.proxy_endpoint "
@@ -138,9 +134,7 @@ NO_MODULE: dict[str, str] = {
     "store.mongo": _STORE,
     "store.threading": _STORE,
     "store.utils": _INTERNAL,
-    "tracer.agentops": _TRACER,
     "tracer.dummy": _TRACER,
-    "tracer.otel": _TRACER,
     "tracer.weave": _TRACER,
     "trainer.init_utils": _COMPONENTS,
     "trainer.registry": _COMPONENTS,
@@ -160,10 +154,7 @@ NAMES: dict[str, str] = {
         ],
         _ADAPTER,
     ),
-    **dict.fromkeys(["Algorithm", "FastAlgorithm", "algo"], _ALGORITHM),
-    "APO": _APO,
-    "VERL": _VERL,
-    "Baseline": "Trainer.dev(agent, dataset) runs one batch of rollouts without training",
+    **dict.fromkeys(["FastAlgorithm", "Baseline"], _FAST),
     "lightning_cli": "a run's settings are a TrainConfig (YAML; `lightning config check FILE`), and the flows take "
     "--set field=value",
     "emit_annotation": "record it with lightning.emit_object(value, attributes={...}) or emit_message(text, "
@@ -172,7 +163,6 @@ NAMES: dict[str, str] = {
     "rewards are its `lightning.reward.<name>` attributes",
     "get_message_value": "a message span's text is span.attributes['lightning.message.body']",
     "get_object_value": "an object span's value is json.loads(span.attributes['lightning.object.json'])",
-    **dict.fromkeys(["LightningEnvVar", "resolve_bool_env_var", "resolve_int_env_var", "resolve_str_env_var"], _ENV),
     **dict.fromkeys(
         [
             "ExecutionStrategy",
@@ -209,8 +199,6 @@ NAMES: dict[str, str] = {
     "lightning.store.server.create_app(store) with uvicorn",
     **dict.fromkeys(
         [
-            "AgentOpsTracer",
-            "OtelTracer",
             "DummyTracer",
             "get_active_tracer",
             "set_active_tracer",

@@ -3,6 +3,8 @@
 Layout of one checkpoint, `<root>/step-000042/`:
 
     config.json, generation_config.json, model.safetensors   the model, as transformers and vLLM load it
+      or adapter_config.json, adapter_model.safetensors       a LoRA adapter (peft's format), whose base model meta.json
+                                                              names (`base_model`)
     tokenizer.json, tokenizer_config.json, ...               the tokenizer
     trainer_state/state.pt                                   the caller's `trainer_state` (torch.save)
     trainer_state/rng.json                                   torch, CUDA, Python and NumPy RNG states
@@ -47,6 +49,8 @@ DAMAGED_PREFIX = "damaged-"
 TRAINER_STATE = "trainer_state"
 STATE_FILE = "state.pt"
 RNG_FILE = "rng.json"
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 # What torch.load(weights_only=True) accepts (checked against torch 2.13); anything else fails only at resume time.
 _WEIGHTS_ONLY_CONTAINERS = (dict, OrderedDict, list, tuple, set)
@@ -74,11 +78,35 @@ class Checkpoint:
     path: Path
     step: int
     model_dir: Path
-    """The Hugging Face model directory: from_pretrained(model_dir) and vLLM load it as is. The checkpoint itself."""
+    """The Hugging Face model directory: from_pretrained(model_dir) and vLLM load it as is. The checkpoint itself.
+    For a LoRA checkpoint, peft's adapter directory: `base_model` is the model it applies to."""
     trainer_state: dict[str, Any] | None
     meta: dict[str, Any]
     rng_state: dict[str, Any] | None
     """RNG states captured when the checkpoint was saved; `restore_rng_state(ckpt.rng_state)` to continue them."""
+
+    @property
+    def base_model(self) -> Path | None:
+        """The base model directory a LoRA checkpoint's adapter applies to; None for a checkpoint of whole weights."""
+        base = self.meta.get("base_model")
+        return None if base is None else Path(base)
+
+
+def is_adapter_dir(path: str | Path) -> bool:
+    """Whether `path` holds a LoRA adapter (peft's adapter_config.json) rather than whole weights."""
+    return (Path(path) / ADAPTER_CONFIG).is_file()
+
+
+def adapter_base_model(path: str | Path) -> Path:
+    """The base model directory an adapter directory names (its adapter_config.json's base_model_name_or_path)."""
+    config = json.loads((Path(path) / ADAPTER_CONFIG).read_text())
+    base = config.get("base_model_name_or_path")
+    if not base or not (Path(base) / "config.json").is_file():
+        raise CheckpointError(
+            f"adapter {path}: its base model {base!r} (adapter_config.json's base_model_name_or_path) is not a model "
+            "directory here"
+        )
+    return Path(base)
 
 
 def checkpoint_dir(root: str | Path, step: int) -> Path:
@@ -98,11 +126,18 @@ def save_checkpoint(
 
     `trainer_state` (optimizer and scheduler state dicts, tensors, plain values) is saved with torch.save and must
     load under torch.load(weights_only=True). `meta` must be JSON (iteration, data position, weight version, ...).
-    The current RNG states are saved too. Saving a step that exists replaces it.
+    The current RNG states are saved too. Saving a step that exists replaces it. A peft model saves its adapter, and
+    meta names the base model its adapter config names (`base_model`).
     """
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     root = Path(root)
+    peft_config = getattr(model, "peft_config", None)
+    if peft_config is not None:
+        base = peft_config["default"].base_model_name_or_path
+        if not base or not (Path(base) / "config.json").is_file():
+            raise CheckpointError(f"a LoRA checkpoint names its base model directory; the adapter names {base!r}")
+        meta = {**(meta or {}), "base_model": str(base)}
     # Fail before writing anything on what would otherwise only fail at resume time.
     meta_text = json.dumps({**(meta or {}), "step": step, "saved_at": time.time()}, indent=2) + "\n"
     if trainer_state is not None:
@@ -368,6 +403,9 @@ def _step_dirs(root: Path) -> list[Path]:
 
 def _missing_files(path: Path) -> list[str]:
     """What a complete checkpoint has that `path` lacks: an empty list if it is complete."""
+    if (path / ADAPTER_CONFIG).is_file():
+        required = (ADAPTER_WEIGHTS, "tokenizer_config.json", META, TRAINER_STATE)
+        return [name if name != TRAINER_STATE else f"{name}/" for name in required if not (path / name).exists()]
     missing = [name for name in ("config.json", "tokenizer_config.json", META) if not (path / name).is_file()]
     if not (path / TRAINER_STATE).is_dir():
         missing.append(f"{TRAINER_STATE}/")

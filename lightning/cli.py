@@ -206,6 +206,17 @@ def _parser() -> argparse.ArgumentParser:
         "--show", type=int, default=20, help="tokens listed, largest |delta| first (default: %(default)s)"
     )
 
+    export = _command(
+        commands, "export", _export,
+        help="write a checkpoint as a whole Hugging Face model directory (a LoRA adapter merged into its base)",
+        description="Write checkpoint CHECKPOINT (a run's checkpoints/step-NNNNNN) to OUT as a Hugging Face model "
+        "directory that transformers and vLLM load as is: a LoRA checkpoint's adapter merged into the base model its "
+        "meta names (float32), a whole-weights checkpoint's model files copied; the tokenizer with it, the trainer "
+        "state left out. A run with checkpoint.register_model registers its final LoRA checkpoint merged the same way.",
+    )  # fmt: skip
+    export.add_argument("checkpoint", help="a checkpoint directory, e.g. .lightning/runs/demo/checkpoints/step-000005")
+    export.add_argument("out", help="the model directory to write (new, or empty)")
+
     mlflow = _group(
         commands, "mlflow",
         help="MLflow: `lightning mlflow ui` opens a run store's UI offline; `promote` sets a model version's alias",
@@ -293,6 +304,19 @@ def _mlflow_ui(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
     os.execvp(command[0], command)
     return 0  # not reached
+
+
+def _export(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from lightning.checkpoint import CheckpointError, is_adapter_dir
+    from lightning.export import export_model
+
+    try:
+        out = export_model(args.checkpoint, args.out)
+    except (CheckpointError, FileExistsError) as exc:
+        parser.error(str(exc))
+    how = "its LoRA adapter merged into its base" if is_adapter_dir(args.checkpoint) else "its whole weights"
+    print(f"wrote {out}: {args.checkpoint}, {how}")
+    return 0
 
 
 def _mlflow_promote(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

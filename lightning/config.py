@@ -191,6 +191,22 @@ class WarmStart(BaseModel):
         return value
 
 
+class TinyModel(BaseModel):
+    """The tiny model `model: tiny` builds (random weights, a tokenizer trained on the fly), for examples and tests
+    on a CPU. A real model's tokenizer has its chat format's text as few tokens (`<tool_call>` as one); the tiny one
+    gets merges for text given in `tokenizer_corpus`."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    hidden_size: int = Field(default=64, ge=8)
+    """Width of the model (its MLP is four times as wide)."""
+    num_layers: int = Field(default=2, ge=1)
+    """Transformer layers."""
+    tokenizer_corpus: list[str] = Field(default_factory=list)
+    """Text the tokenizer learns merges from besides its own corpus (e.g. an agent's tool-call format), so that text
+    takes fewer tokens; the default tokenizer when empty."""
+
+
 class ApoConfig(BaseModel):
     """Automatic prompt optimisation (the `optimize_prompt` flow): beam search over a prompt template by textual
     gradients (ProTeGi). Each round, the beam's prompts run on a batch of training tasks, an optimiser model
@@ -319,6 +335,8 @@ class TrainConfig(BaseModel):
     """Held-out tasks, same forms; evaluated before training, every `eval_every` iterations and at the end."""
     model: str = "tiny"
     """A Hugging Face model directory, or `tiny` (a tiny random-init model built locally, seeded by `seed`)."""
+    tiny_model: TinyModel = Field(default_factory=TinyModel)
+    """The model `model: tiny` builds: its size and its tokenizer's extra text."""
     inference: InferenceConfig = Field(default_factory=InferenceConfig)
     """Where rollouts get their completions: the embedded server, vLLM, or an external endpoint."""
     proxy_endpoint: str | None = None
@@ -326,7 +344,7 @@ class TrainConfig(BaseModel):
     proxy_host: str = "127.0.0.1"
     """Where the run's own LLM proxy listens (vllm and external inference). Runners on other machines reach it at
     this address, so give the node's address (not 0.0.0.0); any non-loopback address needs a bearer token in
-    $LIGHTNING_PROXY_TOKEN, which runners get with the LLM resource."""
+    $LIGHTNING_PROXY_TOKEN, which runners read from their environment (the store never holds it)."""
     proxy_in_process: bool = False
     """Run the LLM proxy on a thread of the flow's process instead of a process of its own (which spares the
     runners its share of the interpreter lock)."""
@@ -516,6 +534,12 @@ class TrainConfig(BaseModel):
             )
         if self.inference.weight_sync == "sleep" and self.inference.backend != "vllm":
             raise ValueError("inference.weight_sync: 'sleep' needs inference.backend 'vllm'")
+        if self.algorithm.lora is not None and self.inference.backend == "vllm" and self.inference.endpoint is None:
+            raise ValueError(
+                "algorithm.lora: a run publishes LoRA adapters to the embedded inference server; swapping them into "
+                "the run's vLLM replicas (VllmServer.load_lora_adapter) is not wired into the run yet: use "
+                "inference.backend 'embedded', or full fine-tuning with vLLM"
+            )
         if self.trainer_backend == "verl":
             if self.algorithm.device != "auto":
                 raise ValueError(

@@ -51,7 +51,9 @@ def apply_overrides(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> di
         *parents, last = dotted.split(".")
         node = result
         for part in parents:
-            node = node.setdefault(part, {})
+            if node.get(part) is None:  # absent, or an optional section left null (algorithm.lora): set it
+                node[part] = {}
+            node = node[part]
             if not isinstance(node, dict):
                 raise ConfigError(f"override {dotted}: {part} is not a mapping")
         node[last] = value

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
+import threading
+from collections.abc import Callable
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from lightning.environment import SECRET_PREFIX
+from lightning.environment import PROXY_TOKEN, SECRET_PREFIX
 
 REFERENCE = re.compile(r"\$\{(?:(secret):)?([A-Za-z_][A-Za-z0-9_-]*)\}")
 
@@ -61,3 +64,37 @@ def split_credentials(url: str) -> tuple[str, str | None]:
     host = parts.netloc.rpartition("@")[2]
     secret = unquote(parts.password or parts.username or "") or None
     return urlunsplit(parts._replace(netloc=host)), secret
+
+
+# --- the run's LLM proxy token -----------------------------------------------------------------------
+
+_token_lock = threading.Lock()
+_runs_sharing_token = 0
+"""Open runs of this process that share the proxy token in its environment (one token a process: its runners sign
+their agents' routes with it); the last to close takes it out again."""
+
+
+def claim_proxy_token() -> tuple[str, Callable[[], None]]:
+    """The token for a run's LLM proxy, and its release. It lives in this process's environment
+    ($LIGHTNING_PROXY_TOKEN), where the runners of this process, and the runner processes it spawns, read it to sign
+    their agents' routes: the store's resources never hold it (anyone who reads the store could call the models and
+    write spans). Runs open at once in one process share one token, chosen and handed over in one step (two runs that
+    each chose their own would leave one run's runners signing with the other's token). A token the user set there
+    stays as it is; one the run set goes again when the last run using it releases it, leaving no trace."""
+    global _runs_sharing_token
+    with _token_lock:
+        token = os.environ.get(PROXY_TOKEN)
+        if token and not _runs_sharing_token:
+            return token, lambda: None  # the user's own
+        if not token:
+            token = os.environ[PROXY_TOKEN] = secrets.token_urlsafe(24)
+        _runs_sharing_token += 1
+
+    def release() -> None:
+        global _runs_sharing_token
+        with _token_lock:
+            _runs_sharing_token -= 1
+            if not _runs_sharing_token:
+                os.environ.pop(PROXY_TOKEN, None)
+
+    return token, release

@@ -103,11 +103,11 @@ async def agent_errors(store: Any, rollout_ids: Sequence[str], limit: int = 3) -
 
 def _agent_frame(stacktrace: str) -> str:
     """` (at FILE:LINE in FUNCTION)` for the innermost frame of the agent's own code: not an installed package's,
-    nor this library's (the runner calling the agent); the innermost frame if every one is."""
+    nor this library's (the runner calling the agent); nothing if every frame is (an error about what the agent
+    returned names the agent's line in its message: the library's line would only mislead)."""
     library = str(Path(__file__).resolve().parent)
     frames = list(_FRAME.finditer(stacktrace))
-    own = [f for f in frames if "-packages" not in f["path"] and not f["path"].startswith(library)]
-    chosen = (own or frames)[-1:] if frames else []
+    chosen = [f for f in frames if "-packages" not in f["path"] and not f["path"].startswith(library)][-1:]
     if not chosen:
         return ""
     path = chosen[0]["path"]

@@ -208,14 +208,19 @@ class MlflowTracker:
 
         A plain artifact version, no MLmodel flavor: with MLFLOW_TRACKING_URI naming this store,
         `mlflow.artifacts.download_artifacts("models:/<name>/<version>")` returns the Hugging Face directory, which
-        transformers and vLLM load as is.
+        transformers and vLLM load as is. A LoRA checkpoint is registered merged into its base (`lightning.export`),
+        uploaded under `checkpoints/step-<step>-merged`.
         """
         from mlflow.exceptions import MlflowException
+
+        from lightning.checkpoint import is_adapter_dir
 
         path = Path(path)
         step = _checkpoint_step(path)
         artifact_path = f"checkpoints/step-{step:06d}"
-        if not self.client.list_artifacts(self._run(), artifact_path):
+        if is_adapter_dir(path):
+            artifact_path = self._log_merged(path, step)
+        elif not self.client.list_artifacts(self._run(), artifact_path):
             self.log_checkpoint(path, step)
         try:
             self.client.create_registered_model(name)
@@ -227,6 +232,19 @@ class MlflowTracker:
             description=description,
         )  # fmt: skip
         return int(version.version)
+
+    def _log_merged(self, adapter_checkpoint: Path, step: int) -> str:
+        """Upload the whole model that LoRA checkpoint `step` stands for (its adapter merged into its base) unless
+        uploaded already; its artifact path."""
+        import tempfile
+
+        from lightning.export import export_model
+
+        artifact_path = f"checkpoints/step-{step:06d}-merged"
+        if not self.client.list_artifacts(self._run(), artifact_path):
+            with tempfile.TemporaryDirectory(prefix="merged-") as out:
+                self.client.log_artifacts(self._run(), str(export_model(adapter_checkpoint, out)), artifact_path)
+        return artifact_path
 
     def promote(self, name: str, version: int | str, alias: str = "champion") -> None:
         """Point registered model `name`'s `alias` at `version` (`models:/<name>@<alias>` then loads it)."""

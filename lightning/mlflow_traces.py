@@ -372,6 +372,11 @@ def _llm_call(attributes: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
     served = attributes.get(semconv.GEN_AI_RESPONSE_MODEL) or model
     if served is not None:  # (MLflow reads the model's name from the gen_ai attributes too)
         outputs["model"] = served
+    if semconv.LLM_RESPONSE_TOKEN_IDS in attributes:
+        # A call to the policy the run serves (token ids are ours): no price per token. A cost of zero keeps MLflow
+        # from looking one up in LiteLLM's price list, which imports LiteLLM (seconds) in the run's process. (Not
+        # None: MLflow's client accepts a null cost, but its server then never finishes storing the trace.)
+        extra[SpanAttributeKey.LLM_COST] = {"input_cost": 0.0, "output_cost": 0.0, "total_cost": 0.0}
     return inputs, outputs, extra
 
 

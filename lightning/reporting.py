@@ -249,7 +249,10 @@ def no_rows_reason(
             "endpoint)"
         )
     if report.calls_without_token_ids:
-        causes.append(f"{report.calls_without_token_ids} LLM calls came back without token ids")
+        causes.append(
+            f"{report.calls_without_token_ids} LLM calls have no token ids (a call the agent made with its own client, "
+            "not through the run's proxy, is recorded without them: give the client the LLM resource's endpoint)"
+        )
     if "'prompt_too_long': 0" not in batch_error and "prompt_too_long" in batch_error:
         causes.append(
             f"prompts longer than max_prompt_length {run.config.max_prompt_length} (raise it, or shorten them)"
@@ -261,7 +264,17 @@ def no_rows_reason(
     )
 
 
-async def rollouts_failed_reason(run: Run, iteration: int, rollout_ids: Sequence[str], summary: dict[str, Any]) -> str:
+def phase_label(iteration: int, mode: str = "train") -> str:
+    """A rollout phase as a person names it: `iteration 3`; held-out rollouts by the checkpoint they evaluate,
+    `the held-out evaluation of checkpoint 5` (of `the initial model`: step -1, before the warm start)."""
+    if mode == "train":
+        return f"iteration {iteration}"
+    return f"the held-out evaluation of {'the initial model' if iteration < 0 else f'checkpoint {iteration}'}"
+
+
+async def rollouts_failed_reason(
+    run: Run, iteration: int, rollout_ids: Sequence[str], summary: dict[str, Any], mode: str = "train"
+) -> str:
     """Why a rollout phase stayed short of `min_success_fraction`: counts, how the attempts ended, and what the
     serving parts went through."""
     from lightning.diagnose import agent_errors
@@ -276,7 +289,7 @@ async def rollouts_failed_reason(run: Run, iteration: int, rollout_ids: Sequence
         why = f"no agent error recorded; latest attempts {dict(endings)} (timed out, or their runners went silent)"
     more = "".join(f"\n  {line}" for line in errors)
     return (
-        f"iteration {iteration}: {summary['succeeded']} of {summary['rollouts']} rollouts succeeded, short of "
+        f"{phase_label(iteration, mode)}: {summary['succeeded']} of {summary['rollouts']} rollouts succeeded, short of "
         f"min_success_fraction {run.config.min_success_fraction:g}: {why}\n"
         f"after {run.config.rollout_retries} more round(s) for the others; latest attempts: {dict(endings)}; serving "
         f"restarts so far: {run.restarts()}"

@@ -35,8 +35,9 @@ from pydantic import BaseModel, PrivateAttr
 
 from lightning import owner, stopping
 from lightning.config import TrainConfig, load_tasks
+from lightning.credentials import claim_proxy_token
 from lightning.diagnose import collect_stacks, dump_stacks_on_signal
-from lightning.environment import PROXY_TOKEN, VLLM_PYTHON
+from lightning.environment import VLLM_PYTHON
 from lightning.serving import is_loopback
 from lightning.store import lifecycle
 from lightning.store.base import LightningStore
@@ -140,19 +141,17 @@ class Run(BaseModel):
 
     def llm(self, mode: str) -> ProxyLLM:
         """The run's LLM resource for `mode` (train or val): this process's proxy, with the mode's sampling
-        parameters (`lightning.stages.update_resources` stores it under the run's resources id)."""
+        parameters (`lightning.stages.update_resources` stores it under the run's resources id). It holds no key:
+        the proxy's token stays out of the store; runners give agents the one in their environment
+        ($LIGHTNING_PROXY_TOKEN), as they read the store's token (`lightning.runner.Runner`)."""
         config = self.config
         sampling = config.eval_sampling if mode == "val" else config.sampling
         return ProxyLLM(
             endpoint=self._proxy_endpoint(), model=self.endpoints.model_name, sampling_parameters=sampling,
-            api_key=self._llm_key(),
         )  # fmt: skip
 
     def _proxy_endpoint(self) -> str:
         return f"{self.endpoints.proxy_url}/v1"
-
-    def _llm_key(self) -> str | None:
-        return proxy_token() if self.config.proxy_endpoint else self.proxy_token
 
     # --- what only an open run has -----------------------------------------------------------
 
@@ -684,14 +683,15 @@ async def point_resources_here(run: Run) -> int:
     )
     ids = {run.resources_id("train"), run.resources_id("val")}
     ids |= {rollout.resources_id for rollout in unfinished if rollout.resources_id}
-    endpoint, key = run._proxy_endpoint(), run._llm_key()
+    endpoint = run._proxy_endpoint()
     changed = 0
     for resources_id in sorted(ids):
         stored = await store.get_resources_by_id(resources_id)
         llm = None if stored is None else stored.resources.get(name)
-        if stored is None or not isinstance(llm, ProxyLLM) or (llm.endpoint, llm.api_key) == (endpoint, key):
+        if stored is None or not isinstance(llm, ProxyLLM) or (llm.endpoint, llm.api_key) == (endpoint, None):
             continue
-        moved = llm.model_copy(update={"endpoint": endpoint, "api_key": key})
+        # No key: one stored by an earlier version (the proxy's token) is dropped; runners read it from their env.
+        moved = llm.model_copy(update={"endpoint": endpoint, "api_key": None})
         await store.update_resources(resources_id, {**stored.resources, name: moved})
         changed += 1
     if changed:
@@ -723,7 +723,9 @@ def prepare_model(config: TrainConfig) -> Path:
     if not (path / "config.json").is_file():
         # Built aside and renamed into place: a `dev` flow opening the same run at the same moment sees all or none.
         building = Path(tempfile.mkdtemp(prefix=".model-", dir=config.run_dir))
-        build_tiny_model(building, seed=config.seed)
+        tiny = config.tiny_model
+        build_tiny_model(building, seed=config.seed, hidden_size=tiny.hidden_size, num_layers=tiny.num_layers,
+                         extra_corpus=tiny.tokenizer_corpus)  # fmt: skip
         try:
             building.rename(path)
         except OSError:  # the other process won; its model is the same (same seed)
@@ -739,11 +741,6 @@ def open_run_store(config: TrainConfig) -> LightningStore:
     return open_store(config.store_url)
 
 
-def proxy_token() -> str | None:
-    """The bearer token of the run's own LLM proxy ($LIGHTNING_PROXY_TOKEN), needed when it listens beyond loopback."""
-    return os.environ.get(PROXY_TOKEN) or None
-
-
 def _start_serving(
     config: TrainConfig, parts: _Parts, serving_dir: Path, report: Callable[[str], None] | None = None
 ) -> Endpoints:
@@ -755,6 +752,8 @@ def _start_serving(
         from lightning.stack import LocalStack
 
         in_memory = config.store_url in ("sqlite://", "sqlite:///:memory:")  # only this process sees that store
+        parts.proxy_token, release_token = claim_proxy_token()
+        parts.closers.append(release_token)
         parts.stack = LocalStack(
             parts.store, serving_dir, model_name=name, max_batch_size=inference.max_batch_size,
             batch_invariant=config.deterministic, device=inference.device, dtype=inference.dtype,
@@ -762,7 +761,7 @@ def _start_serving(
             proxy="thread" if config.proxy_in_process or in_memory else "process", store_url=config.store_url,
             log_dir=config.run_dir / "logs", stacks_dir=config.run_dir / "stacks",
             start_timeout=config.timeouts.startup, report=report,
-            max_body_bytes=int(inference.max_request_mb * 2**20),
+            max_body_bytes=int(inference.max_request_mb * 2**20), proxy_token=parts.proxy_token,
         )  # fmt: skip
         parts.closers.append(parts.stack.close)
         served = parts.stack.serving()
@@ -770,7 +769,6 @@ def _start_serving(
             "run %s: the embedded inference server at %s serves %s on %s in %s", config.run_name,
             parts.stack.inference_url, served["path"], served["device"], served["dtype"],
         )  # fmt: skip
-        parts.proxy_token = parts.stack.proxy_token
         parts.inference_headers = parts.stack.inference_headers
         return Endpoints(proxy_url=parts.stack.proxy_url, model_name=name, inference_urls=[parts.stack.inference_url])
     from lightning.proxy import Backend, LLMProxy
@@ -789,7 +787,8 @@ def _start_serving(
     else:
         api_key = os.environ.get(inference.api_key_env) if inference.api_key_env else None
         backends = [Backend(url=str(inference.endpoint), api_key=api_key)]
-    parts.proxy_token = proxy_token() or secrets.token_urlsafe(24)
+    parts.proxy_token, release_token = claim_proxy_token()
+    parts.closers.append(release_token)
     # On loopback, agents' calls are served whatever key they send, as agent-lightning's proxy serves them; beyond it,
     # the token is required (the admin routes need it everywhere).
     need_token = not is_loopback(config.proxy_host)

@@ -1,7 +1,7 @@
 """The embedded serving parts of a run on one machine: the inference server for a model directory and the LLM
 proxy in front of it, each on a thread of this process or in a process of its own.
 
-Each listens on 127.0.0.1 behind a random token of its own (the proxy's goes to agents inside the LLM resource),
+Each listens on 127.0.0.1 behind a random token of its own (the proxy's reaches runners through the environment),
 so another user of the machine can neither generate on the model, reload it, nor write spans. A process of its
 own dies with this one (`lightning.lifeline`), gets its secrets through its environment (never its command line,
 which `ps` shows), and writes its output to `log_dir`. `restart_dead()` starts again, on the same port, a process
@@ -27,7 +27,7 @@ from lightning.environment import BACKEND_API_KEY, INFERENCE_API_KEY, PROXY_TOKE
 from lightning.lifeline import child_env
 from lightning.serving import DEFAULT_MAX_BODY_BYTES, ThreadedServer, free_port
 from lightning.store.base import LightningStore
-from lightning.types import POLICY_MODEL_NAME, ProxyLLM
+from lightning.types import POLICY_MODEL_NAME
 
 HEALTH_TIMEOUT = 5.0
 STRIKES = 3
@@ -177,6 +177,7 @@ class LocalStack:
         start_timeout: float,
         report: Callable[[str], None] | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        proxy_token: str | None = None,
     ) -> None:
         from lightning.proxy import Backend, LLMProxy
 
@@ -189,7 +190,8 @@ class LocalStack:
         self.model_dir = Path(model_dir)
         """The weights a restarted inference server starts on: the latest loaded (`loaded`)."""
         self.inference_key = secrets.token_urlsafe(24)
-        self.proxy_token = secrets.token_urlsafe(24)
+        # The run's (`lightning.credentials.claim_proxy_token`): its runners sign their agents' routes with it.
+        self.proxy_token = proxy_token or secrets.token_urlsafe(24)
         self.inference_app: Any = None
         self.proxy: LLMProxy | None = None
         self.processes: list[ServerProcess] = []
@@ -241,10 +243,6 @@ class LocalStack:
     @property
     def inference_headers(self) -> dict[str, str]:
         return {"authorization": f"Bearer {self.inference_key}"}
-
-    def resource(self) -> ProxyLLM:
-        """The proxy as a resource for the store (its token as the API key); runners route it to each attempt."""
-        return ProxyLLM(endpoint=f"{self.proxy_url}/v1", model=self.model_name, api_key=self.proxy_token)
 
     def loaded(self, model_dir: Path) -> None:
         """The inference server now serves `model_dir`: a restart starts it on those weights."""

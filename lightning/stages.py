@@ -372,7 +372,7 @@ async def run_rollouts(
             return summary
         if round_ < run.config.rollout_retries:
             await steps.requeue_unsuccessful(run, iteration, rollout_ids, mode, round_)
-    raise RolloutsFailed(await rollouts_failed_reason(run, iteration, rollout_ids, summary))
+    raise RolloutsFailed(await rollouts_failed_reason(run, iteration, rollout_ids, summary, mode))
 
 
 # --- training ---------------------------------------------------------------------------------------------

@@ -17,6 +17,8 @@ anyway); a string is taken as the path or entry point it names.
 from __future__ import annotations
 
 import asyncio
+import copy
+import inspect
 import itertools
 import json
 import re
@@ -29,9 +31,11 @@ from typing import Any
 
 from lightning import preflight
 from lightning.agent import FunctionalLitAgent, LitAgent
+from lightning.agl_algorithms import APO, VERL, Algorithm
 from lightning.agl_import_paths import missing
 from lightning.algorithm.config import TrainerConfig
 from lightning.config import TrainConfig, load_config, load_entry_point, validate_config
+from lightning.env_var import LightningEnvVar, resolve_str_env_var
 from lightning.errors import ConfigError
 from lightning.types import LLM, Dataset, PromptTemplate, ProxyLLM
 
@@ -64,7 +68,8 @@ _REFUSED = {
 class Trainer:
     """`Trainer(n_runners=2, algorithm={"lr": 1e-4}, iterations=3, batch_size=8).fit(agent, train, val_dataset=val)`.
 
-    Keywords: agent-lightning's `n_runners` (`n_workers`), `algorithm` (a `TrainerConfig` or a dict of its fields),
+    Keywords: agent-lightning's `n_runners` (`n_workers`), `algorithm` (a `TrainerConfig` or a dict of its fields;
+    or agl's `VERL(config)`, `APO(client, ...)`, an `Algorithm` / `@algo` function: lightning.agl_algorithms),
     `store` (a store URL, or an HttpLightningStore), `initial_resources` (named LLMs and prompt templates: the LLM
     to train is the endpoint rollouts use, as inference backend `external`; the rest reach every rollout as they
     are); any `TrainConfig` field (run_name, iterations, model,
@@ -76,7 +81,7 @@ class Trainer:
         *,
         n_runners: int | None = None,
         n_workers: int | None = None,
-        algorithm: TrainerConfig | Mapping[str, Any] | None = None,
+        algorithm: TrainerConfig | Mapping[str, Any] | VERL | APO[Any] | Algorithm | None = None,
         store: Any = None,
         initial_resources: Mapping[str, Any] | None = None,
         config: TrainConfig | Mapping[str, Any] | str | Path | None = None,
@@ -84,6 +89,9 @@ class Trainer:
         daemon: bool = True,
         **fields: Any,
     ) -> None:
+        self._adapter = None
+        if isinstance(algorithm, APO | Algorithm) and _is_messages_adapter(fields.get("adapter")):
+            self._adapter = fields.pop("adapter")  # what APO reads its transcripts with here, and agl's too
         refused = sorted(name for name in _REFUSED if fields.get(name) is not None)
         if refused:
             raise TypeError(
@@ -103,13 +111,20 @@ class Trainer:
             raise ValueError(f"Trainer: n_workers={n_workers} and n_runners={n_runners} disagree; give n_runners only")
         if n_runners is not None or n_workers is not None:
             self._fields["n_runners"] = n_runners if n_runners is not None else n_workers
-        if algorithm is not None:
+        self._verl = algorithm if isinstance(algorithm, VERL) else None
+        self._apo = algorithm if isinstance(algorithm, APO) else None
+        self._custom = algorithm if isinstance(algorithm, Algorithm) else None
+        if algorithm is not None and not isinstance(algorithm, VERL | APO | Algorithm):
             self._fields["algorithm"] = _algorithm_fields(algorithm)
         if store is not None:
             self._fields["store_url"] = _store_url(store)
-        if initial_resources is not None:
+        self._initial_resources = dict(initial_resources) if initial_resources is not None else None
+        if initial_resources is not None and self._custom is None:
             self._fields.update(_resource_fields(initial_resources))
-        validate_config({**self._base, **self._fields}, "Trainer's configuration")  # a bad field fails here
+        if self._apo is not None:
+            self._fields["apo"] = _apo_section(self._apo, self._fields)
+        # a bad field fails here
+        validate_config({**self._base, **self._verl_fields(None), **self._fields}, "Trainer's configuration")
         self.n_runners = self._fields.get("n_runners", self._base.get("n_runners", TrainConfig().n_runners))
         self.algorithm = self._fields.get("algorithm")
         self.config: TrainConfig | None = None
@@ -143,7 +158,8 @@ class Trainer:
         """The TrainConfig that fit/dev run: the keywords over `config=`, with the agent and the datasets.
         `one_pass` (dev): unless batch_size or samples_per_task are given, each task of `train_dataset` runs once, as
         agent-lightning's `dev` runs them (its Baseline algorithm, one epoch)."""
-        data = {**self._base, **self._fields}
+        n_tasks = None if train_dataset is None or isinstance(train_dataset, str | Path) else len(train_dataset)
+        data = {**self._base, **self._verl_fields(n_tasks), **self._fields}
         if one_pass and train_dataset is not None and not isinstance(train_dataset, str | Path):
             data.setdefault("batch_size", len(train_dataset))
             data.setdefault("samples_per_task", 1)
@@ -169,17 +185,72 @@ class Trainer:
             )
         return config
 
+    def _verl_fields(self, n_train_tasks: int | None) -> dict[str, Any]:
+        return self._verl.run_fields(n_train_tasks) if self._verl is not None else {}
+
     async def _run(self, flow_name: str, agent: Any, train_dataset: Any, val_dataset: Any) -> Any:
         if not isinstance(agent, LitAgent):
             raise TypeError(
                 f"Trainer: agent is a {type(agent).__name__}; give a LitAgent instance or a @lightning.rollout function"
             )
+        role = resolve_str_env_var(LightningEnvVar.AGL_CURRENT_ROLE)
+        if role not in (None, "", "both"):
+            raise RuntimeError(
+                f"Trainer: AGL_CURRENT_ROLE={role}: a run here starts its own runners beside its algorithm; unset it. "
+                "To run runners on other machines, give task_runner='ray' (or 'processes'), or run "
+                "lightning.Runner(agent, LightningStoreClient(url)).iter() there against `lightning store serve`"
+            )
+        if self._custom is not None:
+            if flow_name != "train":
+                raise TypeError(
+                    "Trainer.dev: a custom Algorithm runs with fit; dev runs the `dev` flow (give no algorithm)"
+                )
+            return await self._run_algorithm(self._custom, agent, train_dataset, val_dataset)
+        if self._verl is not None and (refusal := self._verl.refusal()) is not None:
+            raise RuntimeError(refusal)
+        if self._apo is not None and flow_name == "train":
+            flow_name = "optimize_prompt"
         config = self.build_config(agent, train_dataset, val_dataset, one_pass=flow_name == "dev")
         preflight.check(config)
         run_flow = _flow_runner()
         agent.set_trainer(self)
         self.config = config
         return await run_flow(flow_name, config)
+
+    async def _run_algorithm(self, algorithm: Algorithm, agent: Any, train_dataset: Any, val_dataset: Any) -> None:
+        """agl's custom algorithm: `algorithm.run(train_dataset, val_dataset)` in this process against the store
+        (`store=`, else one in memory) while `n_runners` runners run `agent` on what it enqueues; they stop when it
+        returns. No flow: nothing is trained but by the algorithm itself."""
+        from lightning.runner import Runner
+        from lightning.store import InMemoryLightningStore, open_store
+
+        url = self._fields.get("store_url", self._base.get("store_url"))
+        store = open_store(url) if url is not None else InMemoryLightningStore()
+        runners = [Runner(agent, store) for _ in range(self.n_runners)]
+        agent.set_trainer(self)
+        algorithm.set_trainer(self)
+        algorithm.set_store(store)
+        algorithm.set_adapter(self._adapter)
+        if self._initial_resources is not None:
+            algorithm.set_initial_resources(self._initial_resources)
+        stop = asyncio.Event()
+        running = [asyncio.create_task(runner.iter(stop_event=stop)) for runner in runners]
+        try:
+            if algorithm.is_async():
+                await algorithm.run(train_dataset, val_dataset)
+            else:  # a thread, so that the runners go on in this loop
+                outcome = await asyncio.to_thread(algorithm.run, train_dataset, val_dataset)
+                if inspect.isawaitable(outcome):
+                    await outcome
+        finally:
+            stop.set()
+            failures = [r for r in await asyncio.gather(*running, return_exceptions=True) if isinstance(r, Exception)]
+            for runner in runners:
+                await runner.close()
+            if url is None:
+                await store.close()
+        if failures:
+            raise failures[0]
 
 
 FLOWS_ENTRY_POINT = "lightning.flows"
@@ -228,15 +299,37 @@ def _algorithm_fields(algorithm: Any) -> dict[str, Any]:
     if isinstance(algorithm, Mapping):
         if {"actor_rollout_ref", "data", "trainer"} & set(algorithm):
             raise ValueError(
-                "Trainer: algorithm= looks like a verl config (agent-lightning's VERL(config)); give the fields of "
-                "lightning.TrainerConfig (lr, kl_coef, advantage, clip_low, ...) and TrainConfig fields as keywords "
-                "(batch_size=, samples_per_task=, max_prompt_length=, max_response_length=, trainer_backend='verl')"
+                "Trainer: algorithm= looks like a verl config; wrap it as agent-lightning does: "
+                "algorithm=lightning.VERL(config), or give the fields of lightning.TrainerConfig (lr, kl_coef, ...)"
             )
         return dict(algorithm)
     raise TypeError(
         f"Trainer: algorithm= is a {type(algorithm).__name__}; give a lightning.TrainerConfig or a dict of its fields "
-        "(lr, kl_coef, advantage, ...): agent-lightning's algorithm objects do not run here"
+        "(lr, kl_coef, advantage, ...), or lightning.VERL(config), lightning.APO(client, ...), a "
+        "lightning.Algorithm or an @algo function"
     )
+
+
+def _is_messages_adapter(adapter: Any) -> bool:
+    from lightning.adapter import TraceToMessages
+
+    return isinstance(adapter, TraceToMessages)
+
+
+def _apo_section(apo: APO[Any], fields: dict[str, Any]) -> dict[str, Any]:
+    """APO's `apo` section: its settings, and the seed prompt: the one PromptTemplate of initial_resources (taken
+    out of the resources every rollout gets: the flow gives each candidate under the same name)."""
+    resources = fields.get("resources", {})
+    prompts = [name for name, value in resources.items() if value.get("resource_type") == "prompt_template"]
+    if len(prompts) != 1:
+        raise ValueError(
+            f"Trainer: APO optimises one prompt template, the seed; initial_resources has {len(prompts)} "
+            "(give one, e.g. initial_resources={'prompt_template': PromptTemplate(template=..., engine='f-string')})"
+        )
+    seed = resources.pop(prompts[0])
+    section = copy.deepcopy(apo.apo_fields)
+    section.update(initial_prompt=seed["template"], prompt_engine=seed["engine"], resource_name=prompts[0])
+    return section
 
 
 def _store_url(store: Any) -> str:

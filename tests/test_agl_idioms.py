@@ -174,20 +174,21 @@ def test_import_lightning_as_agl_names_what_agents_and_scripts_use_without_prefe
         "emit_exception", "operation", "find_final_reward", "get_reward_value", "Trainer", "Runner", "LitAgentRunner",
         "Tracer", "LLM", "ProxyLLM", "PromptTemplate", "NamedResources", "Dataset", "Rollout", "AttemptedRollout",
         "Span", "SpanCoreFields", "Triplet", "Hook", "LightningStore", "setup_logging", "configure_logger",
+        "VERL", "APO", "Algorithm", "algo", "LightningEnvVar", "resolve_bool_env_var", "resolve_str_env_var",
     ]  # fmt: skip
     code = (
         "import json, sys\n"
         "import lightning as agl\n"
         f"missing = [n for n in {names!r} if not hasattr(agl, n)]\n"
         "layers = sorted(m for m in sys.modules if m.split('.')[0] in ('prefect', 'flows', 'tasks', 'torch'))\n"
-        "try:\n    agl.VERL\n    verl = ''\nexcept ImportError as exc:\n    verl = str(exc)\n"
-        "print(json.dumps({'missing': missing, 'layers': layers, 'verl': verl}))\n"
+        "try:\n    agl.LLMProxy\n    proxy = ''\nexcept ImportError as exc:\n    proxy = str(exc)\n"
+        "print(json.dumps({'missing': missing, 'layers': layers, 'proxy': proxy}))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     found = json.loads(done.stdout.splitlines()[-1])
     assert found["missing"] == [] and found["layers"] == []
-    assert "TrainerConfig" in found["verl"]
+    assert "proxy_endpoint" in found["proxy"]
 
 
 # --- the Trainer's configuration (its flows run in test_agl_trainer.py) ---

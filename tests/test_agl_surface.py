@@ -81,13 +81,19 @@ from lightning.adapter import TraceToMessages
 from lightning.types import Dataset, Hook, NamedResources, PromptTemplate, Rollout
 from lightning.store import InMemoryLightningStore, LightningStoreClient
 from lightning.store.memory import InMemoryLightningStore
-from lightning.tracer import Tracer
+from lightning.tracer import AgentOpsTracer, OtelTracer, Tracer
+from lightning.tracer.agentops import AgentOpsTracer
+from lightning.tracer.otel import OtelTracer
 from lightning.runner import LitAgentRunner
-from lightning import Trainer, configure_logger, setup_logging
+from lightning import APO, VERL, Algorithm, Trainer, algo, configure_logger, setup_logging
+from lightning.algorithm import APO, VERL, Algorithm, algo
+from lightning.algorithm.apo import APO
+from lightning.algorithm.verl import VERL
+from lightning.env_var import LightningEnvVar, resolve_bool_env_var, resolve_int_env_var, resolve_str_env_var
 from lightning.logging import setup, setup_module
 refused = {}
-for line in ("from lightning.algorithm.apo import APO", "from lightning.tracer.agentops import AgentOpsTracer",
-             "from lightning.algorithm import algo", "from lightning import VERL"):
+for line in ("from lightning.tracer.dummy import DummyTracer", "from lightning.algorithm import Baseline",
+             "from lightning import LLMProxy", "from lightning.verl import AgentLightningTrainer"):
     try:
         exec(line)
     except ImportError as exc:
@@ -101,10 +107,10 @@ print(json.dumps({"refused": refused, "layers": layers}))
     assert done.returncode == 0, done.stderr
     found = json.loads(done.stdout.splitlines()[-1])
     assert found["layers"] == []
-    assert "optimize_prompt" in found["refused"]["from lightning.algorithm.apo import APO"]
-    assert "lightning.Tracer" in found["refused"]["from lightning.tracer.agentops import AgentOpsTracer"]
-    assert "train` flow" in found["refused"]["from lightning.algorithm import algo"]
-    assert "TrainerConfig" in found["refused"]["from lightning import VERL"]
+    assert "lightning.Tracer" in found["refused"]["from lightning.tracer.dummy import DummyTracer"]
+    assert "Trainer(...).dev" in found["refused"]["from lightning.algorithm import Baseline"]
+    assert "proxy_endpoint" in found["refused"]["from lightning import LLMProxy"]
+    assert "lightning.VERL(config)" in found["refused"]["from lightning.verl import AgentLightningTrainer"]
 
 
 def test_setup_logging_takes_agl_s_arguments(tmp_path: Path) -> None:

@@ -131,6 +131,9 @@ def test_a_failed_deployment_run_retried_redoes_only_the_failed_stage(
             training = ArtifactFilter(key=ArtifactFilterKey(any_=["retried-training"]))
             [table] = client.read_artifacts(artifact_filter=training)
             assert [row["iteration"] for row in json.loads(table.data)] == [0, 1]
+            # ... and moved the progress card the first attempt left at 50%, instead of making a second one.
+            progress = ArtifactFilter(key=ArtifactFilterKey(any_=["retried-progress"]))
+            assert [float(card.data) for card in client.read_artifacts(artifact_filter=progress)] == [100.0]
     finally:
         stop_process_group(worker)
 

@@ -34,6 +34,8 @@ TESTED: dict[str, list[str]] = {
         "test_mismatch.py::test_compare_logprobs_of_a_runs_queue_takes_its_newest_succeeded_rollouts",
         "test_mismatch.py::test_compare_logprobs_finds_the_mismatch_only_where_there_is_one"],
     "lightning debug stacks": ["test_cli.py::test_debug_stacks_prints_the_stacks_of_a_runs_live_processes"],
+    "lightning export": [
+        "test_lora.py::test_export_merges_an_adapter_into_a_whole_model_and_a_run_registers_it_merged"],
     "lightning mlflow promote": ["test_cli.py::test_mlflow_promote_latest_best_or_a_number",
                                  "test_mlflow_server.py::test_a_run_s_traces_tags_config_and_model_in_a_real_mlflow_server"],
     "lightning mlflow ui --backend-store-uri": ["test_cli.py::test_mlflow_ui_serves_a_run_store_offline"],

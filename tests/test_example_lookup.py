@@ -25,9 +25,9 @@ def test_only_the_tool_knows_the_answer() -> None:
     entries = table(5)
     assert sorted(entries) == sorted(KEYS) and entries == table(5) and entries != table(6)
     pointers = [key for key, entry in entries.items() if entry.startswith("next ")]
-    assert len(pointers) == len(KEYS) // 3
+    assert len(pointers) == round(len(KEYS) / 3)
     assert all(not entries[entry.removeprefix("next ")].startswith("next ") for entry in map(entries.get, pointers))
-    assert run_tool(entries, "lookup", '{"key": "bd"}') == entries["bd"]
+    assert run_tool(entries, "lookup", '{"key": "d"}') == entries["d"]
     assert run_tool(entries, "lookup", "not json").startswith("error")
     assert run_tool(entries, "search", "{}").startswith("error")
     [task] = make_tasks(1, first_table=5)

@@ -17,7 +17,14 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterName
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterKey,
+    FlowRunFilter,
+    FlowRunFilterName,
+    LogFilter,
+    LogFilterFlowRunId,
+)
 
 from examples.copy_task import data as copy_data
 from flows.dev import dev
@@ -142,6 +149,8 @@ async def test_train_runs_two_iterations_of_seven_stages_and_reports_them(tmp_pa
         assert {"reward", "pg_loss", "rollouts_ok", "rollouts_failed", "rollout_tokens_per_s"} <= set(table[0])
         assert {"zero_adv_groups", "entropy", "clip_frac", "grad_norm", "response_length"} <= set(table[0])
         assert "kl" not in table[0]  # no KL term in this run: no empty column
+        # The final held-out evaluation (after the last iteration's report) is republished: it was missing.
+        assert table[1]["val_reward"] == round(summary["reward_after"], 4)
         (progress,) = await client.read_artifacts(
             artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["t-progress"]))
         )
@@ -188,7 +197,12 @@ async def test_a_finished_run_resumes_for_more_iterations_without_redoing_any(tm
         )
         latest = max(runs, key=lambda run: run.created)
         tasks = await client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [latest.id]}))
+        parents = await client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["t"])))
+        resumed = max(parents, key=lambda run: run.created)
+        logs = await client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[resumed.id])))
     assert next(t for t in tasks if t.name == "ppo_step-1").tags == []
+    # Numbered as the progress line numbers iterations (it said "at iteration 2 of 2", then "iteration 1 (2/2)").
+    assert "resuming run t at iteration 1 (2/2)" in [log.message for log in logs]
 
 
 async def test_a_warm_start_runs_once_before_iteration_zero_and_is_reported(tmp_path: Path) -> None:

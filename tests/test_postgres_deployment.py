@@ -12,11 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import secrets
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,25 +27,16 @@ import pytest
 import yaml
 from prefect.client.orchestration import SyncPrefectClient
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, TaskRunFilter, TaskRunFilterFlowRunId
-from prefect_server import (
-    REPO_ROOT,
-    PrefectServer,
-    free_port,
-    running_prefect_server,
-    start_logged,
-    stop_process_group,
-    tail,
-)
+from prefect_server import REPO_ROOT, PrefectServer, running_prefect_server
+from support.store_server import TOKEN_ENV, StoreServer, store_server_on
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
-TOKEN_ENV = "LIGHTNING_STORE_TOKEN"
 RUN_NAME = "pg"
 ITERATIONS = 1
 BATCH_SIZE = 8
 SAMPLES_PER_TASK = 4
 TRAIN_TIMEOUT = 300.0
-STORE_STARTUP_TIMEOUT = 60.0
 
 
 def _psycopg_url(url: str) -> str:
@@ -76,43 +65,6 @@ def fresh_database(server_url: str, prefix: str) -> Iterator[str]:
     finally:
         with psycopg.connect(admin, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
-@dataclass
-class StoreServer:
-    url: str
-    token: str
-    log_path: Path
-
-    def log(self) -> str:
-        return tail(self.log_path)
-
-
-@contextlib.contextmanager
-def store_server_on(database: str, token: str, log_path: Path) -> Iterator[StoreServer]:
-    """`lightning store serve --db <database>` on a free port of 127.0.0.1, the token in its environment."""
-    port = free_port()
-    command = [sys.executable, "-m", "lightning.cli", "store", "serve", "--db", database, "--port", str(port)]
-    process = start_logged(command, log_path, env={**os.environ, TOKEN_ENV: token}, cwd=REPO_ROOT)
-    server = StoreServer(f"http://127.0.0.1:{port}", token, log_path)
-    try:
-        _wait_store(process, server)
-        yield server
-    finally:
-        stop_process_group(process)
-
-
-def _wait_store(process: subprocess.Popen, server: StoreServer) -> None:
-    deadline = time.monotonic() + STORE_STARTUP_TIMEOUT
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the store server exited with {process.returncode}:\n{server.log()}")
-        with contextlib.suppress(httpx.HTTPError):
-            # Any answer (401 without the token) means it is up.
-            httpx.get(f"{server.url}/health", timeout=2)
-            return
-        time.sleep(0.2)
-    raise RuntimeError(f"the store server did not answer within {STORE_STARTUP_TIMEOUT:g}s:\n{server.log()}")
 
 
 def small_config(tmp_path: Path, store_url: str) -> dict[str, Any]:

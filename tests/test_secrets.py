@@ -1,6 +1,7 @@
 """No secret in the clear: a store URL whose password is a `${VAR}` reference trains for real (PostgreSQL), and the
-password is then nowhere: not in Prefect's database, not on any process's command line, not in any log, not in
-MLflow, not in the store's spans or resources, not in the run's files. And MLflow's params mask what looks like a
+password (and the run's proxy token, from $LIGHTNING_PROXY_TOKEN) is then nowhere: not in Prefect's database, not on
+any process's command line, not in any log, not in MLflow, not in the store's spans or resources, not in the run's
+files. And MLflow's params mask what looks like a
 secret by its key or sits in a URL's userinfo."""
 
 from __future__ import annotations
@@ -39,6 +40,26 @@ def test_params_drop_secret_keys_and_mask_url_passwords() -> None:
 
 
 @pytest.mark.slow
+def test_runs_open_at_once_in_one_process_share_one_proxy_token_and_the_last_takes_it_away(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A train and a dev run in one process (same store, same name) each chose a token and then both put theirs in
+    the environment: the first run's runners signed with the second's token and its proxy answered 401."""
+    from lightning.credentials import claim_proxy_token
+
+    monkeypatch.delenv("LIGHTNING_PROXY_TOKEN", raising=False)
+    (first, release_first), (second, release_second) = claim_proxy_token(), claim_proxy_token()
+    assert first == second == os.environ["LIGHTNING_PROXY_TOKEN"]
+    release_first()
+    assert os.environ["LIGHTNING_PROXY_TOKEN"] == second  # the second run still signs with it
+    release_second()
+    assert "LIGHTNING_PROXY_TOKEN" not in os.environ
+    monkeypatch.setenv("LIGHTNING_PROXY_TOKEN", "users-own")  # a token the user set is used, and stays
+    token, release = claim_proxy_token()
+    release()
+    assert token == os.environ["LIGHTNING_PROXY_TOKEN"] == "users-own"
+
+
 def test_a_prefect_secret_block_named_in_a_url_reaches_the_connection_not_the_config(
     prefect_server: PrefectServer,
 ) -> None:
@@ -83,7 +104,8 @@ def test_a_password_named_by_reference_is_used_and_never_shown(
     }  # fmt: skip
     config_path = tmp_path / "config.yaml"
     config_path.write_text(yaml.safe_dump(config))
-    env = {**prefect_server.env, "LIGHTNING_TEST_DB_PASSWORD": password}
+    proxy_token = f"proxy-{secrets.token_hex(8)}"  # the run's LLM proxy's bearer token, as a user sets it
+    env = {**prefect_server.env, "LIGHTNING_TEST_DB_PASSWORD": password, "LIGHTNING_PROXY_TOKEN": proxy_token}
     log = tmp_path / "train.log"
     process = start_logged([sys.executable, "-m", "flows.train", str(config_path)], log, env=env, cwd=tmp_path)
     command_lines: set[str] = set()
@@ -102,8 +124,9 @@ def test_a_password_named_by_reference_is_used_and_never_shown(
         if path.is_file():
             where[str(path)] = path.read_bytes().decode(errors="replace")
     where["the store"] = _dump_schema(pg_schema_url)
-    leaks = [name for name, text in where.items() if password in text]
-    assert leaks == [], f"the password is in {leaks}"
+    leaks = {secret: [name for name, text in where.items() if value in text] for secret, value in
+             (("the password", password), ("the proxy token", proxy_token))}  # fmt: skip
+    assert leaks == {"the password": [], "the proxy token": []}, f"secrets found: {leaks}"
     assert "secretive/train/0/" in where["the store"]  # the run used that store
 
 
@@ -151,3 +174,63 @@ async def test_a_store_token_in_the_url_authenticates_and_is_never_printed(
         assert len(await backing.query_rollouts()) == 1
     finally:
         await backing.close()
+
+
+@pytest.mark.slow
+def test_a_store_token_and_an_api_key_by_reference_are_used_and_never_shown(
+    prefect_server: PrefectServer, tmp_path: Path
+) -> None:
+    """The other secrets a run holds, each planted where a user puts it: the store server's token in the store URL
+    (`http://:${VAR}@host:port`), an inference endpoint's API key (`inference.api_key_env`) and the run's proxy
+    token ($LIGHTNING_PROXY_TOKEN). The `dev` flow's rollouts go through all three (the endpoint and the store server
+    refuse calls without theirs), then none is in any output, log, file, command line or row of the store."""
+    from support.servers import free_port
+    from support.store_server import store_server_on
+
+    from lightning.environment import INFERENCE_API_KEY
+    from lightning.models import build_tiny_model
+    from lightning.types import POLICY_MODEL_NAME
+
+    store_token, api_key, proxy_token = (f"{kind}-{secrets.token_hex(8)}" for kind in ("store", "key", "proxy"))
+    model = build_tiny_model(tmp_path / "model")
+    port = free_port()
+    serve = [sys.executable, "-m", "lightning.inference", "--model", str(model), "--port", str(port),
+             "--served-model-name", POLICY_MODEL_NAME]  # fmt: skip
+    inference = start_logged(serve, tmp_path / "inference.log", env={**os.environ, INFERENCE_API_KEY: api_key})
+    config = {
+        "agent": "examples.copy_task.agent:copy_agent", "run_name": "secretive", "batch_size": 4,
+        "samples_per_task": 2, "n_runners": 1, "runner_concurrency": 8, "val_data": None,
+        "sampling": {"temperature": 1.0, "max_tokens": 2}, "max_prompt_length": 64, "max_response_length": 4,
+        "inference": {"backend": "external", "endpoint": f"http://127.0.0.1:{port}/v1", "api_key_env": "MY_API_KEY"},
+        "tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "output_dir": str(tmp_path / "runs"),
+    }  # fmt: skip
+    env = {**prefect_server.env, "STORE_TOK": store_token, "MY_API_KEY": api_key, "LIGHTNING_PROXY_TOKEN": proxy_token}
+    env.pop("LIGHTNING_STORE_TOKEN", None)
+    command_lines: set[str] = set()
+    try:
+        with store_server_on(f"sqlite:///{tmp_path / 'store.db'}", store_token, tmp_path / "store.log") as store:
+            config["store_url"] = store.url.replace("http://", "http://:${STORE_TOK}@")
+            config_path = tmp_path / "config.yaml"
+            config_path.write_text(yaml.safe_dump(config))
+            log = tmp_path / "dev.log"
+            process = start_logged([sys.executable, "-m", "flows.dev", str(config_path)], log, env=env, cwd=tmp_path)
+            try:
+                while process.poll() is None:
+                    for other in psutil.process_iter(["cmdline"]):
+                        command_lines.add(" ".join(other.info["cmdline"] or []))
+                    time.sleep(0.2)
+            finally:
+                stop_process_group(process)
+    finally:
+        stop_process_group(inference)
+    assert process.returncode == 0, tail(log)
+    assert "8 rollouts (0 failed)" in log.read_text(), tail(log)
+
+    where = {"command lines": "\n".join(command_lines)}
+    for path in [*tmp_path.rglob("*"), *Path(prefect_server.env["PREFECT_HOME"]).rglob("*")]:
+        if path.is_file():
+            where[str(path)] = path.read_bytes().decode(errors="replace")
+    assert any("secretive" in text for name, text in where.items() if "store.db" in name)  # it used that store
+    planted = {"the store token": store_token, "the API key": api_key, "the proxy token": proxy_token}
+    leaks = {secret: [name for name, text in where.items() if value in text] for secret, value in planted.items()}
+    assert leaks == dict.fromkeys(planted, []), f"secrets found: {leaks}"

@@ -463,3 +463,24 @@ def test_every_waiting_request_is_capped_by_the_contract() -> None:
     assert contract.DequeueRollouts(wait=3600).capped().wait == contract.MAX_WAIT_SECONDS
     assert contract.WaitForRollouts(rollout_ids=["a"]).capped().timeout == contract.MAX_WAIT_SECONDS
     assert contract.WaitForRollouts(rollout_ids=["a"], timeout=2).capped().timeout == 2
+
+
+async def test_agl_routes_answer_unknown_rollout_ids_with_nothing_as_agl_does(sql_store: SqlLightningStore) -> None:
+    """agl's store answers spans of a rollout it does not know with an empty page, and leaves unknown ids out of a
+    wait (its tests test_query_empty_spans, test_wait_for_nonexistent_rollout, ..._with_finite_timeout); our own
+    routes keep refusing them (404), which says more."""
+    known = await sql_store.start_rollout("known")
+    await sql_store.update_rollout(known.rollout_id, status="succeeded")
+    async with asgi_client(create_app(sql_store)) as http:
+        spans = await http.get("/v1/agl/spans", params={"rollout_id": "ro-nope", "attempt_id": "latest"})
+        started = time.monotonic()
+        none = await http.post("/v1/agl/waits/rollouts", json={"rollout_ids": ["ro-nope"], "timeout": 0.1})
+        waited = time.monotonic() - started
+        mixed = await http.post(
+            "/v1/agl/waits/rollouts", json={"rollout_ids": [known.rollout_id, "ro-nope"], "timeout": 0.1}
+        )
+        ours = await http.post("/v1/store/query_spans", json={"rollout_id": "ro-nope", "attempt_id": "latest"})
+    assert (spans.status_code, spans.json()["items"], spans.json()["total"]) == (200, [], 0), spans.text
+    assert (none.status_code, none.json()) == (200, []) and 0.1 <= waited < 2, (none.text, waited)
+    assert mixed.status_code == 200 and [r["rollout_id"] for r in mixed.json()] == [known.rollout_id], mixed.text
+    assert ours.status_code == 404, ours.text

@@ -137,3 +137,34 @@ def test_a_full_disk_names_the_path_and_the_size(tmp_path: Path) -> None:
     (target / "tokenizer.json").symlink_to("/dev/full")
     with pytest.raises(NoSpaceLeft, match=rf"no space left on {target}: the tiny model's [\d.]+ MB could not be"):
         build_tiny_model(target)
+
+
+def test_an_extra_corpus_gets_merges_of_its_own_and_none_leaves_the_tokenizer_as_it_was() -> None:
+    from lightning.models.tiny import build_tokenizer
+
+    call = '<tool_call>{"name": "lookup", "arguments": {"key": "md"}}</tool_call>'
+    plain = build_tokenizer()
+    assert plain.get_vocab() == build_tokenizer(extra_corpus=()).get_vocab()
+    tooled = build_tokenizer(extra_corpus=[call] * 3)
+    assert len(tooled.encode(call)) < len(plain.encode(call)) and len(tooled) == len(plain)
+    assert tooled.decode(tooled.encode(call)) == call
+
+
+def test_a_run_builds_the_tiny_model_its_config_asks_for(tmp_path: Path) -> None:
+    from transformers import AutoConfig
+
+    from lightning.config import load_config
+    from lightning.run import prepare_model
+
+    call = '<tool_call>{"name": "lookup", "arguments": {"key": "m"}}</tool_call>'
+    config = load_config({
+        "agent": "examples.lookup.agent:lookup_agent", "output_dir": str(tmp_path),
+        "tiny_model": {"hidden_size": 32, "num_layers": 1, "tokenizer_corpus": [call] * 3},
+    })  # fmt: skip
+    config.run_dir.mkdir(parents=True)
+    path = prepare_model(config)
+    built = AutoConfig.from_pretrained(path)
+    assert (built.hidden_size, built.num_hidden_layers) == (32, 1)
+    assert len(AutoTokenizer.from_pretrained(path).encode(call)) < 30  # 44 with the default tokenizer
+    with pytest.raises(ValueError, match="tiny_model.hidden_sizes"):
+        load_config({"tiny_model": {"hidden_sizes": 32}})

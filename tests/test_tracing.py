@@ -712,3 +712,23 @@ async def test_get_final_reward_reads_the_latest_or_a_given_attempt(
         emit_reward(0.2)
     assert await get_final_reward(file_store, rollout_id) == 0.2
     assert await get_final_reward(file_store, rollout_id, first_attempt) == 0.7
+
+
+def test_the_openai_sdk_is_instrumented_when_an_agent_imports_it_after_the_tracer_exists() -> None:
+    """A tracer does not import the OpenAI SDK (seconds on a busy CPU, for agents that never use it); an agent that
+    imports it later gets it instrumented at that import."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from lightning.tracing import Tracer\n"
+        "from lightning.tracing import instrument\n"
+        "Tracer()\n"
+        "assert 'openai' not in sys.modules and instrument._provider is None, 'imported at tracer start'\n"
+        "import openai.resources.chat.completions as completions\n"
+        "assert instrument._provider is not None\n"
+        "assert hasattr(completions.Completions.create, '__wrapped__'), 'not instrumented'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -85,7 +85,13 @@ def test_sleep_mode_and_weight_reload_turn_on_dev_mode() -> None:
     )
     assert build_vllm_env(VllmConfig(model="m"), base)["VLLM_SERVER_DEV_MODE"] == "1"
     plain = build_vllm_env(VllmConfig(model="m", enable_weight_reload=False), base)
-    assert plain == base
+    # Only the keep-alive beyond the pause between rollout phases (the proxy's pooled connections), and the caller's
+    # own value of it wins.
+    assert plain == {**base, "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "300"}
+    assert (
+        build_vllm_env(VllmConfig(model="m"), {"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "9"})["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"]
+        == "9"
+    )
     assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in plain
 
 

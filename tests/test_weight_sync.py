@@ -58,7 +58,8 @@ async def test_vllm_replicas_sleep_through_the_ppo_step_and_wake_on_the_new_chec
 
             resources_id = await stages.update_resources(run, "train")
             resources = await run.store.get_resources_by_id(resources_id)
-            assert resources.resources["main_llm"].api_key == "proxy-secret"  # runners call the proxy with it
+            # The store never holds the proxy's token: runners read it from $LIGHTNING_PROXY_TOKEN (set above).
+            assert resources.resources["main_llm"].api_key is None
 
             triplets = [
                 Triplet(prompt=[5, 6], response=[7, 8], reward=float(i % 2), metadata={"group_id": 0}) for i in range(4)

@@ -1,9 +1,9 @@
 """A multi-turn, tool-calling agent: it answers the value of a key that only its `lookup` tool knows.
 
-A task is `{"key": "bd", "table": 17, "value": "k", "calls": 1}`: a key, and which of many tables the tool reads
+A task is `{"key": "d", "table": 17, "value": "k", "calls": 1}`: a key, and which of many tables the tool reads
 (say, a user's own records). The model sees only the key, so it cannot know the value: it earns its reward only by
 calling `lookup` (OpenAI's `tools` and `tool_calls`), reading the result and answering with it. In some tables a
-key points to another key (`next fg`), so its task needs two tool calls. Reward 1.0 for the right value, else 0.0.
+key points to another key (`next f`), so its task needs two tool calls. Reward 1.0 for the right value, else 0.0.
 
 The tool runs in the agent's process, as a user's tool would. Each rollout keeps one HTTP session for its turns.
 """
@@ -21,6 +21,9 @@ from lightning.chat import continue_conversation
 from lightning.types import LLM, Triplet
 
 ALPHABET = "bdfgjkmp"  # letters the tiny tokenizer never merges: one letter, one token
+KEYS = list(ALPHABET)
+"""A table's keys: one letter each, so a key is one token to copy (two-letter keys are a harder task the tiny model
+learns far more slowly: docs/benchmarks.md, "Multi-turn")."""
 MAX_TURNS = 4
 LOOKUP_TOOL = {
     "type": "function",
@@ -33,16 +36,14 @@ LOOKUP_TOOL = {
 _TIMEOUT = aiohttp.ClientTimeout(total=120)
 
 
-KEYS = [a + b for a in ALPHABET for b in ALPHABET]
-
-
 def table(number: int) -> dict[str, str]:
-    """Table `number`: every two-letter key's entry, a value letter, or for a third of the keys `next <key>` naming a
-    key that has a value. The same number gives the same table."""
+    """Table `number`: every key's entry, a value letter, or for a third of the keys `next <key>` naming a key that
+    has a value. The same number gives the same table."""
     rng = random.Random(number)
     keys = list(KEYS)
     rng.shuffle(keys)
-    pointers, direct = keys[: len(keys) // 3], keys[len(keys) // 3 :]
+    third = round(len(keys) / 3)
+    pointers, direct = keys[:third], keys[third:]
     entries = {key: rng.choice(ALPHABET) for key in direct}
     for key in pointers:
         entries[key] = f"next {rng.choice(direct)}"
@@ -56,7 +57,7 @@ def run_tool(entries: dict[str, str], name: str, arguments: str) -> str:
     try:
         key = json.loads(arguments)["key"]
     except (json.JSONDecodeError, KeyError, TypeError):
-        return 'error: give {"key": "<two letters>"}'
+        return 'error: give {"key": "<a letter>"}'
     return entries.get(str(key).strip(), f"no key {key!r}")
 
 

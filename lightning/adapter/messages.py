@@ -34,7 +34,8 @@ def spans_to_messages(
 ) -> list[Transcript]:
     """One transcript per LLM call of these spans, chosen and rewarded by the same rules as the triplets
     (see lightning.adapter.triplets). A call without `gen_ai.output.messages` (it failed) or whose messages
-    are not JSON gives no transcript. A text completion's prompt string becomes one user message."""
+    are not JSON gives no transcript. A text completion's prompt string becomes one user message. Messages recorded in
+    GenAI's `parts` shape (by OpenTelemetry's instrumentation of an agent's own OpenAI client) come out in OpenAI's."""
     calls = select_llm_calls(
         spans, AdaptReport(), reward_match=reward_match, agent_name=agent_name, pattern=llm_span_name
     )
@@ -49,7 +50,8 @@ def spans_to_messages(
             request = [{"role": "user", "content": request}]
         if not isinstance(request, list) or not all(isinstance(message, dict) for message in request):
             continue
-        answer = dict(outputs[0])
+        request = [_openai_message(message) for message in request]
+        answer = _openai_message(outputs[0])
         finish_reason = answer.pop("finish_reason", None)
         metadata = {
             "rollout_id": span.rollout_id,
@@ -66,7 +68,7 @@ def spans_to_messages(
         transcripts.append(
             Transcript(
                 messages=[*request, answer],
-                tools=tools if isinstance(tools, list) else None,
+                tools=[_openai_tool(tool) for tool in tools] if isinstance(tools, list) else None,
                 reward=call.reward,
                 metadata=metadata,
             )
@@ -84,6 +86,47 @@ class TraceToMessages:
         return [{"messages": t.messages, "tools": t.tools} for t in spans_to_messages(source)]
 
     __call__ = adapt
+
+
+def _openai_message(message: dict[str, Any]) -> dict[str, Any]:
+    """`message` in OpenAI's chat shape. GenAI's semantic conventions give a message a list of `parts` instead: text,
+    tool calls (their arguments as JSON values) and tool call responses."""
+    parts = message.get("parts")
+    if not isinstance(parts, list):
+        return dict(message)
+    converted: dict[str, Any] = {"role": message.get("role")}
+    texts = [str(part.get("content", "")) for part in parts if part.get("type") == "text"]
+    responses = [part for part in parts if part.get("type") == "tool_call_response"]
+    calls = [part for part in parts if part.get("type") == "tool_call"]
+    if responses:
+        converted["tool_call_id"] = responses[0].get("id")
+        converted["content"] = _text(responses[0].get("response"))
+    else:
+        converted["content"] = "".join(texts) if texts else None
+    if calls:
+        converted["tool_calls"] = [
+            {
+                "id": call.get("id"),
+                "type": "function",
+                "function": {"name": call.get("name"), "arguments": _text(call.get("arguments", {}))},
+            }
+            for call in calls
+        ]
+    if "finish_reason" in message:
+        converted["finish_reason"] = message["finish_reason"]
+    return converted
+
+
+def _openai_tool(tool: Any) -> Any:
+    """A tool definition in OpenAI's shape (`{"type": "function", "function": {...}}`); GenAI's conventions flatten
+    the function into the tool."""
+    if not isinstance(tool, dict) or "function" in tool or "name" not in tool:
+        return tool
+    return {"type": tool.get("type", "function"), "function": {k: v for k, v in tool.items() if k != "type"}}
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
 
 
 def _json_attribute(span: Span, attribute: str) -> Any:

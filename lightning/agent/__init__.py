@@ -277,11 +277,17 @@ class Hook:
     async def on_rollout_start(self, *, agent: LitAgent[Any], runner: Runner, rollout: AttemptedRollout) -> None:
         """Before the agent runs (resources fetched, trace not yet open)."""
 
-    async def on_trace_start(self, *, agent: LitAgent[Any], runner: Runner, rollout: AttemptedRollout) -> None:
-        """Inside the trace context, before the agent runs: spans emitted here belong to the attempt."""
+    async def on_trace_start(
+        self, *, agent: LitAgent[Any], runner: Runner, tracer: Any, rollout: AttemptedRollout
+    ) -> None:
+        """Inside the trace context, before the agent runs: spans emitted here belong to the attempt. `tracer`: the
+        runner's."""
 
-    async def on_trace_end(self, *, agent: LitAgent[Any], runner: Runner, rollout: AttemptedRollout) -> None:
-        """Inside the trace context, after the agent returned or raised."""
+    async def on_trace_end(
+        self, *, agent: LitAgent[Any], runner: Runner, tracer: Any, rollout: AttemptedRollout
+    ) -> None:
+        """Inside the trace context, after the agent returned or raised (`tracer.get_last_trace()`: its spans so
+        far)."""
 
     async def on_rollout_end(
         self, *, agent: LitAgent[Any], runner: Runner, rollout: AttemptedRollout, status: str

@@ -1,5 +1,6 @@
 """The algorithm's settings as plain pydantic models, importable without torch: `TrainerConfig` (one PPO/GRPO
-update) and `VerlOptions` (the verl backend's cluster and memory options). `TrainConfig` holds both."""
+update, with its `LoraConfig`) and `VerlOptions` (the verl backend's cluster and memory options). `TrainConfig` holds
+both."""
 
 from __future__ import annotations
 
@@ -12,6 +13,28 @@ from lightning.devices import DeviceSetting
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLKind = Literal["k1", "low_var_kl"]
 AdvantageKind = Literal["grpo", "grpo_no_std", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+
+
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraConfig(BaseModel):
+    """LoRA adapters (peft): the base weights stay frozen, only the low-rank matrices A and B of each target module
+    train (W + alpha / rank * B @ A), so only they carry gradients and optimizer state; checkpoints hold the adapter
+    and the inference servers apply it to the base they already hold."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    rank: int = Field(default=16, ge=1)
+    """r: the inner dimension of each adapter's B @ A."""
+    alpha: float = Field(default=32.0, gt=0)
+    """The adapter's output is scaled by alpha / rank."""
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+    """Dropout on the adapters' input while training (the trainer runs in eval mode otherwise: with 0, the first PPO
+    pass sees ratio 1 exactly)."""
+    target_modules: list[str] = Field(default_factory=lambda: list(DEFAULT_LORA_TARGETS), min_length=1)
+    """Names (last part) of the linear layers that get adapters: by default the attention and MLP projections of
+    Llama, Qwen and Mistral models; `all-linear` alone: every linear layer but the output head."""
 
 
 class TrainerConfig(BaseModel):
@@ -126,6 +149,9 @@ class TrainerConfig(BaseModel):
     """A sampled token whose engine and trainer log-probs differ by more than this counts in `mismatch_frac`."""
     seed: int = 0
     """Seeds the trainer (mini-batch order, dropout)."""
+    lora: LoraConfig | None = None
+    """Train LoRA adapters instead of all the weights (None: full fine-tuning). `lora: {}` takes the defaults. The
+    KL reference is then the base model itself (the adapters switched off), not a copy."""
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainerConfig:

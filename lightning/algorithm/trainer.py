@@ -7,13 +7,15 @@ One `step(batch)` is verl's actor update for one training batch, on one device:
     mismatch        |sampler's - trainer's log-prob| on the sampled tokens, when the batch has the sampler's
     off-policy      with off_policy_correction, each token's loss weighed by pi_old / pi_behav (the trainer's old
                     log-probs over the sampler's; capped at tis_cap for "tis")
-    ref_log_prob    from a frozen copy of the initial policy, when KL is used
+    ref_log_prob    from a frozen copy of the initial policy, when KL is used (with LoRA: the policy with its
+                    adapters switched off, the base model itself)
     advantages      from token_level_scores (minus kl_coef * KL first, with kl_in_reward)
     ppo_epochs x mini-batches: micro-batches accumulate gradients, then clip_grad_norm and one AdamW step
     the LR scheduler steps once per `step`
 
 AdamW is torch's fused kernel on CUDA. The lean forward (`lightning.algorithm.packing`), token-budget micro-batches,
-gradient checkpointing and bf16 weights with float32 master weights are options of TrainerConfig.
+gradient checkpointing, bf16 weights with float32 master weights and LoRA adapters (peft: only the adapters train
+and hold optimizer state) are options of TrainerConfig.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from lightning.algorithm.advantages import (
     zero_std_group_fraction,
 )
 from lightning.algorithm.batch import TrainingBatch
-from lightning.algorithm.config import TrainerConfig
+from lightning.algorithm.config import LoraConfig, TrainerConfig
 from lightning.algorithm.losses import (
     aggregate,
     behaviour_weights,
@@ -113,18 +115,31 @@ class TorchTrainer:
         config: TrainerConfig | None = None,
         device: str | torch.device | None = None,
         reference: str | Path | torch.nn.Module | None = None,
+        adapter: str | Path | None = None,
     ) -> None:
         """`reference`: the KL anchor, by default a frozen copy of the policy as loaded. When resuming from a
-        checkpoint, pass the initial model here, or the KL term will anchor to the checkpoint instead."""
+        checkpoint, pass the initial model here, or the KL term will anchor to the checkpoint instead.
+
+        With `config.lora`, `model_dir_or_model` is the base model, which stays frozen; `adapter`, an adapter
+        directory (a LoRA checkpoint) to continue from. The KL anchor is the base: no `reference` is taken."""
         self.config = config or TrainerConfig()
         self.device = torch.device(device) if device else resolve_device(self.config.device, "algorithm.device")
         seed_everything(self.config.seed)
         self.model, self.tokenizer = load_policy(model_dir_or_model)
         self.dtype = torch.bfloat16 if self.config.bf16_weights else torch.float32
+        if self.config.lora is not None:
+            if reference is not None:
+                raise ValueError("lora: the KL reference is the base model with the adapters off; pass no reference")
+            base_dir = None if isinstance(model_dir_or_model, torch.nn.Module) else Path(model_dir_or_model)
+            self.model = add_lora(self.model, self.config.lora, base_dir)
+            if adapter is not None:
+                load_adapter_weights(self.model, adapter)
+        elif adapter is not None:
+            raise ValueError("an adapter to continue from needs algorithm.lora")
         # Eval mode all along: with dropout off the first PPO pass sees ratio == 1 exactly.
         self.model.to(self.device, self.dtype).eval()
         self.reference = None
-        if self.config.uses_reference:
+        if self.config.uses_reference and self.config.lora is None:
             anchor = self.model if reference is None else load_policy(reference)[0]
             self.reference = frozen_copy(anchor).to(self.device, self.dtype)
         for model in filter(None, (self.model, self.reference)):
@@ -133,7 +148,7 @@ class TorchTrainer:
             if self.config.pack_sequences:
                 use_varlen_attention(model)
         if self.config.gradient_checkpointing:
-            enable_gradient_checkpointing(self.model)
+            enable_gradient_checkpointing(self.base_model)
         self.master_weights = MasterWeights(self.model) if self.config.bf16_weights else None
         self.reset_optimizer()
 
@@ -162,8 +177,16 @@ class TorchTrainer:
         self.step_count = 0
 
     def trained_parameters(self) -> list[torch.nn.Parameter]:
-        """What AdamW updates: the model's parameters, or their float32 master copies with bf16_weights."""
-        return self.master_weights.params if self.master_weights else list(self.model.parameters())
+        """What AdamW updates: the model's trainable parameters (all, or the LoRA adapters), or their float32 master
+        copies with bf16_weights."""
+        if self.master_weights:
+            return self.master_weights.params
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    @property
+    def base_model(self) -> torch.nn.Module:
+        """The transformers model: the policy itself, or the base model inside the LoRA wrapper (adapters included)."""
+        return self.model.get_base_model() if self.config.lora is not None else self.model
 
     def micro_batches(self, batch: TrainingBatch) -> list[TrainingBatch]:
         """micro_batch_tokens' token budget, or micro_batch_size rows."""
@@ -244,8 +267,8 @@ class TorchTrainer:
             extra["old_log_probs"] = sampled
         elif not old_from_update:
             extra["old_log_probs"] = self.log_probs(self.model, batch)
-        if self.reference is not None:
-            extra["ref_log_prob"] = self.log_probs(self.reference, batch)
+        if config.uses_reference:
+            extra["ref_log_prob"] = self.reference_log_probs(batch)
         if not old_from_update:
             ours = extra["old_log_probs"] if sampled is None or config.old_log_probs == "trainer" else None
             ours = self.log_probs(self.model, batch) if ours is None else ours
@@ -273,6 +296,13 @@ class TorchTrainer:
             old_kl = kl_penalty(old, batch["ref_log_prob"], self.config.kl_kind)
             metrics["kl"] = float(aggregate(old_kl, mask, self.config.loss_agg))
         return metrics
+
+    def reference_log_probs(self, batch: TrainingBatch) -> torch.Tensor:
+        """[B, R] log-probs under the KL reference: its frozen copy, or with LoRA the policy with its adapters off."""
+        if self.reference is not None:
+            return self.log_probs(self.reference, batch)
+        with self.model.disable_adapter():
+            return self.log_probs(self.model, batch)
 
     @torch.no_grad()
     def log_probs(self, model: torch.nn.Module, batch: TrainingBatch) -> torch.Tensor:
@@ -481,6 +511,43 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
         raise ValueError(f"gradient_checkpointing: {type(model).__name__} has no layer transformers can checkpoint")
     for layer in layers:
         layer.training = True
+
+
+def add_lora(model: torch.nn.Module, lora: LoraConfig, base_dir: Path | None = None) -> torch.nn.Module:
+    """`model` wrapped by peft with LoRA adapters on `lora.target_modules`: the base weights frozen, the adapters
+    trainable, B initialised to 0 (the wrapped model computes what `model` does until the first update). The adapter
+    config names `base_dir` (absolute) as its base model, so a saved adapter says where its base is."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    targets: str | list[str] = "all-linear" if lora.target_modules == ["all-linear"] else list(lora.target_modules)
+    peft_config = PeftLoraConfig(
+        r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets, bias="none",
+        task_type="CAUSAL_LM",
+    )  # fmt: skip
+    try:
+        wrapped = get_peft_model(model, peft_config)
+    except ValueError as exc:  # peft's "Target modules {...} not found in the base model"
+        raise ValueError(f"lora.target_modules: {exc}") from exc
+    if base_dir is not None:
+        wrapped.peft_config["default"].base_model_name_or_path = str(base_dir.resolve())
+    return wrapped
+
+
+def load_adapter_weights(model: torch.nn.Module, adapter_dir: str | Path) -> None:
+    """Set a LoRA-wrapped model's adapters to those saved in `adapter_dir` (adapter_model.safetensors); every adapter
+    weight must be there."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    weights = load_file(str(Path(adapter_dir) / "adapter_model.safetensors"))
+    result = set_peft_model_state_dict(model, weights)
+    missing = [name for name in result.missing_keys if "lora_" in name]
+    if missing or result.unexpected_keys:
+        raise ValueError(
+            f"adapter {adapter_dir} does not fit the model's LoRA layout (lora.rank, lora.target_modules): "
+            f"missing {missing[:3]}, unexpected {list(result.unexpected_keys)[:3]}"
+        )
 
 
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:

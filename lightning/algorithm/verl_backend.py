@@ -25,6 +25,9 @@ Our config -> verl's (see `verl_overrides`; a field verl cannot express is an er
     max_grad_norm, entropy_coef      actor.grad_clip, actor.entropy_coeff
     bf16                             actor.fsdp_config.dtype (bfloat16 or float32 compute)
     seed                             actor.data_loader_seed, actor.fsdp_config.seed
+    lora.{rank, alpha, target_modules}  actor_rollout_ref.model.{lora_rank, lora_alpha, target_modules} (verl's LoRA
+                                     has no dropout: lora.dropout must be 0); what verl's export holds with LoRA, and
+                                     so what a LoRA run on verl publishes, has not been run here (it needs GPUs)
     old_log_probs, mismatch_threshold  on the driver (which log-probs the update uses; the mismatch metrics)
 
 Weights reach the inference servers as checkpoints: each save writes verl's own checkpoint (model, optimizer, extra)
@@ -146,6 +149,13 @@ def verl_overrides(
         "trainer.n_gpus_per_node": options.n_gpus_per_node,
         "trainer.logger": ["console"],
     }
+    if trainer.lora is not None:
+        if trainer.lora.dropout:
+            raise ValueError("algorithm.lora.dropout: verl's LoRA has no dropout; set it to 0 with the verl backend")
+        targets = trainer.lora.target_modules
+        values["actor_rollout_ref.model.lora_rank"] = trainer.lora.rank
+        values["actor_rollout_ref.model.lora_alpha"] = trainer.lora.alpha
+        values["actor_rollout_ref.model.target_modules"] = "all-linear" if targets == ["all-linear"] else targets
     return [f"{key}={_hydra_value(value)}" for key, value in values.items()] + list(options.overrides)
 
 

@@ -233,8 +233,8 @@ def _serve(
 def _load_trainer(
     model_dir: str, config: dict[str, Any], checkpoint_root: str, threads: int | None
 ) -> tuple[TorchTrainer, int | None]:
-    """A trainer from the latest checkpoint if there is one (its KL reference still the original model), else from
-    model_dir; and the step it resumed from."""
+    """A trainer from the latest checkpoint if there is one (its KL reference still the original model; with LoRA,
+    model_dir with the checkpoint's adapter), else from model_dir; and the step it resumed from."""
     import torch
 
     from lightning.algorithm.trainer import TorchTrainer, TrainerConfig
@@ -247,8 +247,17 @@ def _load_trainer(
     if latest is None:
         return TorchTrainer(model_dir, trainer_config), None
     checkpoint = load_checkpoint(latest)
-    reference = model_dir if trainer_config.uses_reference else None
-    trainer = TorchTrainer(checkpoint.model_dir, trainer_config, reference=reference)
+    if (checkpoint.base_model is not None) != (trainer_config.lora is not None):
+        held = "a LoRA adapter" if checkpoint.base_model is not None else "whole weights"
+        raise ValueError(
+            f"checkpoint {checkpoint.path} holds {held} and algorithm.lora is "
+            f"{'set' if trainer_config.lora else 'not'}: a run keeps the choice it started with"
+        )
+    if trainer_config.lora is not None:  # the base stays the initial model; the adapter continues
+        trainer = TorchTrainer(model_dir, trainer_config, adapter=checkpoint.model_dir)
+    else:
+        reference = model_dir if trainer_config.uses_reference else None
+        trainer = TorchTrainer(checkpoint.model_dir, trainer_config, reference=reference)
     resume_trainer(trainer, checkpoint)
     return trainer, checkpoint.step
 

@@ -34,6 +34,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--max-body-mb", type=float, default=32, help="answer 413 to a request body larger than this (default: 32)"
     )
+    parser.add_argument("--access-log", action="store_true", help="a log line per request (default: none)")
+    parser.add_argument(
+        "--keep-alive", type=float, default=KEEP_ALIVE_SECONDS,
+        help=f"seconds an idle connection stays open (default: {KEEP_ALIVE_SECONDS:g})",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     exit_with_parent()  # started by a run: it dies with the run
     dump_stacks_on_signal(None, "inference-server")  # into the run's stacks directory, when a run started it
@@ -63,7 +68,17 @@ def main(argv: list[str] | None = None) -> None:
     engine = app.state.engine
     _say(f"serving {engine.model_path} on {engine.device} in {dtype_name(engine.dtype)}")
     _say(f"starting the HTTP server on http://{args.host}:{args.port}")
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    uvicorn.run(
+        app, host=args.host, port=args.port, log_level="info", access_log=args.access_log,
+        timeout_keep_alive=int(args.keep_alive),
+    )  # fmt: skip
+
+
+KEEP_ALIVE_SECONDS = 300.0
+"""How long an idle connection stays open: the LLM proxy's pooled connections outlive the pause between rollout
+phases (uvicorn's default, 5 s, closed them: each phase opened new ones, and a call on a connection closed under it
+was retried, `ServerDisconnectedError` in the proxy's log). The proxy closes its idle ones sooner
+(`lightning.proxy.app.IDLE_CONNECTION_SECONDS`), so it never sends on one this server is closing."""
 
 
 def _say(line: str) -> None:

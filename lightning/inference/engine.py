@@ -19,7 +19,9 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.cache_utils import DynamicLayer
 
+from lightning.checkpoint import adapter_base_model, is_adapter_dir
 from lightning.devices import dtype_name, resolve_device, serving_dtype
+from lightning.inference.lora import AdapterSlot, adapter_factors
 from lightning.models.files import no_progress_bars
 
 logger = logging.getLogger(__name__)
@@ -129,6 +131,8 @@ class InferenceEngine:
 
     `generate` may be called from any asyncio loop; the decoding runs in one background thread. New requests join
     the running batch between decode steps; finished rows leave it. `reload` swaps in new weights between batches.
+    A LoRA adapter directory (a LoRA checkpoint) in place of a model directory is served merged into its base model:
+    a reload of the next adapter merges it into the same base, kept aside, without loading the base again.
 
     `batch_invariant`: every sequence runs its own forward passes (a batch of one, its own KV cache), so its logits,
     and with a seeded request its tokens, are the same whatever else is decoding: what `deterministic: true` runs
@@ -152,11 +156,18 @@ class InferenceEngine:
         self.max_batch_size = max_batch_size
         self.batch_invariant = batch_invariant
         self.model_path = str(model_path)
+        self.adapters = AdapterSlot()
+        self.base_path: str | None = None
+        """The whole-weights directory the model was loaded from (for an adapter: its base model)."""
         # Two tokenizers: the server encodes on the event loop thread while the engine thread decodes, and a Rust
         # tokenizer used from two threads at once can fail with "Already borrowed".
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self._detokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model = self._load_model(model_path)
+        self.model = self._load_model(adapter_base_model(model_path) if is_adapter_dir(model_path) else model_path)
+        if is_adapter_dir(model_path):
+            factors = adapter_factors(model_path)
+            self.adapters.keep_base(self.model, factors)
+            self.adapters.apply(self.model, factors)
         self.context_length: int = self.model.config.max_position_embeddings
         self.max_token_chars = max(1, max(map(len, self.tokenizer.get_vocab())))
         """The longest token's text (as the vocabulary spells it, which is never shorter than the text it stands for):
@@ -174,7 +185,7 @@ class InferenceEngine:
         self.max_rows_seen = 0
         """The most rows that one decode step has run together."""
         self._waiting: collections.deque[_Row] = collections.deque()
-        self._swaps: list[tuple[Any, str, int | str | None, concurrent.futures.Future]] = []
+        self._swaps: list[tuple[Any, dict[str, Any] | None, str, int | str | None, concurrent.futures.Future]] = []
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -183,6 +194,8 @@ class InferenceEngine:
         with no_progress_bars():
             model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
         logger.info("loaded %s on %s in %s", path, self.device, dtype_name(self.dtype))
+        self.base_path = str(Path(path).resolve())
+        self.adapters.reset()
         return model.to(self.device).eval()
 
     def _eos_token_ids(self) -> set[int]:
@@ -237,13 +250,15 @@ class InferenceEngine:
 
     async def reload(self, path: str | Path, version: int | str | None = None) -> dict[str, Any]:
         """Load new weights from a Hugging Face directory and swap them in between batches; {"version", "path"}.
+        A LoRA adapter directory whose base is the model served is merged into it (only the layers it changes are
+        written, in place); an adapter on another base loads that base first.
 
         The tokenizer stays the same: a checkpoint of the same model shares it.
         """
-        model = await asyncio.to_thread(self._load_model, path)
+        model, weights = await asyncio.to_thread(self._prepare, path)
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
-            self._swaps.append((model, str(path), version, future))
+            self._swaps.append((model, weights, str(path), version, future))
             self._cond.notify()
         self.start()
         return await asyncio.wrap_future(future)
@@ -290,8 +305,28 @@ class InferenceEngine:
                 _fail([row for batch in batches for row in batch.rows] + new_rows, exc)
                 batches = []
 
-    def _apply_swap(self, model: Any, path: str, version: int | str | None, future: concurrent.futures.Future) -> None:
+    def _prepare(self, path: str | Path) -> tuple[Any, dict[str, Any] | None]:
+        """What a reload swaps in: a model, and for an adapter its factors, merged into the model at the swap (its base
+        weights kept aside first)."""
+        if not is_adapter_dir(path):
+            return self._load_model(path), None
+        base = str(adapter_base_model(path).resolve())
+        model = self.model if base == self.base_path else self._load_model(base)
+        factors = adapter_factors(path)
+        self.adapters.keep_base(model, factors)
+        return model, factors
+
+    def _apply_swap(
+        self,
+        model: Any,
+        factors: dict[str, Any] | None,
+        path: str,
+        version: int | str | None,
+        future: concurrent.futures.Future,
+    ) -> None:
         self.reloads += 1
+        if factors is not None:
+            self.adapters.apply(model, factors)
         self.model = model
         self.model_path = path
         self.version = version if version is not None else self.reloads

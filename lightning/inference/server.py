@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from lightning.checkpoint import CheckpointError
 from lightning.devices import dtype_name
 from lightning.inference.engine import InferenceEngine, Output, SamplingParams, TokenLogprob
 from lightning.inference.tools import ToolCall, ToolCallParser, split_tool_calls
@@ -187,10 +188,11 @@ def create_inference_app(
 
     @app.get("/admin/version")
     async def version() -> dict[str, Any]:
-        """The weights served: their version and directory, and the device and dtype they are held in."""
+        """The weights served: their version and directory (a LoRA adapter's, merged into `base_model`), the whole
+        weights' directory, and the device and dtype they are held in."""
         return {
-            "version": engine.version, "path": engine.model_path, "device": str(engine.device),
-            "dtype": dtype_name(engine.dtype),
+            "version": engine.version, "path": engine.model_path, "base_model": engine.base_path,
+            "device": str(engine.device), "dtype": dtype_name(engine.dtype),
         }  # fmt: skip
 
     @app.post("/admin/reload")
@@ -201,7 +203,7 @@ def create_inference_app(
             )
         try:
             return await engine.reload(body.path, body.version)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, CheckpointError) as exc:
             raise OpenAIError(400, f"path: could not load a model from {body.path!r}: {exc}", "path") from exc
 
     @app.post("/v1/chat/completions")

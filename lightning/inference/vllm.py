@@ -150,7 +150,9 @@ def build_vllm_command(config: VllmConfig) -> list[str]:
 def build_vllm_env(config: VllmConfig, base_env: Mapping[str, str]) -> dict[str, str]:
     """The server's environment: `base_env`, then `config.env`, then the variables the config's features need."""
     _check_exposure(config)
-    env = {**base_env, **config.env}
+    # The LLM proxy's pooled connections outlive the pause between rollout phases (vLLM's default: 5 s), as with
+    # the embedded server (`lightning.inference.__main__.KEEP_ALIVE_SECONDS`); a user's own value wins.
+    env = {"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "300", **base_env, **config.env}
     if config.dev_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"
     if config.enable_lora:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -69,8 +70,9 @@ CORPUS = [
 ]
 
 
-def build_tokenizer(vocab_size: int = 384) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer trained on CORPUS (256 byte tokens, merges, then the special tokens)."""
+def build_tokenizer(vocab_size: int = 384, extra_corpus: Sequence[str] = ()) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on CORPUS and `extra_corpus` (256 byte tokens, merges, then the special
+    tokens). Text in `extra_corpus` gets merges of its own, at the expense of CORPUS's rarest."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -79,7 +81,7 @@ def build_tokenizer(vocab_size: int = 384) -> PreTrainedTokenizerFast:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(CORPUS * 20, trainer=trainer)
+    tokenizer.train_from_iterator([*CORPUS, *extra_corpus] * 20, trainer=trainer)
     # Added after training so the special tokens take the last ids and never take part in merges.
     tokenizer.add_special_tokens(SPECIAL_TOKENS)
     return PreTrainedTokenizerFast(
@@ -102,13 +104,14 @@ def build_tiny_model(
     num_heads: int = 2,
     max_positions: int = 512,
     vocab_size: int = 384,
+    extra_corpus: Sequence[str] = (),
 ) -> Path:
     """Write a random-init Llama model and its tokenizer to `path` as a Hugging Face directory; returns the path.
 
     The same seed gives the same weights and tokenizer. Transformers and vLLM load the directory as is.
     """
     path = Path(path)
-    tokenizer = build_tokenizer(vocab_size)
+    tokenizer = build_tokenizer(vocab_size, extra_corpus)
     tokenizer.model_max_length = max_positions
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     im_end_id = tokenizer.convert_tokens_to_ids(IM_END)

@@ -54,6 +54,8 @@ CAPTURED = {"chat/completions": "chat", "completions": "text_completion"}
 _RETRYABLE = (aiohttp.ClientConnectionError, TimeoutError)
 _STICKY_ROLLOUTS = 100_000
 _DOWN_SECONDS = 5.0
+IDLE_CONNECTION_SECONDS = 240.0
+"""Idle backend connections kept across the pause between rollout phases; below the run's servers' 300 s."""
 """A backend that refused a connection goes to the end of every call's order for this long (one restarting for a
 minute then costs each call nothing, and the log one line per window instead of one per call)."""
 _KNOWN_ATTEMPTS = 100_000
@@ -665,7 +667,7 @@ class LLMProxy:
         # aiohttp, not httpx: about a third of httpx's CPU per call, and the proxy's CPU is its latency.
         if self._client is None:
             self._client = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self.max_connections),
+                connector=aiohttp.TCPConnector(limit=self.max_connections, keepalive_timeout=IDLE_CONNECTION_SECONDS),
                 timeout=aiohttp.ClientTimeout(total=self.timeout, sock_connect=5.0),
                 auto_decompress=False,
             )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import numbers
 import os
@@ -24,16 +25,20 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+from urllib.parse import urlsplit
 
 from lightning.agent import Hook, LitAgent, RolloutResult, _current_runner
 from lightning.agl_import_paths import missing
+from lightning.environment import PROXY_TOKEN
 from lightning.runner import blocking
 from lightning.store import lifecycle
 from lightning.store.base import LightningStore
 from lightning.store.errors import AuthError, StoreError
 from lightning.types import (
+    LLM,
     AttemptedRollout,
     AttemptStatus,
     NamedResources,
@@ -48,9 +53,10 @@ from lightning.types import (
 logger = logging.getLogger(__name__)
 
 StopEvent = threading.Event | asyncio.Event
+T = TypeVar("T")
 
 
-class Runner:
+class Runner(Generic[T]):
     """Runs `agent` on rollouts from `store`. One runner works on one rollout at a time; run many
     (threads, processes or machines) for parallelism.
 
@@ -87,6 +93,7 @@ class Runner:
         self.queue = queue
         self.resources: dict[str, ResourcesUpdate] = {}
         """The resources its claims brought, by id: a claim sends their versions and brings only what changed."""
+        self._failure: BaseException | None = None  # what the agent raised in the latest attempt
         if isinstance(agent, LitAgent):
             agent.set_runner(self)  # agent-lightning's `self.runner` / `self.tracer` inside the agent
 
@@ -104,9 +111,16 @@ class Runner:
         *,
         mode: RolloutMode | None = None,
         resources_id: str | None = None,
+        resources: NamedResources | None = None,
         config: RolloutConfig | None = None,
     ) -> Rollout:
-        """Run one ad-hoc rollout of `input` now, outside the queue; returns the finished rollout."""
+        """Run one ad-hoc rollout of `input` now, outside the queue; returns the finished rollout. Its resources:
+        those stored under `resources_id`, or `resources` (stored first, as agent-lightning's `step` does), else the
+        latest."""
+        if resources is not None:
+            if resources_id is not None:
+                raise ValueError("step: give resources or resources_id, not both")
+            resources_id = (await self.store.add_resources(resources)).resources_id
         started = await self.store.start_rollout(
             input, mode=mode, resources_id=resources_id, config=config, worker_id=self.worker_id, queue=self.queue
         )
@@ -121,6 +135,7 @@ class Runner:
         attempt on before the agent finished. `resources`: the rollout's resources when the caller has them (a
         claim brought them); otherwise they are read from the store."""
         rollout_id, attempt_id = claimed.rollout_id, claimed.attempt.attempt_id
+        self._failure = None
         for hook in self.hooks:
             await hook.on_rollout_start(agent=self.agent, runner=self, rollout=claimed)
         if claimed.attempt.status != "running" or claimed.attempt.worker_id != self.worker_id:
@@ -153,6 +168,7 @@ class Runner:
                 await watch
             # Cancelled: by the loop's watchdog, which failed the attempt in the store (the agent blocked the loop).
             failure = work.cancelled() or work.exception() is not None
+            self._failure = None if work.cancelled() else work.exception()
             status = await self._record_outcome(
                 rollout_id, attempt_id, "failed" if failure else "succeeded", getattr(trace, "handed_over", [])
             )
@@ -175,12 +191,14 @@ class Runner:
         from lightning.tracing import emit_exception, emit_reward
 
         _current_runner.set(self)  # this task's (and a sync agent's thread's) `agent.runner`
-        resources = await self._resources(claimed, given)
+        resources, proxies = await self._resources(claimed, given)
+        if hasattr(trace, "proxied"):
+            trace.proxied = proxies
         # `async with`: the exit waits for the attempt's spans being written without blocking the event loop the
         # other runners of a fleet share (a plain `with` would hold the loop for a store write per rollout).
         async with trace:
             for hook in self.hooks:
-                await hook.on_trace_start(agent=self.agent, runner=self, rollout=claimed)
+                await hook.on_trace_start(agent=self.agent, runner=self, tracer=self.tracer, rollout=claimed)
             try:
                 with blocking.holding(claimed):  # an agent that blocks the loop is blamed on this attempt
                     result = await self.agent.run(claimed.input, resources, claimed)
@@ -191,11 +209,14 @@ class Runner:
                 raise
             finally:
                 for hook in self.hooks:
-                    await hook.on_trace_end(agent=self.agent, runner=self, rollout=claimed)
+                    await hook.on_trace_end(agent=self.agent, runner=self, tracer=self.tracer, rollout=claimed)
 
-    async def _resources(self, claimed: AttemptedRollout, given: ResourcesUpdate | None) -> NamedResources:
+    async def _resources(
+        self, claimed: AttemptedRollout, given: ResourcesUpdate | None
+    ) -> tuple[NamedResources, frozenset[str]]:
+        """The rollout's resources, and the host:port of the LLM proxies among them."""
         if claimed.resources_id is None:
-            return {}
+            return {}, frozenset()
         if given is not None and given.resources_id == claimed.resources_id:
             found: ResourcesUpdate | None = given
         else:
@@ -204,21 +225,35 @@ class Runner:
             raise LookupError(f"rollout {claimed.rollout_id} names resources {claimed.resources_id!r}, which are gone")
         # An LLM behind the proxy reaches the agent already routed to this attempt, so its calls
         # are stored as this attempt's spans whatever kind of agent makes them.
-        return {
-            name: resource.with_attempted_rollout(claimed) if isinstance(resource, ProxyLLM) else resource
+        resources = {
+            name: _routed(resource, claimed) if isinstance(resource, ProxyLLM) else resource
             for name, resource in found.resources.items()
         }
+        proxies = frozenset(
+            urlsplit(resource.endpoint).netloc
+            for resource in found.resources.values()
+            if isinstance(resource, ProxyLLM)
+        )
+        return resources, proxies
 
     async def _store_result(self, claimed: AttemptedRollout, result: RolloutResult, emit_reward: Any) -> None:
+        """The agent's return value stored: a reward span, or its spans. A value that is not one names the agent's
+        own line in its error, since the traceback holds only the runner's frames (the agent had returned)."""
         if result is None:
             return
         if isinstance(result, numbers.Real):  # a bool too (1.0 / 0.0, as in agent-lightning), numpy's np.float32 too
-            emit_reward(float(result))
+            try:
+                emit_reward(float(result))
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"{exc} (returned by {agent_location(self.agent)})") from None
             return
         if isinstance(result, list):
             await self._store_spans(claimed, result)
             return
-        raise TypeError(f"the agent returned {type(result).__name__}; return a float or bool reward, spans or None")
+        raise TypeError(
+            f"the agent returned {type(result).__name__} {str(result)[:40]!r} ({agent_location(self.agent)}); "
+            "return a float or bool reward, spans or None"
+        )
 
     async def _store_spans(self, claimed: AttemptedRollout, spans: list[Any]) -> None:
         from lightning.tracing import SpanCoreFields
@@ -377,9 +412,75 @@ async def run_fleet(
     return ran
 
 
-LitAgentRunner = Runner
-"""agent-lightning's name. Built as `Runner(agent, store)`; agl's `LitAgentRunner(tracer)` + `run_context(...)` is
-not: the runner makes its own tracer."""
+class LitAgentRunner(Runner[T]):
+    """agent-lightning's form of the runner, for driving one agent by hand: made from a tracer
+    (`LitAgentRunner(OtelTracer())`), handed its agent and store by `run_context(agent=, store=)`, then `step(task,
+    resources={...})` or `iter()` inside it. Everything else is Runner's; `Runner(agent, store)` is the short form.
+
+    `max_rollouts` bounds `iter`; `poll_interval` is the longest wait for work (an enqueue wakes it sooner). agl's
+    heartbeat tuning (`interval_jitter`, `heartbeat_launch_mode`, `heartbeat_include_gpu`) is accepted and changes
+    nothing: the attempt's heartbeat runs beside the agent on the event loop, and a thread watches for a blocked loop.
+    """
+
+    _AGL_HEARTBEAT_OPTIONS = frozenset({"interval_jitter", "heartbeat_launch_mode", "heartbeat_include_gpu"})
+
+    def __init__(
+        self,
+        tracer: Any | None = None,
+        max_rollouts: int | None = None,
+        poll_interval: float = 5.0,
+        heartbeat_interval: float = 10.0,
+        **heartbeat_options: Any,
+    ) -> None:
+        unknown = sorted(set(heartbeat_options) - self._AGL_HEARTBEAT_OPTIONS)
+        if unknown:
+            raise TypeError(f"LitAgentRunner() got unexpected keyword arguments {unknown}")
+        self._given_tracer = tracer
+        self.max_rollouts = max_rollouts
+        self._settings = {"heartbeat_interval": heartbeat_interval, "idle_wait": poll_interval}
+        self._in_context = False
+
+    @contextlib.contextmanager
+    def run_context(
+        self,
+        *,
+        agent: LitAgent[T],
+        store: LightningStore,
+        hooks: Sequence[Hook] | None = None,
+        worker_id: int | None = None,
+    ) -> Iterator[LitAgentRunner[T]]:
+        """This runner running `agent` on `store` inside the block; the tracer it was made with writes to `store`.
+        `worker_id` is agl's worker number, which names nothing here (the runner has its own worker id)."""
+        if self._given_tracer is not None and hasattr(self._given_tracer, "init_worker"):
+            self._given_tracer.init_worker(worker_id or 0, store)
+        Runner.__init__(self, agent, store, tracer=self._given_tracer, hooks=hooks or (), **self._settings)  # type: ignore[arg-type]
+        self._in_context = True
+        try:
+            yield self
+        finally:
+            self._in_context = False
+            if self._owns_tracer:
+                self.tracer.shutdown()
+
+    async def step(self, input: Any, *, event: Any = None, **options: Any) -> Rollout:
+        """Runner.step, as agl's: what the agent raised is raised here too, after the failed attempt is recorded.
+        (`event`, agl's stop signal, is unused there as here.)"""
+        self._require_context("step")
+        finished = await super().step(input, **options)
+        if finished.status == "failed" and self._failure is not None:
+            raise self._failure
+        return finished
+
+    async def iter(  # type: ignore[override]
+        self, *, event: StopEvent | None = None, stop_event: StopEvent | None = None, max_rollouts: int | None = None
+    ) -> int:
+        """Runner.iter until `event` (agl's name for `stop_event`) is set or `max_rollouts` (else the runner's) ran."""
+        self._require_context("iter")
+        return await super().iter(stop_event=event or stop_event, max_rollouts=max_rollouts or self.max_rollouts)
+
+    def _require_context(self, what: str) -> None:
+        if not self._in_context:
+            raise RuntimeError(f"LitAgentRunner.{what}() runs inside `with runner.run_context(agent=..., store=...):`")
 
 
 def __getattr__(name: str) -> Any:
@@ -387,3 +488,33 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["LitAgentRunner", "Runner", "run_fleet"]
+
+
+def agent_location(agent: LitAgent[Any]) -> str:
+    """`first_letter at examples/first_agent/agent.py:31`: the agent's rollout function and where it is defined
+    (relative to the working directory where it can be), for errors about what it returned."""
+    function = getattr(agent, "func", None)  # a @rollout function
+    if function is None:
+        kind = type(agent)
+        function = kind.rollout_async if kind.rollout_async is not LitAgent.rollout_async else kind.rollout
+    try:
+        path, line = inspect.getsourcefile(function) or "?", inspect.getsourcelines(function)[1]
+    except (OSError, TypeError):
+        return getattr(function, "__qualname__", repr(agent))
+    with contextlib.suppress(ValueError):
+        path = str(Path(path).resolve().relative_to(Path.cwd()))
+    return f"{function.__qualname__} at {path}:{line}"
+
+
+UNUSED_KEY = "unused"
+"""The key agents get for a proxy on loopback that has no token in this process's environment: the proxy serves
+agents' calls there whatever key they send, and OpenAI's SDK refuses to start without one."""
+
+
+def _routed(llm: ProxyLLM, claimed: AttemptedRollout) -> LLM:
+    """The run's LLM for this attempt: its route in the endpoint, and the proxy's key from this process's environment
+    ($LIGHTNING_PROXY_TOKEN, where a proxy beyond loopback needs it), never from the store."""
+    token = llm.api_key or os.environ.get(PROXY_TOKEN)
+    routed = llm.model_copy(update={"api_key": token}).with_attempted_rollout(claimed)  # signed with the token
+    routed.api_key = token or UNUSED_KEY
+    return routed

@@ -19,10 +19,12 @@ from lightning.tracing.rewards import (
     get_reward_value,
     is_reward_span,
 )
-from lightning.tracing.tracer import SpanExportError, TraceContext, Tracer
+from lightning.tracing.tracer import AgentOpsTracer, OtelTracer, SpanExportError, TraceContext, Tracer
 
 __all__ = [
+    "AgentOpsTracer",
     "Operation",
+    "OtelTracer",
     "SpanCoreFields",
     "SpanExportError",
     "TraceContext",

@@ -8,8 +8,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
+from urllib.parse import urlsplit
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace as trace_api
@@ -21,6 +22,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from lightning import semconv
 from lightning.store.base import LightningStore
+from lightning.tracing.instrument import API_BASE, HEADER_ATTRIBUTES, instrument_openai
 from lightning.types import Span
 
 logger = logging.getLogger(__name__)
@@ -45,6 +47,10 @@ class _Scope:
     pending: int = 0
     waited_on: bool = False
     error: BaseException | None = None
+    ended: list[ReadableSpan] = field(default_factory=list)
+    """Its spans that ended, in order (`Tracer.get_last_trace`)."""
+    proxied: frozenset[str] = frozenset()
+    """host:port of the LLM proxies its rollout calls, which record those calls themselves."""
 
 
 @dataclass(eq=False, slots=True)
@@ -65,8 +71,11 @@ class _StoreSpanProcessor(SpanProcessor):
     All shared state is guarded by `_cond`; the thread only releases it to talk to the store.
     """
 
-    def __init__(self, store: LightningStore, flush_interval: float, max_batch: int, shutdown_timeout: float) -> None:
-        self._store = store
+    def __init__(
+        self, store: LightningStore | None, flush_interval: float, max_batch: int, shutdown_timeout: float
+    ) -> None:
+        self.store = store
+        """Where spans go; set before the first trace context (a tracer made without one gets its runner's)."""
         self._flush_interval = flush_interval
         self._max_batch = max_batch
         self._shutdown_timeout = shutdown_timeout
@@ -101,6 +110,7 @@ class _StoreSpanProcessor(SpanProcessor):
             if scope is None:
                 return
             scope.open -= 1
+            scope.ended.append(span)
             if self._stopping:
                 scope.error = scope.error or SpanExportError(f"span {span.name!r} ended after the tracer shut down")
                 return
@@ -109,6 +119,13 @@ class _StoreSpanProcessor(SpanProcessor):
             scope.pending += 1
             if len(self._queue) == 1 or len(self._queue) >= self._max_batch or self._waiters:
                 self._cond.notify_all()
+
+    def discard(self, span: ReadableSpan) -> None:
+        """Forget a span started in a scope, instead of ending it there (lightning.tracing.instrument's call)."""
+        with self._cond:
+            scope = self._scopes_of_open_spans.pop(span.context.span_id, None)
+            if scope is not None:
+                scope.open -= 1
 
     def shutdown(self) -> None:
         with self._cond:
@@ -291,7 +308,8 @@ class _StoreSpanProcessor(SpanProcessor):
     async def _write_spans(self, batch: list[_Ended]) -> None:
         # One request: the store numbers the spans in this order (per rollout).
         spans = [Span.from_opentelemetry(item.span, item.scope.rollout_id, item.scope.attempt_id, 0) for item in batch]
-        await self._store.add_many_spans(spans, number=True)
+        assert self.store is not None, "a trace context opened before the tracer had a store"
+        await self.store.add_many_spans(spans, number=True)
 
     def _mark_processed(self, batch: list[_Ended], failures: list[tuple[list[_Ended], BaseException]]) -> None:
         for group, error in failures:
@@ -350,6 +368,9 @@ class TraceContext:
         self.name = name
         self.root_span: trace_api.Span | None = None
         self.hand_over = hand_over
+        self.proxied: frozenset[str] = frozenset()
+        """host:port of the LLM proxies the attempt calls: calls to them that the OpenAI SDK's instrumentation sees
+        are left to the proxy's spans (lightning.tracing.instrument)."""
         self.handed_over: list[Span] = []
         """With `hand_over`: after the exit, the spans the exporter had not started writing, for the caller to
         write (the runner sends them with the attempt's final status, one request for both)."""
@@ -387,6 +408,7 @@ class TraceContext:
         if self._scope is not None:
             raise RuntimeError("this trace context is already active; make a new one with tracer.trace_context()")
         self._scope = self._tracer._new_scope(self.rollout_id, self.attempt_id)
+        self._scope.proxied = self.proxied
         ctx = otel_context.set_value(_SCOPE_KEY, self._scope)
         # The attempt's spans form their own traces: a span around the runner is not in the store,
         # and a parent id pointing at it would dangle.
@@ -424,11 +446,14 @@ class Tracer:
 
     Finished spans are written in batches of up to `max_batch` every `flush_interval` seconds (so a long
     rollout's spans reach the store as it runs), and at once when a trace context exits or `flush` is called.
+
+    Made without a store (agent-lightning's `OtelTracer()`), it takes its runner's: `LitAgentRunner(tracer)`'s
+    `run_context(agent=, store=)` hands it over (`init_worker`).
     """
 
     def __init__(
         self,
-        store: LightningStore,
+        store: LightningStore | None = None,
         *,
         flush_interval: float = 0.2,
         max_batch: int = 512,
@@ -439,7 +464,6 @@ class Tracer:
                 f"flush_interval, max_batch and flush_timeout must be > 0, got {flush_interval}, {max_batch}, "
                 f"{flush_timeout}"
             )
-        self.store = store
         self.flush_timeout = flush_timeout
         self._processor = _StoreSpanProcessor(store, flush_interval, max_batch, flush_timeout)
         self._provider = TracerProvider(
@@ -451,10 +475,44 @@ class Tracer:
             shutdown_on_exit=False,
         )
         self._provider.add_span_processor(self._processor)
+        instrument_openai(_INSTRUMENTED_CALLS, _unlimited())  # the agent's own OpenAI client's calls: spans too
         self._otel_tracer = self._provider.get_tracer("lightning.tracing")
         self._shut_down = False
+        self._last_scope: _Scope | None = None
         if isinstance(self._otel_tracer, trace_api.NoOpTracer):
             logger.warning("OTEL_SDK_DISABLED is set: no spans (and no rewards) will be recorded")
+
+    @property
+    def store(self) -> LightningStore | None:
+        return self._processor.store
+
+    def init_worker(self, worker_id: int | str = 0, store: LightningStore | None = None) -> None:
+        """Write to `store` from now on (agent-lightning's call, made by its runner's `run_context`). A tracer keeps
+        one store: handing it another is an error, as the spans already queued are bound for the first."""
+        if store is None or store is self.store:
+            return
+        if self.store is not None:
+            raise ValueError(f"this tracer writes to {self.store!r}; make another tracer for {store!r}")
+        self._processor.store = store
+
+    def init(self, *args: object, **kwargs: object) -> None:
+        """agent-lightning's setup call: nothing to set up (the provider is made with the tracer)."""
+
+    def teardown_worker(self, *args: object, **kwargs: object) -> None:
+        """agent-lightning's call at a worker's end: the spans of every trace context are in the store already."""
+
+    def teardown(self, *args: object, **kwargs: object) -> None:
+        """agent-lightning's call at the runner's end; `shutdown` stops the tracer for good."""
+
+    def get_last_trace(self) -> list[Span]:
+        """The spans of the latest trace context so far, in the order they ended (agent-lightning's debugging call,
+        made from a `Hook.on_trace_end`)."""
+        scope = self._last_scope
+        if scope is None:
+            return []
+        with self._processor._cond:
+            ended = list(scope.ended)
+        return [Span.from_opentelemetry(span, scope.rollout_id, scope.attempt_id, 0) for span in ended]
 
     @property
     def otel_tracer(self) -> trace_api.Tracer:
@@ -499,7 +557,83 @@ class Tracer:
     def _new_scope(self, rollout_id: str, attempt_id: str) -> _Scope:
         if self._shut_down:
             raise RuntimeError("the tracer is shut down")
-        return _Scope(self._processor, self._otel_tracer, rollout_id, attempt_id)
+        if self.store is None:
+            raise RuntimeError(
+                "this tracer has no store: make it with Tracer(store), or run it under a runner "
+                "(LitAgentRunner(tracer).run_context(agent=..., store=...))"
+            )
+        self._last_scope = _Scope(self._processor, self._otel_tracer, rollout_id, attempt_id)
+        return self._last_scope
+
+
+class _ToTraceContext(SpanProcessor):
+    """Hands each span of the instrumented OpenAI SDK (lightning.tracing.instrument) to the tracer whose trace context
+    is active where it starts: a call outside any is dropped, a call to the rollout's LLM proxy is left to the proxy's
+    span (which has the token ids), and the request headers are never kept."""
+
+    def __init__(self) -> None:
+        self._scopes: dict[int, _Scope] = {}
+        self._guard = threading.Lock()
+
+    def on_start(self, span: SdkSpan, parent_context: otel_context.Context | None = None) -> None:
+        scope = current_scope()
+        if scope is None:
+            return
+        with self._guard:
+            self._scopes[span.context.span_id] = scope
+        scope.processor.on_start(span, parent_context)
+
+    def on_end(self, span: ReadableSpan) -> None:
+        with self._guard:
+            scope = self._scopes.pop(span.context.span_id, None)
+        if scope is None:
+            return
+        if urlsplit(str((span.attributes or {}).get(API_BASE, ""))).netloc in scope.proxied:
+            scope.processor.discard(span)
+        else:
+            scope.processor.on_end(_without_headers(span))
+
+
+def _without_headers(span: ReadableSpan) -> ReadableSpan:
+    attributes = span.attributes or {}
+    if not any(name in attributes for name in HEADER_ATTRIBUTES):
+        return span
+    return ReadableSpan(
+        name=span.name,
+        context=span.context,
+        parent=span.parent,
+        resource=span.resource,
+        attributes={name: value for name, value in attributes.items() if name not in HEADER_ATTRIBUTES},
+        events=span.events,
+        links=span.links,
+        kind=span.kind,
+        status=span.status,
+        start_time=span.start_time,
+        end_time=span.end_time,
+        instrumentation_scope=span.instrumentation_scope,
+    )
+
+
+_INSTRUMENTED_CALLS = _ToTraceContext()
+
+OtelTracer = Tracer
+"""agent-lightning's OpenTelemetry tracer, by its name: ours is OpenTelemetry underneath (a provider of its own)."""
+
+
+class AgentOpsTracer(Tracer):
+    """agent-lightning's AgentOps tracer, by its name: where agl's examples pick it, it only selects a tracer, so
+    this is ours. AgentOps's keywords are accepted and change nothing; no AgentOps service or account is used."""
+
+    def __init__(
+        self,
+        store: LightningStore | None = None,
+        *,
+        agentops_managed: bool = True,
+        instrument_managed: bool = True,
+        daemon: bool = True,
+        **options: float,
+    ) -> None:
+        super().__init__(store, **options)  # type: ignore[arg-type]
 
 
 def _unlimited() -> SpanLimits:

@@ -1,0 +1,408 @@
+"""agent-lightning's algorithm objects for `Trainer(algorithm=...)`, mapped onto this project's runs: `VERL(config)`
+(agl's verl config -> TrainConfig fields), `APO(client, ...)` (the `apo` section, run by the `optimize_prompt`
+flow) and `Algorithm` / `@algo` (a custom algorithm, run against the store while the Trainer's runners run the agent).
+
+    VERL(config)                       the `train` flow with trainer_backend verl (CUDA GPUs and verl);
+    VERL(config, trainer_backend="torch")  the same mapping on our torch trainer (a CPU or one GPU)
+    APO(client, beam_width=2, ...)     the `optimize_prompt` flow; the optimiser is the client's endpoint and models
+    @algo async def f(*, store, ...)   f runs in this process with the store; the Trainer's runners run the agent
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any, Generic, Literal, TypeVar
+
+from lightning.agl_import_paths import NAMES
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# --- VERL ---------------------------------------------------------------------------------------------------------
+
+_ACTOR = "actor_rollout_ref.actor."
+VERL_FIELDS: dict[str, str] = {
+    "data.train_batch_size": "batch_size",
+    "data.max_prompt_length": "max_prompt_length",
+    "data.max_response_length": "max_response_length",
+    "data.seed": "seed",
+    "actor_rollout_ref.rollout.n": "samples_per_task",
+    "actor_rollout_ref.model.path": "model",
+    "actor_rollout_ref.model.lora_rank": "algorithm.lora.rank",
+    "actor_rollout_ref.model.lora_alpha": "algorithm.lora.alpha",
+    "actor_rollout_ref.model.target_modules": "algorithm.lora.target_modules",
+    _ACTOR + "optim.lr": "algorithm.lr",
+    _ACTOR + "optim.weight_decay": "algorithm.weight_decay",
+    _ACTOR + "optim.betas": "algorithm.betas",
+    _ACTOR + "optim.lr_warmup_steps": "algorithm.warmup_steps",
+    _ACTOR + "optim.min_lr_ratio": "algorithm.min_lr_ratio",
+    _ACTOR + "ppo_micro_batch_size_per_gpu": "algorithm.micro_batch_size",
+    _ACTOR + "ppo_epochs": "algorithm.ppo_epochs",
+    _ACTOR + "clip_ratio_low": "algorithm.clip_low",
+    _ACTOR + "clip_ratio_high": "algorithm.clip_high",
+    _ACTOR + "clip_ratio_c": "algorithm.dual_clip_c",
+    _ACTOR + "entropy_coeff": "algorithm.entropy_coef",
+    _ACTOR + "grad_clip": "algorithm.max_grad_norm",
+    _ACTOR + "use_kl_loss": "algorithm.use_kl_loss",
+    _ACTOR + "loss_agg_mode": "algorithm.loss_agg",
+    "algorithm.use_kl_in_reward": "algorithm.kl_in_reward",
+    "algorithm.gamma": "algorithm.gamma",
+    "trainer.total_training_steps": "iterations",
+    "trainer.experiment_name": "run_name",
+    "trainer.project_name": "experiment",
+}
+"""agl's verl config (dotted) -> our TrainConfig field (dotted), value as it is. The rest of the mapping is in
+`verl_fields`: fields that need a conversion or depend on the backend."""
+
+VERL_ONLY_FIELDS: dict[str, str] = {
+    "trainer.n_gpus_per_node": "verl.n_gpus_per_node",
+    "trainer.nnodes": "verl.nnodes",
+    _ACTOR + "strategy": "verl.strategy",
+    _ACTOR + "fsdp_config.param_offload": "verl.param_offload",
+    _ACTOR + "fsdp_config.optimizer_offload": "verl.optimizer_offload",
+    "actor_rollout_ref.model.enable_gradient_checkpointing": "verl.gradient_checkpointing",
+    "actor_rollout_ref.model.use_remove_padding": "verl.use_remove_padding",
+    "actor_rollout_ref.rollout.gpu_memory_utilization": "inference.vllm.gpu_memory_utilization",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size": "inference.vllm.tensor_parallel_size",
+}
+"""Fields that mean the verl cluster and its vLLM; on the torch trainer the two that have a meaning there become
+`algorithm.gradient_checkpointing` and `algorithm.pack_sequences`, the others are not used."""
+
+ADVANTAGES = {
+    "grpo": "grpo",
+    "rloo": "rloo",
+    "reinforce_plus_plus": "reinforce_pp",
+    "reinforce_plus_plus_baseline": "reinforce_pp_baseline",
+}
+"""verl's algorithm.adv_estimator -> our TrainerConfig.advantage (grpo without std: grpo_no_std)."""
+KL_KINDS = {"kl": "k1", "k1": "k1", "low_var_kl": "low_var_kl", "k3": "low_var_kl"}
+"""verl's kl_loss_type / kl_penalty -> our TrainerConfig.kl_kind."""
+
+
+def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, Mapping) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _put(fields: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, last = dotted.split(".")
+    for parent in parents:
+        fields = fields.setdefault(parent, {})
+    fields[last] = value
+
+
+def verl_fields(
+    config: Mapping[str, Any], trainer_backend: Literal["verl", "torch"]
+) -> tuple[dict[str, Any], int | None, list[str]]:
+    """agl's verl config as TrainConfig fields: (fields, trainer.total_epochs, the settings not used here)."""
+    flat = _flatten(config)
+    fields: dict[str, Any] = {"trainer_backend": trainer_backend}
+    used: set[str] = set()
+
+    def take(key: str) -> Any:
+        used.add(key)
+        return flat[key]
+
+    for key, field in VERL_FIELDS.items():
+        if key in flat:
+            _put(fields, field, take(key))
+    if trainer_backend == "verl":
+        for key, field in VERL_ONLY_FIELDS.items():
+            if key in flat:
+                _put(fields, field, take(key))
+        if flat.get("actor_rollout_ref.rollout.name") == "vllm":
+            _put(fields, "inference.backend", take("actor_rollout_ref.rollout.name"))
+    else:
+        for key, field in (
+            ("actor_rollout_ref.model.enable_gradient_checkpointing", "algorithm.gradient_checkpointing"),
+            ("actor_rollout_ref.model.use_remove_padding", "algorithm.pack_sequences"),
+        ):
+            if key in flat:
+                _put(fields, field, bool(take(key)))
+
+    estimator = flat.get("algorithm.adv_estimator")
+    if estimator is not None:
+        if take("algorithm.adv_estimator") not in ADVANTAGES:
+            raise ValueError(
+                f"VERL: algorithm.adv_estimator {estimator!r} has no counterpart here (no critic, no ReMax); use one "
+                f"of {sorted(ADVANTAGES)}"
+            )
+        advantage = ADVANTAGES[estimator]
+        if advantage == "grpo" and flat.get("algorithm.norm_adv_by_std_in_grpo") is False:
+            advantage = "grpo_no_std"
+        _put(fields, "algorithm.advantage", advantage)
+    used.add("algorithm.norm_adv_by_std_in_grpo")
+    for key in (_ACTOR + "kl_loss_type", "algorithm.kl_penalty"):
+        if key in flat:
+            if take(key) not in KL_KINDS:
+                raise ValueError(f"VERL: {key} {flat[key]!r} has no counterpart here; use one of {sorted(KL_KINDS)}")
+            _put(fields, "algorithm.kl_kind", KL_KINDS[flat[key]])
+    # One kl_coef here: the loss's (kl_loss_coef) or the reward's (kl_ctrl.kl_coef), whichever is in use.
+    coefficients = {
+        key: take(key)
+        for key, on in (
+            (_ACTOR + "kl_loss_coef", _ACTOR + "use_kl_loss"),
+            ("algorithm.kl_ctrl.kl_coef", "algorithm.use_kl_in_reward"),
+        )
+        if key in flat and flat.get(on)
+    }
+    used.update(key for key in (_ACTOR + "kl_loss_coef", "algorithm.kl_ctrl.kl_coef") if key in flat)
+    if len(set(coefficients.values())) > 1:
+        raise ValueError(f"VERL: {coefficients} differ; one kl_coef serves both here (algorithm.kl_coef)")
+    if coefficients:
+        _put(fields, "algorithm.kl_coef", next(iter(coefficients.values())))
+    if _ACTOR + "clip_ratio" in flat:
+        for side in ("clip_low", "clip_high"):
+            fields.setdefault("algorithm", {}).setdefault(side, take(_ACTOR + "clip_ratio"))
+    # verl's ppo_mini_batch_size counts prompts; ours counts rows (each prompt's `n` samples).
+    if _ACTOR + "ppo_mini_batch_size" in flat:
+        samples = flat.get("actor_rollout_ref.rollout.n", 1)
+        _put(fields, "algorithm.mini_batch_size", take(_ACTOR + "ppo_mini_batch_size") * samples)
+    if "trainer.test_freq" in flat:
+        _put(fields, "eval_every", max(0, take("trainer.test_freq")))
+    level = flat.get("agentlightning.trace_aggregator.level")
+    if level is not None:
+        _put(fields, "adapter_shape", take("agentlightning.trace_aggregator.level"))
+    if "lora" in fields.get("algorithm", {}) and fields["algorithm"]["lora"].get("rank") == 0:
+        del fields["algorithm"]["lora"]  # verl's lora_rank 0: full fine-tuning
+    total_epochs = take("trainer.total_epochs") if "trainer.total_epochs" in flat else None
+    return fields, total_epochs, sorted(set(flat) - used)
+
+
+def verl_stack_problem() -> str | None:
+    """Why this machine cannot run trainer_backend verl (no CUDA device, or no verl); None when it can."""
+    import importlib.util
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return "this machine has no CUDA device"
+    if importlib.util.find_spec("verl") is None:
+        return "verl is not installed (pip install -e '.[gpu]')"
+    return None
+
+
+class VERL:
+    """agl's `VERL(config)`: its verl config dict, mapped onto the `train` flow's TrainConfig (`fields`); what has no
+    counterpart is listed in `ignored` and logged. `trainer_backend="torch"` maps the same config onto our torch
+    trainer (a CPU or one GPU) instead of verl's FSDP workers: ask for it, it is never chosen for you."""
+
+    def __init__(self, config: Mapping[str, Any], *, trainer_backend: Literal["verl", "torch"] = "verl") -> None:
+        self.config = copy.deepcopy(dict(config))
+        self.trainer_backend = trainer_backend
+        self.fields, self.total_epochs, self.ignored = verl_fields(self.config, trainer_backend)
+        if self.ignored:
+            logger.warning("VERL: these verl settings have no counterpart here and are not used: %s", self.ignored)
+
+    def run_fields(self, n_train_tasks: int | None) -> dict[str, Any]:
+        """`fields`, with `iterations` from trainer.total_epochs (verl's steps: full batches per epoch) when
+        trainer.total_training_steps does not give it."""
+        fields = copy.deepcopy(self.fields)
+        if "iterations" not in fields and self.total_epochs is not None and n_train_tasks is not None:
+            batch_size = fields.get("batch_size", 1)
+            fields["iterations"] = max(1, n_train_tasks // batch_size) * self.total_epochs
+        return fields
+
+    def refusal(self) -> str | None:
+        """One line when this machine cannot run this VERL (backend verl without a GPU stack); None when it can."""
+        if self.trainer_backend != "verl":
+            return None
+        problem = verl_stack_problem()
+        if problem is None:
+            return None
+        return (
+            f"VERL(config) trains with verl's FSDP workers, which need CUDA GPUs and verl, and {problem}: run it on a "
+            "GPU machine, or give lightning.VERL(config, trainer_backend='torch') to train with our torch trainer "
+            "here (the same mapping; set actor_rollout_ref.model.path to a local model directory or 'tiny')"
+        )
+
+
+# --- APO ----------------------------------------------------------------------------------------------------------
+
+OPENAI_BASE_URL = "https://api.openai.com/v1"
+
+
+class APO(Generic[T]):
+    """agl's `APO(async_openai_client, beam_width=..., ...)`: the `apo` section of the run, run by the
+    `optimize_prompt` flow. The optimiser models are called with LiteLLM at the client's `base_url`; its key must be
+    in an environment variable (`api_key_env`, default OPENAI_API_KEY, which the client read), never in the config.
+    The seed prompt is the Trainer's one PromptTemplate of `initial_resources`, under its name."""
+
+    def __init__(
+        self,
+        async_openai_client: Any = None,
+        *,
+        gradient_model: str = "gpt-5-mini",
+        apply_edit_model: str = "gpt-4.1-mini",
+        diversity_temperature: float = 1.0,
+        gradient_batch_size: int = 4,
+        val_batch_size: int = 16,
+        beam_width: int = 4,
+        branch_factor: int = 4,
+        beam_rounds: int = 3,
+        rollout_batch_timeout: float = 3600.0,
+        run_initial_validation: bool = True,
+        _poml_trace: bool = False,
+        api_key_env: str | None = None,
+    ) -> None:
+        if not run_initial_validation:
+            raise ValueError(
+                "APO(run_initial_validation=False): the seed prompt is always scored on the validation batch here "
+                "(the beam starts from its score); leave it out"
+            )
+        api_base = None
+        if async_openai_client is not None:
+            base_url = str(getattr(async_openai_client, "base_url", "") or "").rstrip("/")
+            api_base = None if base_url in ("", OPENAI_BASE_URL) else base_url
+            key = getattr(async_openai_client, "api_key", None)
+            api_key_env = api_key_env or "OPENAI_API_KEY"
+            if key and os.environ.get(api_key_env) != key:
+                raise ValueError(
+                    f"APO: the client's API key is not ${api_key_env}; the run's processes read the optimiser's key "
+                    "from their environment: put it in a variable and give APO(client, api_key_env='NAME')"
+                )
+        self.rollout_batch_timeout = rollout_batch_timeout
+        self.apo_fields: dict[str, Any] = {
+            "gradient_model": _litellm_model(gradient_model, api_base),
+            "apply_edit_model": _litellm_model(apply_edit_model, api_base),
+            "api_base": api_base,
+            "api_key_env": api_key_env,
+            "diversity_temperature": diversity_temperature,
+            "gradient_batch_size": gradient_batch_size,
+            "val_batch_size": val_batch_size,
+            "beam_width": beam_width,
+            "branch_factor": branch_factor,
+            "beam_rounds": beam_rounds,
+        }
+        """The `apo` section's fields, less the seed prompt (the Trainer's initial_resources give it)."""
+
+    def __class_getitem__(cls, item: Any) -> Any:  # `APO[RoomSelectionTask](...)`, as agl's generic class
+        return cls
+
+
+def _litellm_model(model: str, api_base: str | None) -> str:
+    """A model of an OpenAI-compatible endpoint as LiteLLM names it: `openai/<model>` at a base URL of its own."""
+    return f"openai/{model}" if api_base is not None and "/" not in model else model
+
+
+# --- Algorithm and @algo ------------------------------------------------------------------------------------------
+
+
+class Algorithm:
+    """agl's `Algorithm`: subclass it with `run(train_dataset, val_dataset)` (sync or async), which enqueues rollouts
+    in `self.get_store()` and reads their spans; `Trainer(algorithm=...).fit(agent, ...)` runs it in this process
+    while the Trainer's `n_runners` runners run the agent on what it enqueues, and stops them when it returns."""
+
+    def __init__(self) -> None:
+        self._store: Any = None
+        self._trainer: Any = None
+        self._adapter: Any = None
+        self._initial_resources: dict[str, Any] | None = None
+
+    def is_async(self) -> bool:
+        return inspect.iscoroutinefunction(self.run)
+
+    def set_trainer(self, trainer: Any) -> None:
+        self._trainer = trainer
+
+    def get_trainer(self) -> Any:
+        if self._trainer is None:
+            raise ValueError(f"{type(self).__name__}: no Trainer runs it yet")
+        return self._trainer
+
+    def set_store(self, store: Any) -> None:
+        self._store = store
+
+    def get_store(self) -> Any:
+        if self._store is None:
+            raise ValueError(f"{type(self).__name__}: no store yet; Trainer(algorithm=...).fit(agent) sets it")
+        return self._store
+
+    def set_llm_proxy(self, llm_proxy: Any) -> None:
+        if llm_proxy is not None:
+            raise ValueError(f"{type(self).__name__}: {NAMES['LLMProxy']}")
+
+    def get_llm_proxy(self) -> None:
+        """None, as agl's when the Trainer has no LLM proxy: a custom algorithm's runners call the LLMs that its
+        resources name."""
+        return None
+
+    def set_adapter(self, adapter: Any) -> None:
+        self._adapter = adapter
+
+    def get_adapter(self) -> Any:
+        if self._adapter is None:
+            raise ValueError(
+                f"{type(self).__name__}: no adapter; give Trainer(adapter=lightning.adapter.TraceToMessages()), or "
+                "call lightning.adapter.spans_to_triplets / spans_to_messages on the spans"
+            )
+        return self._adapter
+
+    def set_initial_resources(self, resources: Mapping[str, Any]) -> None:
+        self._initial_resources = dict(resources)
+
+    def get_initial_resources(self) -> dict[str, Any] | None:
+        return self._initial_resources
+
+    def run(self, train_dataset: Any = None, val_dataset: Any = None) -> Any:
+        # The abstract method of agl's `Algorithm`, as there: a subclass defines it (or use `@algo` on a function).
+        raise NotImplementedError(
+            f"{type(self).__name__} does not define run(train_dataset, val_dataset): an Algorithm subclass must"
+        )
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.run(*args, **kwargs)
+
+
+_INJECTED = ("store", "adapter", "llm_proxy", "initial_resources")
+
+
+class FunctionalAlgorithm(Algorithm, Generic[T]):
+    """`@algo`'s algorithm: the function's keywords among store, train_dataset, val_dataset, llm_proxy, adapter and
+    initial_resources are given to it, the others left out (agl's rule)."""
+
+    def __init__(self, algorithm_func: Any) -> None:
+        super().__init__()
+        self._algorithm_func = algorithm_func
+        self._parameters = inspect.signature(algorithm_func).parameters
+        self.__name__ = getattr(algorithm_func, "__name__", type(self).__name__)
+        self.__doc__ = getattr(algorithm_func, "__doc__", None)
+
+    def is_async(self) -> bool:
+        return inspect.iscoroutinefunction(self._algorithm_func)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._algorithm_func(*args, **kwargs)
+
+    def run(self, train_dataset: Any = None, val_dataset: Any = None) -> Any:
+        getters = {
+            "store": self.get_store,
+            "adapter": lambda: self._adapter,
+            "llm_proxy": self.get_llm_proxy,
+            "initial_resources": self.get_initial_resources,
+        }
+        kwargs = {name: getters[name]() for name in _INJECTED if name in self._parameters}
+        for name, dataset in (("train_dataset", train_dataset), ("val_dataset", val_dataset)):
+            if name in self._parameters:
+                kwargs[name] = dataset
+            elif dataset is not None:
+                raise TypeError(f"{self.__name__} takes no {name}, and one was given to fit")
+        return self._algorithm_func(**kwargs)
+
+
+def algo(func: Any) -> FunctionalAlgorithm[Any]:
+    """agl's `@algo`: a function (sync or async) as an Algorithm for `Trainer(algorithm=...)`."""
+    return FunctionalAlgorithm(func)
+
+
+__all__ = ["APO", "VERL", "Algorithm", "FunctionalAlgorithm", "algo"]
