@@ -58,10 +58,16 @@ class ServerProcess:
     client: httpx.Client | None = field(default=None, repr=False)
     """The health checks' one kept-alive connection while the process lives: a client per check would build an SSL
     context each second (26% of a runner process's samples in a profile), for a plain http:// URL."""
+    _spawned: float = field(default=0.0, repr=False)
 
     def start(self, deadline: float | None = None) -> None:
         """Start the process and wait until it answers: at most `start_timeout` seconds, or until the monotonic
         `deadline` if that comes first (one deadline shared by the parts of a run)."""
+        self.spawn()
+        self.wait_until_answering(deadline)
+
+    def spawn(self) -> None:
+        """Start the process; `wait_until_answering` then waits for it (the parts of a run start side by side)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         # Output goes to a file, not a pipe: nobody drains a pipe after start-up, and a full one blocks the server.
         with open(self.log_path, "ab") as log:
@@ -73,7 +79,13 @@ class ServerProcess:
                 self.command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=child_env(**self.env),
                 start_new_session=True,
             )  # fmt: skip
-        started = time.monotonic()
+        self._spawned = time.monotonic()
+
+    def wait_until_answering(self, deadline: float | None = None) -> None:
+        """Wait until the spawned process answers: at most `start_timeout` seconds from its spawn, or until the
+        monotonic `deadline` if that comes first."""
+        assert self.process is not None, "spawn() first"
+        started = self._spawned
         deadline = min(started + self.start_timeout, deadline or float("inf"))
         next_report = started + REPORT_EVERY
         while time.monotonic() < deadline:
@@ -236,6 +248,9 @@ class LocalStack:
                     **diagnosis,
                 }
                 self.proxy_url = self._start_process("LLM proxy", command, env, port, log_dir / "proxy.log")
+            # The processes start side by side (each spends seconds importing its libraries), with one deadline.
+            for child in self.processes:
+                child.wait_until_answering(self._starting_until)
         except BaseException:
             self.close()
             raise
@@ -290,7 +305,7 @@ class LocalStack:
             name, command, env, f"http://127.0.0.1:{port}", log_path, self._start_timeout, self._report
         )
         self.processes.append(child)
-        child.start(deadline=self._starting_until)  # the first start shares one deadline with the other process
+        child.spawn()  # answering is waited for once every part has started (`__init__`)
         return child.url
 
     def close(self) -> None:
