@@ -217,6 +217,20 @@ async def test_turns_join_token_exactly_whatever_the_template_renders(drifting_m
     assert plain.report.split_reasons == {"the prompt does not extend the conversation so far": 2}
 
 
+def test_the_proxy_loads_its_tokenizer_when_a_call_first_continues_but_refuses_a_directory_without_one(
+    tmp_path: Path,
+) -> None:
+    """A one-call agent's proxy never pays for transformers' tokenizer import (the joined run above loads it on its
+    first continuation); a directory with no tokenizer is still refused when the proxy starts, not on that call."""
+    from lightning.proxy.continuation import Conversations
+
+    with pytest.raises(ValueError, match="no tokenizer_config.json there; give a model directory"):
+        Conversations(tmp_path)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "tokenizer_config.json").write_text("{}")
+    assert Conversations(tmp_path / "model")._tokenizer == tmp_path / "model"  # not loaded until needed
+
+
 def test_a_completion_answers_as_the_chat_completion_the_agent_asked_for() -> None:
     """Where the backend has no token-in chat route (vLLM 0.32), a continued call goes as a completions call on the
     joined ids, and its answer comes back in chat's shape: tool calls parsed, log-probs and token ids kept."""

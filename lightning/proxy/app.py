@@ -149,10 +149,6 @@ class LLMProxy:
         self.max_body_bytes = max_body_bytes
         self.weight_version: str | int | None = None
         self.writer = SpanWriter(store)
-        if isinstance(tokenizer, str | os.PathLike):
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
         self.conversations = Conversations(tokenizer) if tokenizer is not None else None
         self._token_route = True
         """False once a backend had no `chat/completions/tokens` route: continuations then go as completions calls."""

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from lightning.chat import NotAContinuation, continue_conversation
@@ -42,8 +45,23 @@ class Conversations:
     """The answered chat calls of each attempt, and the prompt ids of a call that continues one of them."""
 
     def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
+        """`tokenizer`: the policy's tokenizer, or its model directory, loaded when a call first continues another
+        (a run whose agent makes one call at a time never loads it: importing transformers' AutoTokenizer, torch
+        with it, is 2.5 s of a proxy's start)."""
+        if isinstance(tokenizer, str | os.PathLike) and not (Path(tokenizer) / "tokenizer_config.json").is_file():
+            raise ValueError(f"tokenizer {str(tokenizer)!r}: no tokenizer_config.json there; give a model directory")
+        self._tokenizer = tokenizer
+        self._loading = threading.Lock()
         self._calls: OrderedDict[tuple[str, str], list[_Answered]] = OrderedDict()
+
+    @property
+    def tokenizer(self) -> Any:
+        with self._loading:
+            if isinstance(self._tokenizer, str | os.PathLike):
+                from transformers import AutoTokenizer
+
+                self._tokenizer = AutoTokenizer.from_pretrained(self._tokenizer)
+        return self._tokenizer
 
     def prompt_for(self, attempt: tuple[str, str], body: dict[str, Any]) -> Continuation:
         """The token-exact prompt of `body` if it continues an earlier call of `attempt`: its messages begin with that
