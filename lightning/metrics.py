@@ -13,6 +13,9 @@ import logging
 import math
 import os
 import re
+import shutil
+import sqlite3
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -99,8 +102,9 @@ class MlflowTracker:
             from mlflow.tracking import MlflowClient
 
             db_path = _sqlite_path(self.tracking_uri)
-            if db_path is not None:
+            if db_path is not None and not db_path.exists():
                 db_path.parent.mkdir(parents=True, exist_ok=True)
+                new_local_db(db_path)
             uri = self.expanded_uri
             self._client = MlflowClient(tracking_uri=uri, registry_uri=uri)
         return self._client
@@ -441,6 +445,39 @@ def ui_command(tracking_uri: str) -> str:
 
 def _default_tracking_uri() -> str:
     return f"sqlite:///{DEFAULT_DB.resolve()}"
+
+
+def new_local_db(db_path: Path) -> None:
+    """A new local tracking database at `db_path`, copied from an empty one of this MLflow version kept in the user's
+    cache (made there once, by MLflow itself): MLflow builds a database by running its schema migrations, 2 s of CPU
+    for every new run directory otherwise. Its `Default` experiment keeps artifacts beside the database, as the
+    run's own experiments do. Nothing is copied where the cache cannot be written: MLflow then builds it."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lightning"
+    template = cache / f"mlflow-{mlflow.__version__}.db"
+    scratch = db_path.with_name(f".{db_path.name}.{os.getpid()}-{threading.get_ident()}")
+    try:
+        if not template.exists():
+            cache.mkdir(parents=True, exist_ok=True)
+            building = cache / f".{template.name}.{os.getpid()}-{threading.get_ident()}"
+            MlflowClient(tracking_uri=f"sqlite:///{building}").search_experiments()
+            os.replace(building, template)  # whole, or not there: another process may be building it too
+        shutil.copyfile(template, scratch)
+        now = int(time.time() * 1000)
+        with contextlib.closing(sqlite3.connect(scratch)) as db, db:
+            db.execute(
+                "UPDATE experiments SET artifact_location = ?, creation_time = ?, last_update_time = ? "
+                "WHERE experiment_id = 0",
+                (str((db_path.parent / ARTIFACTS_DIR / "0").resolve()), now, now),
+            )
+        with contextlib.suppress(FileExistsError):  # another process made it first: that one stays
+            os.link(scratch, db_path)
+    except OSError as exc:
+        logger.debug("no MLflow database template (%s): MLflow builds %s", exc, db_path)
+    finally:
+        scratch.unlink(missing_ok=True)
 
 
 def _sqlite_path(uri: str) -> Path | None:

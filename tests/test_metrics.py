@@ -229,3 +229,35 @@ def test_a_run_shows_its_source_commit_and_its_prefect_flow_run_as_a_link(tracki
     assert "@" not in shown.get("mlflow.source.git.repoURL", "")
     assert f"Trained by Prefect flow run [1234]({url})" in shown["mlflow.note.content"]
     assert "`make prefect-ui`" in shown["mlflow.note.content"]
+
+
+def test_a_new_local_store_is_copied_from_a_cached_empty_one_and_works_as_mlflow_s_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MLflow builds a database with its schema migrations (2 s a new run directory); a tracker copies an empty one
+    of this MLflow version from the user's cache instead, built there once by MLflow."""
+    import sqlite3
+
+    import mlflow
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    trackers = []
+    for name in ("first", "second"):  # the first builds the cache's copy, the second only copies it
+        tracker = MlflowTracker(experiment="lab", run_name=name, tracking_uri=f"sqlite:///{tmp_path / name}/m.db")
+        tracker.start({"lr": 0.1})
+        tracker.log_metrics({"reward": 0.5}, step=0)
+        tracker.end()
+        trackers.append(tracker)
+    assert (tmp_path / "cache" / "lightning" / f"mlflow-{mlflow.__version__}.db").is_file()
+    assert [path.name for path in (tmp_path / "second").iterdir()] == ["m.db"]  # no scratch file left
+    reference = tmp_path / "mlflow-built.db"
+    mlflow.MlflowClient(f"sqlite:///{reference}").search_experiments()
+    for tracker, name in zip(trackers, ("first", "second"), strict=True):
+        history = tracker.client.get_metric_history(tracker.run_id, "reward")
+        assert [(m.step, m.value) for m in history] == [(0, 0.5)]
+        with sqlite3.connect(tmp_path / name / "m.db") as db:
+            schema = db.execute("SELECT version_num FROM alembic_version").fetchall()
+            default = db.execute("SELECT artifact_location FROM experiments WHERE experiment_id = 0").fetchone()
+        with sqlite3.connect(reference) as db:
+            assert schema == db.execute("SELECT version_num FROM alembic_version").fetchall()
+        assert default == (str(tmp_path / name / "mlartifacts" / "0"),)
