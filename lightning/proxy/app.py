@@ -326,8 +326,12 @@ class LLMProxy:
         if not self.backends:
             raise ProxyError(503, "the proxy has no backends; register inference servers with PUT /admin/backends")
         continuation = Continuation()
-        if routed and operation == "chat" and self.conversations is not None:
-            continuation = self.conversations.prompt_for((rollout_id, attempt_id), body)  # type: ignore[arg-type]
+        conversations = self.conversations
+        if routed and operation == "chat" and conversations is not None:
+            attempt = (rollout_id, attempt_id)
+            if conversations.may_continue(attempt):  # type: ignore[arg-type]
+                await asyncio.to_thread(lambda: conversations.tokenizer)  # loaded once, the loop serving on
+            continuation = conversations.prompt_for(attempt, body)  # type: ignore[arg-type]
         outbound = _Outbound(raw, body, path, operation)
         return await self._guarded(self._forward(outbound, rollout_id, attempt_id, request, continuation))
 

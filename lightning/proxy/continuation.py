@@ -54,6 +54,11 @@ class Conversations:
         self._loading = threading.Lock()
         self._calls: OrderedDict[tuple[str, str], list[_Answered]] = OrderedDict()
 
+    def may_continue(self, attempt: tuple[str, str]) -> bool:
+        """`attempt` has an answered call that a new one may continue, and the tokenizer is not loaded yet: the
+        proxy loads it off its event loop first (`tokenizer`, in a thread), so other calls go on meanwhile."""
+        return attempt in self._calls and isinstance(self._tokenizer, str | os.PathLike)
+
     @property
     def tokenizer(self) -> Any:
         with self._loading:
