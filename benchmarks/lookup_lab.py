@@ -140,6 +140,10 @@ def run(seed: int, args: argparse.Namespace, config: TrainerConfig, model_dir: P
     train = make_tasks(TRAIN, first_table=0, seed=0)  # the example's data (examples/lookup/data.py)
     val = make_tasks(HELD_OUT, first_table=1_000_000, seed=1)
     shown = train[: int(len(train) * args.warm_fraction)]
+    two = [t for t in shown if t["calls"] == 2]
+    shown = [t for t in shown if t["calls"] == 1] + two[: round(len(two) * args.two_call_demos)]
+    two_call = sum(t["calls"] == 2 for t in shown)
+    print(f"seed {seed}: {len(shown)} demonstrations, {two_call} of them two-call", flush=True)
     warm = TrainingBatch.from_triplets(
         demonstrations(tokenizer, shown), pad_token_id=pad, max_prompt_length=MAX_PROMPT,
         max_response_length=MAX_RESPONSE,
@@ -173,6 +177,10 @@ def run(seed: int, args: argparse.Namespace, config: TrainerConfig, model_dir: P
         if (iteration + 1) % args.eval_every == 0 or iteration + 1 == args.iterations:
             curve.append((iteration + 1, held_out(trainer, val)))
             print(f"seed {seed}: iteration {iteration + 1}: {curve[-1][1]}", flush=True)
+    if args.show:
+        states = roll_out(trainer.model, tokenizer, val, greedy=True, seed=0)
+        for state in [s for s in states if not s["reward"]][: args.show]:
+            print(f"  failed {state['task']}: {tokenizer.decode(state['response'])!r}", flush=True)
     return {"seed": seed, "curve": curve, "seconds": time.perf_counter() - started}
 
 
@@ -189,6 +197,8 @@ def main() -> None:
     parser.add_argument("--warm-lr", type=float, default=RECIPE["warm_start"]["lr"])
     parser.add_argument("--warm-fraction", type=float, default=RECIPE["warm_start"]["fraction"])
     parser.add_argument("--eval-every", type=int, default=5)
+    parser.add_argument("--show", type=int, default=0, help="print N failed held-out conversations at the end")
+    parser.add_argument("--two-call-demos", type=float, default=1.0, help="share of two-call demonstrations kept")
     parser.add_argument(
         "--default-tokenizer", action="store_true",
         help="the tiny tokenizer without the example's tokenizer_corpus (the tool call in 44 tokens instead of 24)",
