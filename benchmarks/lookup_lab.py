@@ -151,7 +151,7 @@ def run(seed: int, args: argparse.Namespace, config: TrainerConfig, model_dir: P
     started = time.perf_counter()
     for _ in range(args.warm_steps):
         trainer.sft_step(warm, lr=args.warm_lr)
-    trainer.reset_optimizer()  # as a run does: RL starts with a fresh optimizer
+    trainer.start_rl()  # as a run does: RL starts with a fresh optimizer
     curve = [(0, held_out(trainer, val))]
     print(f"seed {seed}: warm start {curve[0][1]} ({time.perf_counter() - started:.0f} s)", flush=True)
     for iteration in range(args.iterations):

@@ -106,7 +106,7 @@ def run(seed: int, args: argparse.Namespace, config: TrainerConfig, model_dir: P
     for _ in range(args.warm_steps):
         trainer.sft_step(warm, lr=args.warm_lr)
     if not args.keep_optimizer:  # as a run does: RL starts with a fresh optimizer
-        trainer.reset_optimizer()
+        trainer.start_rl()
     curve = [(0, held_out(trainer, val, args.max_tokens, args.answers))]
     rows = []
     started = time.perf_counter()

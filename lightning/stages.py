@@ -483,7 +483,7 @@ async def warm_start(run: Run) -> dict[str, Any]:
     for step in range(config.warm_start.steps):
         metrics = await asyncio.to_thread(run.trainer.sft_step, path, timeout=config.timeouts.ppo_step, lr=lr)
         run.made_progress(f"warm-start step {step + 1}")
-    await asyncio.to_thread(run.trainer.reset_optimizer, timeout=config.timeouts.ppo_step)
+    await asyncio.to_thread(run.trainer.start_rl, timeout=config.timeouts.ppo_step)
     done = {"demonstrations": len(batch), "steps": config.warm_start.steps, **metrics}
     saved = await _publish(run, 0, {"run_name": run.name, "warm_start": done, "history": []})
     if run.tracker is not None:

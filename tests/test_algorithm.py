@@ -390,6 +390,20 @@ def test_trainer_step_changes_weights_with_finite_metrics(tiny_dir: Path) -> Non
     assert metrics["kl"] > 0  # the second step starts away from the reference
 
 
+def test_rl_after_a_warm_start_is_anchored_to_the_warm_started_policy(tiny_dir: Path) -> None:
+    """The KL reference was the model as first loaded: after a warm start, RL was pulled back to the untrained
+    weights. `start_rl` takes it from the policy as it is, so RL's first step has no KL."""
+    config = TrainerConfig(lr=1e-3, micro_batch_size=2, use_kl_loss=True, kl_coef=0.1)
+    trainer = TorchTrainer(tiny_dir, config, device="cpu")
+    for _ in range(3):
+        trainer.sft_step(tiny_batch(0), lr=1e-2)
+    batch = tiny_batch(1)
+    assert not torch.allclose(trainer.reference_log_probs(batch), trainer.log_probs(trainer.model, batch))
+    trainer.start_rl()
+    assert torch.equal(trainer.reference_log_probs(batch), trainer.log_probs(trainer.model, batch))
+    assert trainer.step(batch)["kl"] == 0.0
+
+
 def test_trainer_first_pass_is_on_policy(tiny_dir: Path) -> None:
     metrics = TorchTrainer(tiny_dir, TrainerConfig(lr=1e-3), device="cpu").step(tiny_batch(0))
     assert metrics["approx_kl"] == 0.0 and metrics["clip_frac"] == 0.0

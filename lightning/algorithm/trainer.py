@@ -152,6 +152,15 @@ class TorchTrainer:
         self.master_weights = MasterWeights(self.model) if self.config.bf16_weights else None
         self.reset_optimizer()
 
+    def start_rl(self) -> None:
+        """RL starts here, after a supervised warm start: a fresh optimizer (`reset_optimizer`) and, with KL, the
+        reference re-taken from the policy as it is now, as verl's reference is the fine-tuned model (it was the
+        model as first loaded: the warm start's random or base weights, and a resumed run, loading the warm start's
+        checkpoint, anchored elsewhere). With LoRA the reference stays the base model (the adapters off)."""
+        self.reset_optimizer()
+        if self.reference is not None:
+            self.reference = frozen_copy(self.model).to(self.device, self.dtype)
+
     def reset_optimizer(self) -> None:
         """A fresh AdamW (no moments) and LR schedule from step 0: what RL starts with after a supervised warm
         start, whose steps neither shape the RL optimizer's moments nor use up its warm-up or cosine schedule."""
@@ -236,7 +245,7 @@ class TorchTrainer:
     def sft_step(self, batch: TrainingBatch, lr: float | None = None) -> dict[str, float]:
         """One supervised step at `lr` (None: the schedule's): maximise the log-likelihood of the masked response
         tokens (rewards are ignored). A short warm start on a few demonstrations makes sparse rewards reachable;
-        `reset_optimizer` after it gives RL a fresh optimizer."""
+        `start_rl` after it gives RL a fresh optimizer and its KL reference."""
         batch = batch.to(self.device)
         tokens = batch["response_mask"].sum().clamp(min=1)
         if lr is not None:

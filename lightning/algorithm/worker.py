@@ -107,9 +107,10 @@ class TrainerWorker:
         """One supervised update on the batch file at `lr` (None: the schedule's); its metrics."""
         return self._call({"op": "sft_step", "batch_path": str(batch_path), "lr": lr}, timeout)
 
-    def reset_optimizer(self, *, timeout: float = 60) -> None:
-        """A fresh optimizer and LR schedule (after a warm start: RL starts from step 0)."""
-        self._call({"op": "reset_optimizer"}, timeout)
+    def start_rl(self, *, timeout: float = 60) -> None:
+        """After a warm start: a fresh optimizer and LR schedule (RL starts from step 0) and the KL reference
+        taken from the policy now (`TorchTrainer.start_rl`)."""
+        self._call({"op": "start_rl"}, timeout)
 
     def save_checkpoint(
         self, step: int, *, meta: dict[str, Any] | None = None, keep_last: int | None = 3, timeout: float = 600
@@ -297,8 +298,8 @@ class _Session:
             metrics = self.trainer.sft_step(TrainingBatch.load(request["batch_path"]), request.get("lr"))
             self.pending = True
             return metrics
-        if op == "reset_optimizer":
-            self.trainer.reset_optimizer()
+        if op == "start_rl":
+            self.trainer.start_rl()
             return None
         if op == "save_checkpoint":
             return self.save(request["step"], request["meta"], request["keep_last"])
