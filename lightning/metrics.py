@@ -455,10 +455,10 @@ def new_local_db(db_path: Path) -> None:
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lightning"
-    template = cache / f"mlflow-{mlflow.__version__}.db"
     scratch = db_path.with_name(f".{db_path.name}.{os.getpid()}-{threading.get_ident()}")
     try:
+        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lightning"
+        template = cache / f"mlflow-{mlflow.__version__}.db"
         if not template.exists():
             cache.mkdir(parents=True, exist_ok=True)
             building = cache / f".{template.name}.{os.getpid()}-{threading.get_ident()}"
@@ -474,7 +474,7 @@ def new_local_db(db_path: Path) -> None:
             )
         with contextlib.suppress(FileExistsError):  # another process made it first: that one stays
             os.link(scratch, db_path)
-    except OSError as exc:
+    except (OSError, RuntimeError, sqlite3.Error) as exc:  # no home directory, a damaged copy: MLflow builds it
         logger.debug("no MLflow database template (%s): MLflow builds %s", exc, db_path)
     finally:
         scratch.unlink(missing_ok=True)

@@ -261,3 +261,20 @@ def test_a_new_local_store_is_copied_from_a_cached_empty_one_and_works_as_mlflow
         with sqlite3.connect(reference) as db:
             assert schema == db.execute("SELECT version_num FROM alembic_version").fetchall()
         assert default == (str(tmp_path / name / "mlartifacts" / "0"),)
+
+
+def test_a_damaged_cached_copy_leaves_mlflow_to_build_the_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import mlflow
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    template = tmp_path / "cache" / "lightning" / f"mlflow-{mlflow.__version__}.db"
+    template.parent.mkdir(parents=True)
+    template.write_bytes(b"not a database")
+    tracker = MlflowTracker(experiment="lab", run_name="r", tracking_uri=f"sqlite:///{tmp_path / 'run'}/m.db")
+    tracker.start({})
+    tracker.log_metrics({"reward": 1.0}, step=0)
+    tracker.end()
+    assert [m.value for m in tracker.client.get_metric_history(tracker.run_id, "reward")] == [1.0]
+    assert sorted(path.name for path in (tmp_path / "run").iterdir()) == ["m.db"]
