@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.machine_load import MachineLoad  # noqa: E402
 from lightning.checkpoint import latest_checkpoint  # noqa: E402
 from lightning.config import load_config  # noqa: E402
 from lightning.run import recorded_history  # noqa: E402
@@ -63,7 +63,7 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--set", action="append", default=[], help="more overrides of the demo's config")
     args = parser.parse_args()
-    load_before = os.getloadavg()[0]
+    load = MachineLoad()
     rows = []
     with tempfile.TemporaryDirectory(prefix="determinism-") as tmp:
         for deterministic in (False, True):
@@ -84,7 +84,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for det, same, reward_gap, held_gap, weight_gap, seconds in rows:
         print(f"| {det} | {same} | {reward_gap:.4f} | {held_gap:.4f} | {weight_gap:.2e} | {seconds:.0f} |")
-    print(f"\nload average (1 min): {load_before:.2f} at the start, {os.getloadavg()[0]:.2f} at the end")
+    print(f"\n{load.line()}")
 
 
 if __name__ == "__main__":

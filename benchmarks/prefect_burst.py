@@ -41,12 +41,14 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 from prefect_server import (  # noqa: E402 (tests/prefect_server.py: how the tests start a server)
     PrefectServer,
     running_prefect_server,
 )
+
+from benchmarks.machine_load import MachineLoad  # noqa: E402
 
 DEFAULT_PG_URL = os.environ.get("LIGHTNING_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
 RETRYABLE = "Encountered retryable exception in request"
@@ -87,6 +89,13 @@ class Tally:
         self.statuses: collections.Counter[int] = collections.Counter()
         self.errors: collections.Counter[str] = collections.Counter()
 
+    def answered(self, response: Any) -> Any:
+        self.statuses[response.status_code] += 1
+        return response
+
+    def failed(self, exc: Exception) -> None:
+        self.errors[type(exc).__name__] += 1
+
     def as_dict(self) -> dict[str, Any]:
         return {"statuses": dict(self.statuses), "errors": dict(self.errors)}
 
@@ -97,12 +106,10 @@ def count_transport(transport_class: Any, tally: Tally) -> None:
 
     async def counted(self: Any, request: Any) -> Any:
         try:
-            response = await send(self, request)
+            return tally.answered(await send(self, request))
         except Exception as exc:
-            tally.errors[type(exc).__name__] += 1
+            tally.failed(exc)
             raise
-        tally.statuses[response.status_code] += 1
-        return response
 
     transport_class.handle_async_request = counted
 
@@ -113,12 +120,10 @@ def count_sync_transport(transport_class: Any, tally: Tally) -> None:
 
     def counted(self: Any, request: Any) -> Any:
         try:
-            response = send(self, request)
+            return tally.answered(send(self, request))
         except Exception as exc:
-            tally.errors[type(exc).__name__] += 1
+            tally.failed(exc)
             raise
-        tally.statuses[response.status_code] += 1
-        return response
 
     transport_class.handle_request = counted
 
@@ -268,7 +273,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per burst (default: %(default)s)")
     parser.add_argument("--child-flow", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    load_before = os.getloadavg()[0]
+    load = MachineLoad()
     if args.child_flow is not None:
         flow_burst_child(args.child_flow, args.concurrency)
         return
@@ -308,9 +313,7 @@ def main() -> None:
     for database, (retryable, n) in locked.items():
         print(f"{database} server log: {retryable} requests answered 503 ('{RETRYABLE}'), {n} tracebacks ending in "
               "'database is locked' (a request's is logged twice: by Prefect and by uvicorn)")  # fmt: skip
-    print(
-        f"\nload average (1 min): {load_before:.2f} at the start, {os.getloadavg()[0]:.2f} at the end (compare ratios)"
-    )
+    print(f"\n{load.line()}")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.machine_load import MachineLoad  # noqa: E402
 from lightning.serving import free_port  # noqa: E402
 from lightning.store import SqlLightningStore  # noqa: E402
 
@@ -185,7 +186,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--json", type=Path, default=None, help="write the results here too")
     args = parser.parse_args()
-    load_before = os.getloadavg()[0]
+    load = MachineLoad()
 
     rows = asyncio.run(bench_proxy(args))
     print("\nLLM proxy: latency added over calling the backend directly (medians; ms)")
@@ -214,9 +215,7 @@ def main() -> None:
             print(f"| {r['concurrency']} | {r['tokens']} | {r['tokens_per_s']:.0f} |")
     if args.json:
         args.json.write_text(json.dumps({"proxy": rows, "server": server_rows}, indent=2))
-    print(
-        f"\nload average (1 min): {load_before:.2f} at the start, {os.getloadavg()[0]:.2f} at the end (compare ratios)"
-    )
+    print(f"\n{load.line()}")
 
 
 if __name__ == "__main__":

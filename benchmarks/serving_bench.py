@@ -28,6 +28,7 @@ sys.path.insert(0, str(REPO))
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks.machine_load import MachineLoad  # noqa: E402
 from benchmarks.update_bench import SIZES, build_model  # noqa: E402
 from lightning.devices import dtype_name, serving_dtype  # noqa: E402
 from lightning.models import build_tiny_model  # noqa: E402
@@ -148,7 +149,7 @@ def arguments() -> argparse.ArgumentParser:
 def main() -> None:
     args = arguments().parse_args()
     levels = [int(level) for level in args.levels.split(",")]
-    load_before = os.getloadavg()[0]
+    load = MachineLoad()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))  # as many as the server's process takes
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
@@ -168,7 +169,7 @@ def main() -> None:
     for ours, theirs in zip(server, generated, strict=True):
         ratio = ours["tokens_per_s"] / theirs["tokens_per_s"]
         print(f"| {ours['concurrency']} | {ours['tokens_per_s']:,.0f} | {theirs['tokens_per_s']:,.0f} | {ratio:.2f} |")
-    print(f"\nload average (1 min): {load_before:.2f} at the start, {os.getloadavg()[0]:.2f} at the end")
+    print(f"\n{load.line()}")
     if args.json:
         result = {"device": where, "size": args.size, "served": served, "server": server, "generate": generated}
         args.json.write_text(json.dumps(result, indent=2) + "\n")

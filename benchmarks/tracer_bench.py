@@ -21,6 +21,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks.machine_load import MachineLoad  # noqa: E402
 from lightning.store import SqlLightningStore  # noqa: E402
 from lightning.tracing import Tracer, emit_message  # noqa: E402
 
@@ -204,7 +205,7 @@ def main() -> None:
     parser.add_argument("--modes", default="threads,tasks", help="comma-separated among threads,tasks")
     parser.add_argument("--json", type=Path, help="also write the raw results here")
     args = parser.parse_args()
-    load_before = os.getloadavg()[0]
+    load = MachineLoad()
     modes = [mode for mode in args.modes.split(",") if mode]
     unknown = set(modes) - set(MODES)
     if unknown:
@@ -223,9 +224,7 @@ def main() -> None:
     print_table(base, rows, args.repeat)
     if args.json:
         args.json.write_text(json.dumps(raw, indent=1))
-    print(
-        f"\nload average (1 min): {load_before:.2f} at the start, {os.getloadavg()[0]:.2f} at the end (compare ratios)"
-    )
+    print(f"\n{load.line()}")
 
 
 if __name__ == "__main__":

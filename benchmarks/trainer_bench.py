@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.machine_load import MachineLoad  # noqa: E402
 from examples.copy_task.agent import demonstrations, make_tasks  # noqa: E402
 from examples.copy_task.data import split  # noqa: E402
 from lightning import pipeline, reporting, stages  # noqa: E402
@@ -293,7 +293,7 @@ def arguments() -> argparse.ArgumentParser:
 def main() -> None:
     parser = arguments()
     args = parser.parse_args()
-    load_before = os.getloadavg()[0]
+    load = MachineLoad()
     globals()["MAX_NEW_TOKENS"] = args.max_tokens
 
     workdir = Path(tempfile.mkdtemp(prefix="trainer-bench-"))
@@ -380,9 +380,7 @@ def main() -> None:
             print(f"\n{name}: step, mean ms: " + ", ".join(f"{part} {ms:.0f}" for part, ms in means.items()))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
-    print(
-        f"\nload average (1 min): {load_before:.2f} at the start, {os.getloadavg()[0]:.2f} at the end (compare ratios)"
-    )
+    print(f"\n{load.line()}")
 
 
 if __name__ == "__main__":

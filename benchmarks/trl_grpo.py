@@ -252,6 +252,10 @@ def run_trl(
     }
 
 
+RUN_OPTIONS = ("seconds", "prompts_per_step", "generations", "lr", "max_new_tokens", "seed")
+"""The command-line options that `run_trl` takes by the same name."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=60.0)
@@ -277,14 +281,9 @@ def main() -> None:
             model_dir,
             train_tasks,
             heldout_tasks,
-            seconds=args.seconds,
-            prompts_per_step=args.prompts_per_step,
-            generations=args.generations,
-            lr=args.lr,
-            max_new_tokens=args.max_new_tokens,
-            seed=args.seed,
             eval_every_s=args.eval_every,
             output_dir=Path(tmp) / "out",
+            **{option: getattr(args, option) for option in RUN_OPTIONS},
         )
     print(f"{'elapsed_s':>10} {'step':>6} {'heldout':>8}")
     for elapsed, step, score in result["curve"]:

@@ -52,6 +52,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+from benchmarks.machine_load import MachineLoad  # noqa: E402
 from lightning.algorithm.batch import TrainingBatch  # noqa: E402
 from lightning.algorithm.trainer import TorchTrainer, TrainerConfig  # noqa: E402
 from lightning.algorithm.worker import default_threads  # noqa: E402
@@ -270,7 +271,7 @@ def main() -> None:
     unknown = set(args.variants.split(",")) - set(VARIANTS)
     if unknown:
         parser.error(f"--variants: unknown {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
-    load_before = os.getloadavg()[0]
+    load = MachineLoad()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":  # torch's default of all cores stalls at every barrier on a shared machine (worker.py)
         torch.set_num_threads(args.threads or default_threads(os.cpu_count() or 1, cuda=False))
@@ -320,7 +321,7 @@ def main() -> None:
             f"| {r['variant']} | {r['trained_params'] / 1e6:.1f}M | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | "
             f"{ratio} | {mfu} | {memory} | {loss:.4f} | {grad:.4f} |"
         )
-    print(f"\nload average (1 min): {load_before:.2f} at the start, {os.getloadavg()[0]:.2f} at the end")
+    print(f"\n{load.line()}")
     if args.json:
         info = {"device": where, "torch": torch.__version__, "size": args.size, "lengths": args.lengths,
                 "tokens": tokens, "padded_tokens": padded, "peak_flops": peak}  # fmt: skip

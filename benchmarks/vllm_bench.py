@@ -30,6 +30,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.machine_load import MachineLoad  # noqa: E402
 from lightning.inference.vllm import VLLM_PYTHON_ENV, VllmConfig, VllmServer  # noqa: E402
 from lightning.serving import free_port  # noqa: E402
 
@@ -157,7 +158,7 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=4)
     parser.add_argument("--skip-demo", action="store_true")
     args = parser.parse_args()
-    load_before = os.getloadavg()[0]
+    load = MachineLoad()
     if not args.vllm_python:
         parser.error(f"--vllm-python: give vLLM's Python (make vllm-cpu builds .venv-vllm), or set ${VLLM_PYTHON_ENV}")
 
@@ -188,9 +189,7 @@ def main() -> None:
             f"| {backend} | {row['iteration_s']:.1f} | {row['rollout_s']:.1f} | {row['step_s']:.1f} | "
             f"{row['reward']:.3f} | {row['mismatch_max']:.1e} |"
         )
-    print(
-        f"\nload average (1 min): {load_before:.2f} at the start, {os.getloadavg()[0]:.2f} at the end (compare ratios)"
-    )
+    print(f"\n{load.line()}")
 
 
 if __name__ == "__main__":
