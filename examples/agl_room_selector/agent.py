@@ -9,12 +9,14 @@ function taking the task and the `llm`, a bool reward emitted with `emit_reward(
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 from openai import OpenAI
 
+from examples.agl_common import jsonl_tasks
+from examples.room_booking.agent import BOOKINGS, describe, final_choice  # the same building, requests and answers
+from examples.room_booking.agent import ROOMS as BUILDING
 from lightning.emitter import emit_reward
 from lightning.litagent import rollout
 from lightning.types import LLM
@@ -22,19 +24,11 @@ from lightning.types import LLM
 TASKS = Path(__file__).with_name("tasks.jsonl")
 MAX_TURNS = 3
 ROOMS = [
-    {"id": "Lyra", "capacity": 4, "equipment": ["screen"], "accessible": True},
-    {"id": "Orion", "capacity": 6, "equipment": ["projector", "whiteboard"], "accessible": False},
-    {"id": "Vega", "capacity": 8, "equipment": ["projector"], "accessible": True},
-    {"id": "Atlas", "capacity": 12, "equipment": ["projector", "whiteboard", "screen"], "accessible": True},
-    {"id": "Nova", "capacity": 20, "equipment": ["projector", "microphone"], "accessible": True},
+    {"id": room["name"], "capacity": room["seats"], "equipment": room["equipment"], "accessible": room["accessible"]}
+    for room in BUILDING
 ]
-BOOKINGS = {  # (room, date) -> busy (start, end) in minutes after midnight
-    ("Lyra", "2025-10-13"): [(540, 600)],
-    ("Orion", "2025-10-13"): [(600, 720)],
-    ("Vega", "2025-10-13"): [(780, 840)],
-    ("Atlas", "2025-10-14"): [(540, 1020)],
-    ("Vega", "2025-10-14"): [(600, 660)],
-}
+"""examples/room_booking's rooms, in the fields of agent-lightning's room selector (`id`, `capacity`); their bookings
+are that example's `BOOKINGS`: (room, date) -> busy (start, end) in minutes after midnight."""
 SYSTEM_PROMPT = "Pick the smallest free room that fits. End with final_choice: <room>"
 ROOM_TOOL = {
     "type": "function",
@@ -84,20 +78,6 @@ def converse(client: OpenAI, llm: LLM, messages: list[dict[str, Any]]) -> tuple[
     return None, tool_calls
 
 
-def describe(task: dict[str, Any]) -> str:
-    needs = ", ".join(task["needs"]) or "nothing special"
-    access = "yes" if task["accessible_required"] else "no"
-    return (
-        f"Date: {task['date']}. Time: {task['time']}. Duration: {task['duration_min']} min. "
-        f"Attendees: {task['attendees']}. Needs: {needs}. Accessible: {access}."
-    )
-
-
-def final_choice(text: str) -> str | None:
-    found = re.search(r"final_choice:\s*([A-Za-z]+)", text)
-    return found.group(1).capitalize() if found else None
-
-
 def run_tool(arguments: str) -> str:
     """The tool's reply to the model (errors too, as text)."""
     try:
@@ -133,7 +113,7 @@ def best_room(task: dict[str, Any]) -> str | None:
 
 def tasks() -> list[dict[str, Any]]:
     """Meeting requests, each with the room to choose."""
-    return [json.loads(line) for line in TASKS.read_text().splitlines() if line.strip()]
+    return jsonl_tasks(TASKS)
 
 
 def train_tasks() -> list[dict[str, Any]]:

@@ -10,25 +10,13 @@ nested ones).
 
 from __future__ import annotations
 
-import json
-import sys
 from typing import Any
 
 import lightning as agl
+from examples.agl_common import TINY_RUN, train_main
 from examples.agl_room_selector.agent import room_selector, train_tasks, val_tasks
-from lightning.config_file import apply_overrides, parse_overrides
 
-DEFAULTS: dict[str, Any] = {
-    "run_name": "agl-room-selector",
-    "model": "tiny",
-    "iterations": 3,
-    "batch_size": 8,
-    "samples_per_task": 4,
-    "sampling": {"temperature": 1.0, "max_tokens": 96},
-    "eval_sampling": {"temperature": 0.0, "max_tokens": 96},
-    "max_prompt_length": 1024,
-    "max_response_length": 96,
-}
+DEFAULTS: dict[str, Any] = {**TINY_RUN, "run_name": "agl-room-selector", "max_prompt_length": 1024}
 
 
 def train(**config: Any) -> dict[str, Any]:
@@ -37,9 +25,7 @@ def train(**config: Any) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    agl.setup_logging()
-    config = apply_overrides(DEFAULTS, parse_overrides(sys.argv[1:] if argv is None else argv))
-    print(json.dumps(train(**config), indent=2, default=str))
+    train_main(train, DEFAULTS, argv)
 
 
 if __name__ == "__main__":

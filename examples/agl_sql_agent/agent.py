@@ -10,7 +10,6 @@ bool returned as the reward.
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 import sqlite3
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 from openai import OpenAI
 
 import lightning as agl
+from examples.agl_common import jsonl_tasks
 
 MAX_TURNS = 3
 SCHEMA = """\
@@ -101,7 +101,7 @@ def same_rows(found: list[tuple[Any, ...]], expected: list[tuple[Any, ...]]) -> 
 
 def tasks() -> list[dict[str, Any]]:
     """Questions about the database, each with a reference query."""
-    return [json.loads(line) for line in TASKS.read_text().splitlines() if line.strip()]
+    return jsonl_tasks(TASKS)
 
 
 def train_tasks() -> list[dict[str, Any]]:

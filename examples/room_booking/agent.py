@@ -60,11 +60,11 @@ async def room_booking(task: dict[str, Any], llm: LLM, prompt_template: PromptTe
 
 
 def describe(task: dict[str, Any]) -> str:
-    needs = ", ".join(task["needs"]) or "nothing"
+    needs = ", ".join(task["needs"]) or "nothing special"
     access = "yes" if task["accessible_required"] else "no"
     return (
-        f"Meeting on {task['date']} at {task['time']} for {task['duration_min']} min. Attendees: {task['attendees']}. "
-        f"Needs: {needs}. Accessible room required: {access}."
+        f"Date: {task['date']}. Time: {task['time']}. Duration: {task['duration_min']} min. "
+        f"Attendees: {task['attendees']}. Needs: {needs}. Accessible: {access}."
     )
 
 

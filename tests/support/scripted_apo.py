@@ -32,7 +32,7 @@ CRITIQUE = (
     "smallest free room that fits was wanted. It should say: of the free rooms that fit, choose the smallest."
 )
 ROOM = re.compile(r"^- (\w+): seats (\d+); equipment: ([^;]*); accessible: (yes|no); free: (yes|no)$", re.MULTILINE)
-REQUEST = re.compile(r"Attendees: (\d+)\. Needs: ([^.]*)\. Accessible room required: (yes|no)")
+REQUEST = re.compile(r"Attendees: (\d+)\. Needs: ([^.]*)\. Accessible: (yes|no)")
 
 
 def scripted_apo_app() -> FastAPI:
@@ -66,7 +66,7 @@ def agent_answer(prompt: str) -> str:
     if request is None:
         return "I cannot read the request. final_choice: none"
     attendees, needs, access = int(request.group(1)), request.group(2), request.group(3) == "yes"
-    wanted = set() if needs == "nothing" else {need.strip() for need in needs.split(",")}
+    wanted = set() if needs == "nothing special" else {need.strip() for need in needs.split(",")}
     fitting = [
         (int(seats), name)
         for name, seats, equipment, accessible, free in ROOM.findall(prompt)
