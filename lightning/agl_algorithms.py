@@ -315,18 +315,19 @@ class Algorithm:
     def set_trainer(self, trainer: Any) -> None:
         self._trainer = trainer
 
+    def _given(self, value: Any, missing: str) -> Any:
+        if value is None:
+            raise ValueError(f"{type(self).__name__}: {missing}")
+        return value
+
     def get_trainer(self) -> Any:
-        if self._trainer is None:
-            raise ValueError(f"{type(self).__name__}: no Trainer runs it yet")
-        return self._trainer
+        return self._given(self._trainer, "no Trainer runs it yet")
 
     def set_store(self, store: Any) -> None:
         self._store = store
 
     def get_store(self) -> Any:
-        if self._store is None:
-            raise ValueError(f"{type(self).__name__}: no store yet; Trainer(algorithm=...).fit(agent) sets it")
-        return self._store
+        return self._given(self._store, "no store yet; Trainer(algorithm=...).fit(agent) sets it")
 
     def set_llm_proxy(self, llm_proxy: Any) -> None:
         if llm_proxy is not None:
@@ -341,12 +342,11 @@ class Algorithm:
         self._adapter = adapter
 
     def get_adapter(self) -> Any:
-        if self._adapter is None:
-            raise ValueError(
-                f"{type(self).__name__}: no adapter; give Trainer(adapter=lightning.adapter.TraceToMessages()), or "
-                "call lightning.adapter.spans_to_triplets / spans_to_messages on the spans"
-            )
-        return self._adapter
+        return self._given(
+            self._adapter,
+            "no adapter; give Trainer(adapter=lightning.adapter.TraceToMessages()), or call "
+            "lightning.adapter.spans_to_triplets / spans_to_messages on the spans",
+        )
 
     def set_initial_resources(self, resources: Mapping[str, Any]) -> None:
         self._initial_resources = dict(resources)

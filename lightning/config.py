@@ -39,6 +39,13 @@ ENTRY_POINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
 
+def _matching(pattern: re.Pattern[str], value: str, fix: str) -> str:
+    """`value` if `pattern` matches it, else a ValueError that says `fix` (pydantic names the field)."""
+    if not pattern.match(value):
+        raise ValueError(fix)
+    return value
+
+
 class InferenceConfig(BaseModel):
     """Where rollouts get their completions."""
 
@@ -186,9 +193,7 @@ class WarmStart(BaseModel):
     @field_validator("demonstrations")
     @classmethod
     def _entry_point(cls, value: str) -> str:
-        if not ENTRY_POINT.match(value):
-            raise ValueError("give module:function, e.g. examples.copy_task.agent:demonstrations")
-        return value
+        return _matching(ENTRY_POINT, value, "give module:function, e.g. examples.copy_task.agent:demonstrations")
 
 
 class TinyModel(BaseModel):
@@ -447,18 +452,20 @@ class TrainConfig(BaseModel):
     @field_validator("run_name")
     @classmethod
     def _run_name(cls, value: str) -> str:
-        if not RUN_NAME.match(value):
-            raise ValueError("use letters, digits, '.', '_' and '-' (at most 100, starting with a letter or digit)")
-        return value
+        return _matching(
+            RUN_NAME, value, "use letters, digits, '.', '_' and '-' (at most 100, starting with a letter or digit)"
+        )
 
     @field_validator("agent")
     @classmethod
     def _agent(cls, value: str | None) -> str | None:
-        if value is not None and not ENTRY_POINT.match(value):
-            raise ValueError(
-                "give the agent as module:function or module:Class, e.g. examples.copy_task.agent:copy_agent"
-            )
-        return value
+        if value is None:
+            return None
+        return _matching(
+            ENTRY_POINT,
+            value,
+            "give the agent as module:function or module:Class, e.g. examples.copy_task.agent:copy_agent",
+        )
 
     @field_validator("sampling", "eval_sampling")
     @classmethod

@@ -5,7 +5,9 @@ as agl's do: the caller's override first, then the variable, then the fallback."
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from enum import Enum
+from typing import TypeVar
 
 from lightning import environment
 
@@ -42,6 +44,15 @@ class LightningEnvVar(Enum):
 
 TRUE_VALUES = frozenset({"1", "true", "yes", "on"})
 FALSE_VALUES = frozenset({"0", "false", "no", "off"})
+T = TypeVar("T")
+
+
+def _resolve(env_var: LightningEnvVar, override: T | None, fallback: T | None, parse: Callable[[str], T]) -> T | None:
+    """The rule of all three: the override if given, else the variable parsed if set, else the fallback."""
+    if override is not None:
+        return override
+    value = os.environ.get(env_var.value)
+    return fallback if value is None else parse(value)
 
 
 def resolve_bool_env_var(
@@ -49,42 +60,35 @@ def resolve_bool_env_var(
 ) -> bool | None:
     """`override` if given, else the variable read as a bool (1/true/yes/on, 0/false/no/off, any case; anything else
     is a ValueError), else `fallback`."""
-    if override is not None:
-        return override
-    value = os.environ.get(env_var.value)
-    if value is None:
-        return fallback
-    normalized = value.strip().lower()
-    if normalized in TRUE_VALUES:
-        return True
-    if normalized in FALSE_VALUES:
-        return False
-    raise ValueError(f"{env_var.value}={value!r}: give one of {sorted(TRUE_VALUES)} or {sorted(FALSE_VALUES)}")
+
+    def parse(value: str) -> bool:
+        normalized = value.strip().lower()
+        if normalized in TRUE_VALUES or normalized in FALSE_VALUES:
+            return normalized in TRUE_VALUES
+        raise ValueError(f"{env_var.value}={value!r}: give one of {sorted(TRUE_VALUES)} or {sorted(FALSE_VALUES)}")
+
+    return _resolve(env_var, override, fallback, parse)
 
 
 def resolve_int_env_var(
     env_var: LightningEnvVar, override: int | None = None, fallback: int | None = None
 ) -> int | None:
     """`override` if given, else the variable as an integer (anything else is a ValueError), else `fallback`."""
-    if override is not None:
-        return override
-    value = os.environ.get(env_var.value)
-    if value is None:
-        return fallback
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"{env_var.value}={value!r}: give an integer") from None
+
+    def parse(value: str) -> int:
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"{env_var.value}={value!r}: give an integer") from None
+
+    return _resolve(env_var, override, fallback, parse)
 
 
 def resolve_str_env_var(
     env_var: LightningEnvVar, override: str | None = None, fallback: str | None = None
 ) -> str | None:
     """`override` if given, else the variable as it is (an empty string included), else `fallback`."""
-    if override is not None:
-        return override
-    value = os.environ.get(env_var.value)
-    return fallback if value is None else value
+    return _resolve(env_var, override, fallback, str)
 
 
 __all__ = ["LightningEnvVar", "resolve_bool_env_var", "resolve_int_env_var", "resolve_str_env_var"]

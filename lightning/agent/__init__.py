@@ -68,14 +68,18 @@ class LitAgent(Generic[T]):
         """Called by `Trainer.fit` / `Trainer.dev` with itself."""
         self._trainer_ref = weakref.ref(trainer)
 
+    def _referent(self, ref: weakref.ref[Any] | None, missing: str) -> Any:
+        found = ref() if ref is not None else None
+        if found is None:
+            raise ValueError(f"{type(self).__name__}.{missing}")
+        return found
+
     def get_trainer(self) -> Trainer:
-        trainer = self._trainer_ref() if self._trainer_ref is not None else None
-        if trainer is None:
-            raise ValueError(
-                f"{type(self).__name__}.trainer: no Trainer is training this agent; it is set by "
-                "lightning.Trainer(...).fit(agent, ...) or .dev(agent, ...)"
-            )
-        return trainer
+        return self._referent(
+            self._trainer_ref,
+            "trainer: no Trainer is training this agent; it is set by lightning.Trainer(...).fit(agent, ...) or "
+            ".dev(agent, ...)",
+        )
 
     @property
     def trainer(self) -> Trainer:
@@ -90,13 +94,11 @@ class LitAgent(Generic[T]):
         current = _current_runner.get()
         if current is not None and current.agent is self:
             return current
-        runner = self._runner_ref() if self._runner_ref is not None else None
-        if runner is None:
-            raise ValueError(
-                f"{type(self).__name__}.runner: no runner is using this agent; it is set when a "
-                "lightning.runner.Runner starts using it (inside a rollout it is the runner running it)"
-            )
-        return runner
+        return self._referent(
+            self._runner_ref,
+            "runner: no runner is using this agent; it is set when a lightning.runner.Runner starts using it (inside "
+            "a rollout it is the runner running it)",
+        )
 
     @property
     def runner(self) -> Runner:

@@ -636,16 +636,11 @@ class AgentOpsTracer(Tracer):
         super().__init__(store, **options)  # type: ignore[arg-type]
 
 
+_SPAN_LIMITS = ("max_attributes", "max_events", "max_links", "max_span_attributes", "max_event_attributes",
+                "max_link_attributes", "max_attribute_length", "max_span_attribute_length")  # fmt: skip
+"""Every limit a SpanLimits takes (OpenTelemetry's defaults cap attributes at 128 and their length not at all)."""
+
+
 def _unlimited() -> SpanLimits:
     # Spans are training data: a truncated JSON attribute or a dropped token-id attribute corrupts it.
-    unset = SpanLimits.UNSET
-    return SpanLimits(
-        max_attributes=unset,
-        max_events=unset,
-        max_links=unset,
-        max_span_attributes=unset,
-        max_event_attributes=unset,
-        max_link_attributes=unset,
-        max_attribute_length=unset,
-        max_span_attribute_length=unset,
-    )
+    return SpanLimits(**dict.fromkeys(_SPAN_LIMITS, SpanLimits.UNSET))
