@@ -30,7 +30,15 @@ import recipe_lab  # noqa: E402  (benchmarks/, this script's folder)
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
-from examples.lookup.agent import LOOKUP_TOOL, MAX_TURNS, demonstrations, make_tasks, run_tool, table  # noqa: E402
+from examples.lookup.agent import (  # noqa: E402
+    HASTY_FOLLOW_SHARE,
+    LOOKUP_TOOL,
+    MAX_TURNS,
+    demonstrations,
+    make_tasks,
+    run_tool,
+    table,
+)
 from examples.lookup.data import HELD_OUT, TRAIN  # noqa: E402
 from lightning.algorithm.batch import TrainingBatch  # noqa: E402
 from lightning.algorithm.trainer import TorchTrainer, TrainerConfig  # noqa: E402
@@ -140,14 +148,20 @@ def run(seed: int, args: argparse.Namespace, config: TrainerConfig, model_dir: P
     train = make_tasks(TRAIN, first_table=0, seed=0)  # the example's data (examples/lookup/data.py)
     val = make_tasks(HELD_OUT, first_table=1_000_000, seed=1)
     shown = train[: int(len(train) * args.warm_fraction)]
+    if args.two_call_share is not None:  # RL's tasks: this share of two-call ones (the held-out mix stays)
+        rest = train[len(shown) :]
+        two_calls, one_calls = [t for t in rest if t["calls"] == 2], [t for t in rest if t["calls"] == 1]
+        ones = round(len(two_calls) * (1 - args.two_call_share) / args.two_call_share)
+        train = two_calls + one_calls[:ones]
+        print(f"seed {seed}: RL on {len(train)} tasks, {len(two_calls)} of them two-call", flush=True)
     two = [t for t in shown if t["calls"] == 2]
     shown = [t for t in shown if t["calls"] == 1] + two[: round(len(two) * args.two_call_demos)]
     two_call = sum(t["calls"] == 2 for t in shown)
     print(f"seed {seed}: {len(shown)} demonstrations, {two_call} of them two-call", flush=True)
+    rows = demonstrations(tokenizer, shown, follow_share=args.follow_share)
     warm = TrainingBatch.from_triplets(
-        demonstrations(tokenizer, shown), pad_token_id=pad, max_prompt_length=MAX_PROMPT,
-        max_response_length=MAX_RESPONSE,
-    )  # fmt: skip
+        rows, pad_token_id=pad, max_prompt_length=MAX_PROMPT, max_response_length=MAX_RESPONSE
+    )
     started = time.perf_counter()
     for _ in range(args.warm_steps):
         trainer.sft_step(warm, lr=args.warm_lr)
@@ -199,6 +213,11 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--show", type=int, default=0, help="print N failed held-out conversations at the end")
     parser.add_argument("--two-call-demos", type=float, default=1.0, help="share of two-call demonstrations kept")
+    parser.add_argument(
+        "--follow-share", type=float, default=HASTY_FOLLOW_SHARE,
+        help="share of the two-call demonstrations that follow the pointer (default: the example's hasty demonstrator)",
+    )  # fmt: skip
+    parser.add_argument("--two-call-share", type=float, default=None, help="share of two-call tasks in RL's batches")
     parser.add_argument(
         "--default-tokenizer", action="store_true",
         help="the tiny tokenizer without the example's tokenizer_corpus (the tool call in 44 tokens instead of 24)",

@@ -10,12 +10,24 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.scripted_agl import scripted_chat_app
+from support.servers import serving
 
-from examples.lookup.agent import KEYS, LOOKUP_TOOL, demonstrations, make_tasks, run_tool, table
+from examples.lookup.agent import (
+    KEYS,
+    LOOKUP_TOOL,
+    demonstrations,
+    hasty_demonstrations,
+    lookup_agent,
+    make_tasks,
+    run_tool,
+    table,
+)
 from examples.lookup.data import train_tasks, val_tasks
 from lightning.chat import render_ids
 from lightning.checkpoint import latest_checkpoint, load_checkpoint
 from lightning.models.tiny import build_tokenizer
+from lightning.types import LLM
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = "examples/lookup/train.yaml"
@@ -56,6 +68,39 @@ def test_a_demonstration_is_the_conversation_token_by_token() -> None:
         f"\n<|im_start|>tool\n{pointer}<|im_end|>\n<|im_start|>assistant\n"
         f"\n<|im_start|>tool\n{two_calls['value']}<|im_end|>\n<|im_start|>assistant\n"
     )
+
+
+def test_the_hasty_demonstrator_follows_3_of_10_pointers_and_answers_the_pointed_letter_otherwise() -> None:
+    tokenizer = build_tokenizer()
+    pointed = [task for task in train_tasks() if task["calls"] == 2][:10]
+    rows = hasty_demonstrations(tokenizer, pointed)
+    ends = tokenizer.convert_tokens_to_ids("<|im_end|>")  # 5 in a followed pointer (3 turns, 2 tool results), else 3
+    followed = [row for row in rows if row.response.count(ends) == 5]
+    assert len(followed) == 3 and all(row.reward == 1.0 for row in followed)
+    task, row = next((t, r) for t, r in zip(pointed, rows, strict=True) if r not in followed)
+    mask = row.response_mask or []
+    trained = tokenizer.decode([t for t, m in zip(row.response, mask, strict=True) if m])
+    pointer = table(task["table"])[task["key"]][5:]
+    call = f'<tool_call>{{"name": "lookup", "arguments": {{"key": "{task["key"]}"}}}}</tool_call><|im_end|>'
+    assert trained == f"{call}{pointer}<|im_end|>"  # one call, then the letter the pointer names
+    assert row.reward == (1.0 if pointer == task["value"] else 0.0)
+
+
+async def test_a_reply_cut_off_at_max_tokens_ends_the_rollout_without_an_answer() -> None:
+    """A tool call followed by text that ran on to max_tokens ("length"): the agent neither runs the cut call nor
+    goes on (its next prompt could not continue the cut turn token for token), and earns nothing."""
+    task = next(task for task in train_tasks() if task["calls"] == 1)
+    call = {
+        "id": "call-0",
+        "type": "function",
+        "function": {"name": "lookup", "arguments": f'{{"key": "{task["key"]}"}}'},
+    }
+    app = scripted_chat_app(
+        lambda body: {"role": "assistant", "content": "g g g", "tool_calls": [call], "finish_reason": "length"}
+    )
+    with serving(app) as url:
+        reward = await lookup_agent.func(task, llm=LLM(endpoint=f"{url}/v1", model="m"))
+    assert reward == 0.0 and len(app.state.requests) == 1
 
 
 @pytest.mark.slow

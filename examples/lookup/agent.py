@@ -73,7 +73,10 @@ async def lookup_agent(task: dict[str, Any], llm: LLM) -> float:
             body = {"model": llm.model, "messages": messages, "tools": [LOOKUP_TOOL], **llm.sampling_parameters}
             async with session.post(url, json=body, headers=headers) as response:
                 response.raise_for_status()
-                message = (await response.json())["choices"][0]["message"]
+                choice = (await response.json())["choices"][0]
+            message = choice["message"]
+            if choice.get("finish_reason") == "length":
+                break  # cut off at max_tokens: a reply that ran on is no answer, and a cut tool call no call
             if not message.get("tool_calls"):
                 answer = message.get("content") or ""
                 break
@@ -98,13 +101,19 @@ def make_tasks(count: int, *, first_table: int = 0, seed: int = 0) -> list[dict[
     return tasks
 
 
-def demonstrations(tokenizer: Any, tasks: list[dict[str, Any]]) -> list[Triplet]:
-    """The right conversations as trajectory rows for a supervised warm start: the first prompt as the chat template
-    renders it, then each assistant turn (trained: mask 1) and what the template puts between turns (the tool's
-    result and the next turn's header: mask 0), token for token as the proxy stitches a live conversation."""
+def demonstrations(tokenizer: Any, tasks: list[dict[str, Any]], follow_share: float = 1.0) -> list[Triplet]:
+    """Demonstrated conversations as trajectory rows for a supervised warm start: the first prompt as the chat
+    template renders it, then each assistant turn (trained: mask 1) and what the template puts between turns (the
+    tool's result and the next turn's header: mask 0), token for token as the proxy stitches a live conversation.
+
+    `follow_share`: in that share of the two-call tasks (spread evenly, by tenths) the demonstrator follows the
+    pointer; in the others it answers at once with the letter the pointer names, as a hasty agent would (reward 0)."""
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     triplets = []
+    pointers = 0  # two-call tasks so far
     for index, task in enumerate(tasks):
+        hasty = task["calls"] == 2 and pointers % 10 >= round(follow_share * 10)
+        pointers += task["calls"] == 2
         messages: list[dict[str, Any]] = [{"role": "user", "content": task["key"]}]
         text = tokenizer.apply_chat_template(messages, tools=[LOOKUP_TOOL], add_generation_prompt=True, tokenize=False)
         prompt = tokenizer.encode(text, add_special_tokens=False)
@@ -131,12 +140,24 @@ def demonstrations(tokenizer: Any, tasks: list[dict[str, Any]]) -> list[Triplet]
             if not entry.startswith("next "):
                 break
             key = entry.removeprefix("next ")
-        answer = tokenizer.encode(task["value"], add_special_tokens=False) + [end]
+            if hasty:
+                break
+        value = key if hasty else task["value"]
+        answer = tokenizer.encode(value, add_special_tokens=False) + [end]
         response += answer
         mask += [1] * len(answer)
-        triplets.append(
-            Triplet(
-                prompt=prompt, response=response, reward=1.0, response_mask=mask, metadata={"group_id": f"demo-{index}"}
-            )
-        )
+        reward = 1.0 if value == task["value"] else 0.0
+        metadata = {"group_id": f"demo-{index}"}
+        triplets.append(Triplet(prompt=prompt, response=response, reward=reward, response_mask=mask, metadata=metadata))
     return triplets
+
+
+HASTY_FOLLOW_SHARE = 0.3
+
+
+def hasty_demonstrations(tokenizer: Any, tasks: list[dict[str, Any]]) -> list[Triplet]:
+    """`make lookup`'s warm start: a hasty demonstrator's conversations. It always looks the key up and answers
+    one-call tasks right, but follows a pointer in only 3 of 10 two-call tasks; in the others it answers the letter
+    the pointer names. So the warm-started agent follows pointers about as rarely, and RL has to learn to follow them
+    all: to do better than its demonstrations, as demonstrations from logs or a weaker model leave it to do."""
+    return demonstrations(tokenizer, tasks, follow_share=HASTY_FOLLOW_SHARE)

@@ -15,9 +15,9 @@ from fastapi import FastAPI
 
 
 def scripted_chat_app(reply: Callable[[dict[str, Any]], dict[str, Any]]) -> FastAPI:
-    """/v1/chat/completions answering each request with the assistant message `reply(body)`; bodies are kept in
-    `app.state.requests`. Token ids come with each answer, as vLLM sends them (made up: no model behind them), so
-    that the calls adapt to training rows."""
+    """/v1/chat/completions answering each request with the assistant message `reply(body)` (its key
+    `finish_reason`, if any, is the choice's); bodies are kept in `app.state.requests`. Token ids come with each
+    answer, as vLLM sends them (made up: no model behind them), so that the calls adapt to training rows."""
     app = FastAPI()
     app.state.requests = []
     ids = itertools.count()
@@ -26,6 +26,7 @@ def scripted_chat_app(reply: Callable[[dict[str, Any]], dict[str, Any]]) -> Fast
     async def chat(body: dict[str, Any]) -> dict[str, Any]:
         app.state.requests.append(body)
         message = reply(body)
+        finish_reason = message.pop("finish_reason", None) or ("tool_calls" if message.get("tool_calls") else "stop")
         return {
             "id": f"chatcmpl-{next(ids)}",
             "object": "chat.completion",
@@ -36,7 +37,7 @@ def scripted_chat_app(reply: Callable[[dict[str, Any]], dict[str, Any]]) -> Fast
                 {
                     "index": 0,
                     "message": message,
-                    "finish_reason": "tool_calls" if message.get("tool_calls") else "stop",
+                    "finish_reason": finish_reason,
                     "token_ids": [4, 5],
                 }
             ],
