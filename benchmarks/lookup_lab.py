@@ -230,7 +230,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     # total_steps and the scoring temperature as a run sets them.
-    run_sets = {"total_steps": args.iterations, "temperature": RECIPE["sampling"]["temperature"]}
+    run_sets = {"total_steps": max(1, args.iterations), "temperature": RECIPE["sampling"]["temperature"]}
     fields = recipe_lab.with_overrides({**RECIPE["algorithm"], **run_sets}, args.set)
     config = TrainerConfig(**fields)
     with tempfile.TemporaryDirectory() as tmp:
