@@ -91,8 +91,7 @@ async def train(
         if first >= config.iterations:
             logger.info("run %s already finished its %d iterations", config.run_name, config.iterations)
         elif first:
-            # Numbered as the progress line, the table and MLflow number iterations: from 0, then how many are done.
-            logger.info("resuming run %s at iteration %d (%d/%d)", config.run_name, first, first + 1, config.iterations)
+            logger.info(reporting.resume_line(config.run_name, first, config.iterations))
         initial = None
         if config.warm_start is not None:
             initial = await evaluate_at(run, -1)

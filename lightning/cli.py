@@ -18,6 +18,7 @@ import yaml
 
 from lightning import preflight
 from lightning.config import TrainConfig, load_config
+from lightning.credentials import split_credentials
 from lightning.diagnose import collect_stacks, dump_stacks_on_signal
 from lightning.environment import (
     BACKEND_API_KEY,
@@ -31,7 +32,7 @@ from lightning.environment import (
 from lightning.errors import ConfigError
 from lightning.lifeline import exit_with_parent
 from lightning.metrics import DEFAULT_TRACKING_URI, LOCAL_UI_HOST, LOCAL_UI_PORT, MlflowTracker
-from lightning.mismatch import compare_logprobs, format_report
+from lightning.mismatch import compare_spans, format_report, read_spans
 from lightning.serving import is_loopback
 from lightning.store import StoreError, open_store
 from lightning.store.sql import DEFAULT_URL, SqlLightningStore
@@ -357,8 +358,13 @@ def _reward_of(text: str | None) -> float | None:
 def _debug_compare_logprobs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not (Path(args.model) / "config.json").is_file():
         parser.error(f"model: {args.model} is not a Hugging Face model directory (no config.json)")
+    where = split_credentials(args.store)[0]
+    database = _sqlite_file(args.store)
+    if database is not None and not database.is_file():  # (opening it would make an empty store there)
+        print(f"error: --store {where}: no such file {database}; give the run's store_url", file=sys.stderr)
+        return 1
 
-    async def run() -> str:
+    async def read() -> dict[str, list[Any]]:
         store = open_store(args.store, watchdog_interval=None)
         try:
             ids = list(args.rollout)
@@ -368,19 +374,37 @@ def _debug_compare_logprobs(args: argparse.Namespace, parser: argparse.ArgumentP
                 )
                 ids = [rollout.rollout_id for rollout in reversed(newest.items)]
                 if not ids:
-                    where = f"queue {args.queue!r} of " if args.queue else ""
-                    parser.error(f"no succeeded rollouts in {where}the store {args.store}")
-            report = await compare_logprobs(store, args.model, ids)
+                    scope = f"queue {args.queue!r} of " if args.queue else ""
+                    parser.error(f"no succeeded rollouts in {scope}the store {where}")
+            return await read_spans(store, ids)
         finally:
             await store.close()
-        return format_report(report, args.threshold, args.show)
 
+    # The store first, the model after: an unknown rollout or a store that does not answer is one line, in seconds.
+    client_log = logging.getLogger("lightning.store.client")
+    level = client_log.level
+    client_log.setLevel(logging.ERROR)  # its "failed after 4 tries" would repeat the error line below
     try:
-        print(asyncio.run(run()))
-    except StoreError as exc:  # an unknown rollout id, an unreachable store: one line, not a traceback
+        spans = asyncio.run(read())
+    except StoreError as exc:  # an unknown rollout id, a store server that does not answer
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except Exception as exc:  # a database that cannot be opened (PostgreSQL down, a wrong password): not a traceback
+        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+        print(f"error: --store {where}: cannot read the store: {type(exc).__name__}: {first}", file=sys.stderr)
+        return 1
+    finally:
+        client_log.setLevel(level)
+    print(format_report(compare_spans(spans, args.model), args.threshold, args.show))
     return 0
+
+
+def _sqlite_file(url: str) -> Path | None:
+    """The file a `sqlite:///` store URL names; None for any other store (or SQLite in memory)."""
+    if url.partition("://")[0].split("+", 1)[0] != "sqlite":
+        return None
+    database = url.partition("://")[2].removeprefix("/").split("?", 1)[0]
+    return Path(database) if database not in ("", ":memory:") else None
 
 
 def _debug_stacks(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

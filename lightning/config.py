@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from lightning.agent import LitAgent
 from lightning.agl_import_paths import missing
@@ -287,9 +288,10 @@ def _default_rollout_config() -> RolloutConfig:
 
 class SamplingParameters(BaseModel):
     """The sampling parameters a run may hand its agents (`sampling`, `eval_sampling`): OpenAI's, and the ones vLLM
-    and the embedded server add. Only for checking: the config keeps the mapping as written."""
+    and the embedded server add. Only for checking: the config keeps the mapping as written, and agents pass it to
+    the server as it is, so the types are strict (`max_tokens: "4"` or `4.0` would reach the server so)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
@@ -306,22 +308,41 @@ class SamplingParameters(BaseModel):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     n: int | None = Field(default=None, ge=1)
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, value: Any) -> Any:
+        # One line for a wrong `stop`, not one per member of the union.
+        if (
+            value is None
+            or isinstance(value, str)
+            or (isinstance(value, list) and all(isinstance(item, str) for item in value))
+        ):
+            return value
+        raise ValueError("give a string or a list of strings")
+
     @classmethod
     def check(cls, values: dict[str, Any]) -> None:
-        """Raise ValueError naming each unknown key (and the known one it is likely a typo of) or wrong value."""
+        """Raise a ValidationError with one error per bad key: an unknown key with the known one it is likely a typo
+        of, a wrong value with what is wanted. Raised from a TrainConfig field validator, its errors are the field's:
+        `sampling.max_token: unknown key; did you mean max_tokens?`."""
         try:
             cls.model_validate(values)
         except ValidationError as exc:
-            problems = []
+            errors: list[InitErrorDetails] = []
             for error in exc.errors():
-                key = ".".join(str(part) for part in error["loc"][:1])
+                details = InitErrorDetails(type=error["type"], loc=error["loc"], input=error["input"])
+                if "ctx" in error:
+                    details["ctx"] = error["ctx"]
                 if error["type"] == "extra_forbidden":
-                    close = difflib.get_close_matches(key, cls.model_fields, n=1)
-                    hint = f"; did you mean {close[0]}?" if close else f"; known: {', '.join(cls.model_fields)}"
-                    problems.append(f"{key}: not a sampling parameter{hint}")
-                else:
-                    problems.append(f"{key}: {error['msg']} (got {error.get('input')!r})")
-            raise ValueError("; ".join(problems)) from None
+                    close = difflib.get_close_matches(str(error["loc"][0]), cls.model_fields, n=1)
+                    hint = f"did you mean {close[0]}?" if close else f"known keys: {', '.join(cls.model_fields)}"
+                    details["type"] = PydanticCustomError(UNKNOWN_KEY, "unknown key; {hint}", {"hint": hint})
+                errors.append(details)
+            raise ValidationError.from_exception_data(cls.__name__, errors) from None
+
+
+UNKNOWN_KEY = "unknown_key"
+"""The error type of a key a mapping field does not take (`sampling.max_token`)."""
 
 
 class TrainConfig(BaseModel):
@@ -669,7 +690,7 @@ def describe_errors(exc: ValidationError, overridden: Collection[str] = ()) -> s
             message = (
                 "unknown field; check its spelling against TrainConfig (`lightning config defaults` prints every field)"
             )
-        given = "" if error["type"] in ("missing", "extra_forbidden") else f" (got {error.get('input')!r})"
+        given = "" if error["type"] in ("missing", "extra_forbidden", UNKNOWN_KEY) else f" (got {error.get('input')!r})"
         source = f" (set by the override {override})" if override else ""
         lines.append(f"  {field}: {message}{given}{source}")
     return "\n".join(lines)

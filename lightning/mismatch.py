@@ -15,6 +15,7 @@ from typing import Any
 
 from lightning import semconv
 from lightning.store.base import LightningStore
+from lightning.types import Span
 
 
 @dataclass
@@ -55,7 +56,18 @@ async def compare_logprobs(
     store: LightningStore, model_dir: str | Path, rollout_ids: list[str], *, device: str = "cpu"
 ) -> MismatchReport:
     """Recompute, with Transformers in float32 on `model_dir`, the log-prob of each sampled token of the LLM calls
-    of `rollout_ids`, beside the one the engine sent."""
+    of `rollout_ids`, beside the one the engine sent. The spans are read first: an unknown rollout or a store that
+    does not answer fails before a model loads."""
+    return compare_spans(await read_spans(store, rollout_ids), model_dir, device=device)
+
+
+async def read_spans(store: LightningStore, rollout_ids: list[str]) -> dict[str, list[Span]]:
+    """The spans of each rollout (a NotFoundError names an unknown one)."""
+    return {rollout_id: list(await store.query_spans(rollout_id)) for rollout_id in rollout_ids}
+
+
+def compare_spans(spans: dict[str, list[Span]], model_dir: str | Path, *, device: str = "cpu") -> MismatchReport:
+    """`compare_logprobs` on spans already read, by rollout id."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -64,8 +76,8 @@ async def compare_logprobs(
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     report = MismatchReport()
-    for rollout_id in rollout_ids:
-        for span in await store.query_spans(rollout_id):
+    for rollout_id, rollout_spans in spans.items():
+        for span in rollout_spans:
             calls = _sampled_calls(span.attributes)
             if calls is None:
                 continue

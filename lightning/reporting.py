@@ -76,6 +76,12 @@ def stopped_summary(run: Run, cancelled: int) -> str:
     )
 
 
+def resume_line(run_name: str, first: int, iterations: int) -> str:
+    """`resuming run demo at iteration 1 (2/2)`: the iteration a resumed run starts at, numbered as the progress
+    line numbers it (from 0, then its count); it said "at iteration 2 of 2" before a progress line "iteration 1"."""
+    return f"resuming run {run_name} at iteration {first} ({first + 1}/{iterations})"
+
+
 def progress_line(run: Run, row: dict[str, Any], done: int, elapsed: float) -> str:
     """`iteration 3 (4/40) | reward 0.412 | loss ... | 9.8 s/it | ETA 6m02s`: the iteration numbered as Prefect,
     the table and MLflow number it (from 0), how many are done, this process's rate, the rest's ETA."""

@@ -131,11 +131,28 @@ def test_the_groups_list_their_subcommands(capsys: pytest.CaptureFixture[str]) -
 def test_compare_logprobs_says_in_one_line_what_it_cannot_reach(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """An unknown rollout id and an unreachable store: one error line each, exit 1, no traceback."""
-    model = build_tiny_model(tmp_path / "model")
+    """An unknown rollout id, a store server or a database that does not answer, a SQLite file that is not there:
+    one error line each (the store is read before the model loads: this model directory would not load), exit 1,
+    no traceback, and no empty store made where the file was not."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+
+    def refused(store: str, *more: str) -> str:
+        assert main(["debug", "compare-logprobs", str(model), "--store", store, *more]) == 1
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1, lines
+        return lines[0]
+
     store = f"sqlite:///{tmp_path}/store.db"
-    assert main(["debug", "compare-logprobs", str(model), "--store", store, "--rollout", "ro-nope"]) == 1
-    assert capsys.readouterr().err.strip().splitlines()[-1] == "error: query_spans: no rollout 'ro-nope'"
-    assert main(["debug", "compare-logprobs", str(model), "--store", "http://127.0.0.1:1"]) == 1
-    err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("error: query_rollouts: no answer from the store at http://127.0.0.1:1")
+    (tmp_path / "store.db").touch()
+    assert refused(store, "--rollout", "ro-nope") == "error: query_spans: no rollout 'ro-nope'"
+    said = refused("http://127.0.0.1:1")
+    assert said.startswith("error: query_rollouts: no answer from the store at http://127.0.0.1:1")
+    said = refused("postgresql://postgres:secret@127.0.0.1:1/x", "--rollout", "ro-1")
+    assert said.startswith("error: --store postgresql://127.0.0.1:1/x: cannot read the store: OperationalError: ")
+    assert "secret" not in said
+    missing = tmp_path / "nowhere" / "store.db"
+    said = refused(f"sqlite:///{missing}")
+    assert said == f"error: --store sqlite:///{missing}: no such file {missing}; give the run's store_url"
+    assert not missing.parent.exists()

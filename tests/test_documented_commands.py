@@ -30,6 +30,9 @@ TESTED: dict[str, list[str]] = {
     "lightning config defaults": ["test_config.py::test_the_cli_prints_defaults_and_checks_files"],
     "lightning debug compare-logprobs --queue": [
         "test_mismatch.py::test_compare_logprobs_of_a_runs_queue_takes_its_newest_succeeded_rollouts"],
+    "lightning debug compare-logprobs --rollout": [
+        "test_cli.py::test_compare_logprobs_says_in_one_line_what_it_cannot_reach",
+        "test_mismatch.py::test_compare_logprobs_finds_the_mismatch_only_where_there_is_one"],
     "lightning debug compare-logprobs --queue --rollout --store": [
         "test_mismatch.py::test_compare_logprobs_of_a_runs_queue_takes_its_newest_succeeded_rollouts",
         "test_mismatch.py::test_compare_logprobs_finds_the_mismatch_only_where_there_is_one"],

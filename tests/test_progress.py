@@ -49,3 +49,34 @@ def test_the_progress_line_numbers_iterations_as_prefect_the_table_and_mlflow_do
     assert line.endswith("| 4.0 s/it | ETA 1m20s"), line  # the 20 iterations left at 4 s
     assert evaluation_label(10) == "of checkpoint 10 (after iteration 9)"
     assert evaluation_label(0) == "of checkpoint 0 (before training)"
+
+
+def test_a_resumed_run_names_its_first_iteration_as_its_progress_line_will() -> None:
+    """Issue 40, item 14: `resuming run t at iteration 2 of 2`, then `iteration 1 (2/2) | ...` for the same
+    iteration; the resume line now numbers it as the progress line does."""
+    from lightning.reporting import progress_line, resume_line
+    from lightning.run import Endpoints, Run
+
+    run = Run(config=TrainConfig(iterations=2), endpoints=Endpoints(proxy_url="", model_name="policy"), queue="t")
+    row = {"iteration": 1, "reward": 0.5, "rollouts_ok": 32, "rollouts_failed": 0, "rollout_tokens_per_s": 1.0}
+    resumed = resume_line("t", 1, 2)
+    assert resumed == "resuming run t at iteration 1 (2/2)"
+    assert progress_line(run, row, 1, 1.0).startswith(f"{resumed.split(' at ')[1]} | ")
+
+
+def test_held_out_stages_are_named_by_the_checkpoint_they_evaluate(monkeypatch) -> None:
+    """Issue 40, item 14: the stages of the evaluation before the warm start came out as
+    `update_resources-val--1`; held-out rollouts are named by the model they evaluate, training ones by iteration."""
+    from types import SimpleNamespace
+
+    import tasks.stages
+
+    def name(stage: str, *more: str, **parameters: object) -> str:
+        monkeypatch.setattr(tasks.stages, "task_run", SimpleNamespace(parameters=parameters))
+        return tasks.stages._phase_name(stage, *more)()
+
+    assert name("update_resources", mode="val", iteration=-1) == "update_resources-val-initial"
+    assert name("update_resources", mode="val", iteration=0) == "update_resources-val-checkpoint-0"
+    assert name("wait_for_rollouts", mode="val", iteration=2) == "wait_for_rollouts-val-checkpoint-2"
+    assert name("update_resources", mode="train", iteration=3) == "update_resources-train-3"
+    assert name("run_runner", "index", mode="train", iteration=3, index=1) == "run_runner-train-3-1"

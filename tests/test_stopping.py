@@ -64,6 +64,34 @@ def test_a_run_held_by_a_live_process_is_refused_naming_it(tmp_path: Path, holde
     assert "kill -TERM" in message and "--set run_name=" in message
 
 
+HEAVY_MODULES = ("sqlalchemy", "torch", "prefect", "pydantic", "transformers", "mlflow", "lightning.config")
+"""What a twin of a live run must not import before it is refused: each took seconds on a loaded machine."""
+
+
+def test_a_twin_python_m_flows_train_is_refused_before_any_heavy_import(
+    tmp_path: Path, holder: subprocess.Popen
+) -> None:
+    """A second `python -m flows.train` of a live run (named here by its --set override) is refused in one line
+    before it imports the config's model, the store (SQLAlchemy), Prefect or torch: importing lightning.config
+    first made a twin wait 5.9 to 11.5 s at load 8 to 10 (issue 40, item 6)."""
+    path = tmp_path / "config.yaml"
+    path.write_text(json.dumps({"run_name": "other", "agent": "no_such_module:agent", "output_dir": str(tmp_path)}))
+    repo = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "flows.train", str(path), "--set", "run_name=run"],
+        cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)}, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1, done.stderr
+    # (The message's last part, the holder's command, spans the lines of its script.)
+    assert f"error: run 'run' is being trained by pid {holder.pid} on " in done.stderr
+    # -X importtime writes one line per module imported: "import time: self | cumulative | module".
+    imported = {line.rsplit("|", 1)[-1].strip() for line in lines if line.startswith("import time:")}
+    assert imported, done.stderr  # the listing is there to look at
+    heavy = [m for m in HEAVY_MODULES if any(name == m or name.startswith(f"{m}.") for name in imported)]
+    assert not heavy, f"a twin imported {heavy} before it was refused"
+
+
 async def test_a_deployment_run_of_a_live_run_name_is_refused_before_anything_starts(
     tmp_path: Path, holder: subprocess.Popen
 ) -> None:
