@@ -3,6 +3,7 @@ reads no more of a body than its limit (declared or chunked), forwards nothing i
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -56,12 +57,23 @@ def test_every_agl_post_route_answers_400_to_a_body_that_is_not_utf8(sql_store: 
         assert httpx.get(url + "/health").status_code == 200
 
 
-def test_the_store_refuses_a_chunked_body_while_reading_it(sql_store: SqlLightningStore) -> None:
-    # 256 KiB sent of a body that never ends, against a 10,000-byte limit: refused while reading.
+def test_the_store_refuses_a_large_body_declared_or_chunked_while_reading_it(
+    sql_store: SqlLightningStore, caplog: pytest.LogCaptureFixture
+) -> None:
     with serving(create_app(sql_store, max_body_bytes=LIMIT)) as url:
         for path in ("/v1/store/enqueue_rollout", PREFIX + "/rollouts", "/v1/traces"):
+            # 256 KiB sent of a body that never ends, against a 10,000-byte limit: refused while reading.
             assert answer_to_an_unfinished_chunked_body(url, path) == 413, path
+        for path in ("/v1/store/enqueue_rollout", PREFIX + "/rollouts"):
+            answer = httpx.post(url + path, json={"input": "x" * 2 * LIMIT})
+            assert answer.status_code == 413, path
+            assert "at most 10,000 bytes" in answer.json()["detail"] and "--max-body-mb" in answer.json()["detail"]
+        # A chunked body that does end (httpx sends a generator chunked), over the limit: 413, and the store is fine.
+        chunks = (b"x" * 4096 for _ in range(8))
+        answer = httpx.post(url + PREFIX + "/rollouts", content=chunks, headers={"content-type": "application/json"})
+        assert answer.status_code == 413 and "is over" in answer.json()["detail"]
         assert httpx.post(url + "/v1/store/enqueue_rollout", json={"input": "x"}).status_code == 200
+    assert not [record for record in caplog.records if record.levelno >= logging.ERROR]  # a refusal is no error
 
 
 def test_the_proxy_refuses_a_large_body_before_forwarding_it(sql_store: SqlLightningStore) -> None:
@@ -73,7 +85,8 @@ def test_the_proxy_refuses_a_large_body_before_forwarding_it(sql_store: SqlLight
             big = {"model": "policy", "messages": [{"role": "user", "content": "x" * 2 * LIMIT}]}
             answer = httpx.post(url + "/v1/chat/completions", json=big)
             assert answer.status_code == 413
-            assert "at most 10,000" in answer.json()["error"]["message"]
+            assert "at most 10,000 bytes" in answer.json()["error"]["message"]
+            assert "inference.max_request_mb" in answer.json()["error"]["message"]
             assert answer_to_an_unfinished_chunked_body(url, "/v1/chat/completions") == 413
             assert backend.requests == []  # nothing refused reached the backend
             small = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
@@ -92,6 +105,7 @@ def test_the_inference_server_bounds_bodies_and_refuses_long_prompts_before_toke
             huge = {"model": "policy", "messages": [{"role": "user", "content": "x" * 2_000_000}]}
             answer = httpx.post(chat, json=huge, timeout=60)
             assert answer.status_code == 413 and answer.json()["error"]["type"] == "RequestTooLarge"
+            assert "inference.max_request_mb" in answer.json()["error"]["message"]
             assert answer_to_an_unfinished_chunked_body(url, "/v1/chat/completions", chunks=20) == 413
             # Under the body limit but far over the context (512 tokens): refused by its length, not tokenized.
             long = {"model": "policy", "messages": [{"role": "user", "content": "ab " * 300_000}]}

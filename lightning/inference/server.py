@@ -21,6 +21,9 @@ from lightning.inference.engine import InferenceEngine, Output, SamplingParams, 
 from lightning.inference.tools import ToolCall, ToolCallParser, split_tool_calls
 from lightning.serving import DEFAULT_MAX_BODY_BYTES, BearerAuth, BodyLimit
 
+BODY_SETTING = "inference.max_request_mb of the run's config (--max-body-mb of `lightning inference serve`)"
+"""What sets the largest request body the server takes (413 beyond), named in its 413s."""
+
 
 class OpenAIError(Exception):
     """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
@@ -160,7 +163,7 @@ def create_inference_app(
                 messages.append(f"{param}: {error['msg']}")
         return OpenAIError(400, "; ".join(messages), params[0] if params else None).response()
 
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, refusal=_too_large)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, refusal=_too_large, setting=BODY_SETTING)
     if api_key is not None:
         app.add_middleware(BearerAuth, token=api_key, refusal=_wrong_api_key, open_paths=("/health",))
 
