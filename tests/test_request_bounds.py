@@ -4,6 +4,7 @@ reads no more of a body than its limit (declared or chunked), forwards nothing i
 from __future__ import annotations
 
 import logging
+import shutil
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -13,6 +14,7 @@ import httpx
 import pytest
 from support.fixed_backend import FixedBackend
 from support.servers import serving
+from transformers import AutoTokenizer
 
 from lightning.inference import create_inference_app
 from lightning.proxy import LLMProxy
@@ -122,6 +124,31 @@ def test_the_inference_server_bounds_bodies_and_refuses_long_prompts_before_toke
             assert seconds < 30  # generous for a loaded machine; tokenizing first took 9.5 s for 5 MB
     finally:
         engine.stop()
+
+
+def test_a_long_prompt_is_refused_by_a_prefix_where_the_vocabulary_has_long_tokens(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    # Real vocabularies have tokens of 128 characters (GPT-4's, Qwen's), so the length bound (context x the longest
+    # token) lets megabytes through on a large context. Here: the tiny model with one 2,000-character token, so
+    # the bound is 512 x 2,002 characters; a 600,000-character prompt passes it, and is refused by a prefix.
+    model_dir = tmp_path / "long-token"
+    shutil.copytree(tiny_dir, model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.add_tokens(["<" + "long" * 500 + ">"])
+    tokenizer.save_pretrained(model_dir)
+    app = create_inference_app(model_dir, served_model_name="policy")
+    assert app.state.engine.max_token_chars == 2002
+    with serving(app) as url:
+        long = {"model": "policy", "messages": [{"role": "user", "content": "ab " * 200_000}]}
+        answer = httpx.post(f"{url}/v1/chat/completions", json=long, timeout=60)
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "messages"
+        message = answer.json()["error"]["message"]
+        assert "600,0" in message and "alone are" in message, message  # refused by a prefix, not tokenized whole
+        assert int(message.split("its first ")[1].split(" ")[0].replace(",", "")) < 20_000
+        prompt = {"model": "policy", "prompt": "ab " * 200_000, "max_tokens": 1}
+        answer = httpx.post(f"{url}/v1/completions", json=prompt, timeout=60)
+        assert answer.status_code == 400 and "alone are" in answer.json()["error"]["message"]
 
 
 def test_the_limit_is_a_setting_of_the_run() -> None:
