@@ -18,6 +18,8 @@ from transformers import AutoTokenizer
 
 from lightning.inference import create_inference_app
 from lightning.proxy import LLMProxy
+from lightning.proxy.capture import Call, Choice
+from lightning.proxy.continuation import Conversations
 from lightning.store.agl_routes import PREFIX, ROUTES
 from lightning.store.server import create_app
 from lightning.store.sql import SqlLightningStore
@@ -149,6 +151,26 @@ def test_a_long_prompt_is_refused_by_a_prefix_where_the_vocabulary_has_long_toke
         prompt = {"model": "policy", "prompt": "ab " * 200_000, "max_tokens": 1}
         answer = httpx.post(f"{url}/v1/completions", json=prompt, timeout=60)
         assert answer.status_code == 400 and "alone are" in answer.json()["error"]["message"]
+
+
+def test_the_proxy_does_not_tokenize_a_continuation_too_long_for_the_context(tiny_dir: Path) -> None:
+    # A call that continues an earlier one of its attempt is joined token-exactly by the proxy, which renders and
+    # tokenizes the conversation: a 6 MB new message took it 22 s and 1.5 GB. Now the proxy leaves such a call to
+    # the server (which refuses it by its length) and says why on the span.
+    conversations = Conversations(tiny_dir)  # the context from the model's config.json
+    attempt, first = ("ro-1", "at-1"), [{"role": "user", "content": "hi"}]
+    end_of_turn = AutoTokenizer.from_pretrained(tiny_dir).convert_tokens_to_ids("<|im_end|>")
+    call = Call("chat", {"messages": first}, stream=False, status_code=200, prompt_token_ids=[1, 2, 3])
+    call.choices[0] = Choice(text_parts=["yo"], token_ids=[5, end_of_turn])
+    conversations.remember(attempt, {"messages": first}, call)
+    assert conversations.fits == (512, 13)
+    history = [*first, {"role": "assistant", "content": "yo"}]
+    short = conversations.prompt_for(attempt, {"messages": [*history, {"role": "user", "content": "and?"}]})
+    assert short.prompt_ids is not None and short.prompt_ids[:5] == [1, 2, 3, 5, end_of_turn]  # joined
+    long = {"messages": [*history, {"role": "user", "content": "hello world " * 500_000}]}
+    refused = conversations.prompt_for(attempt, long)
+    assert refused.prompt_ids is None and refused.continues
+    assert refused.reason is not None and "at least" in refused.reason and "context is 512" in refused.reason
 
 
 def test_the_limit_is_a_setting_of_the_run() -> None:

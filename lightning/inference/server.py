@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from lightning.chat import PromptTooLong, check_fits
 from lightning.checkpoint import CheckpointError
 from lightning.devices import dtype_name
 from lightning.inference.engine import InferenceEngine, Output, SamplingParams, TokenLogprob
@@ -350,58 +351,13 @@ def chat_prompt_token_ids(engine: InferenceEngine, body: ChatCompletionRequest) 
     return engine.tokenizer.encode(text, add_special_tokens=False)
 
 
-PREFIX_CHARS_PER_TOKEN = 8
-"""check_fits_before_tokenizing's first prefix of a long prompt: this many characters per token of the context (text
-averages about 4; a prefix this long that stays within the context is rare, and the next is 4 times longer)."""
-
-
 def check_fits_before_tokenizing(engine: InferenceEngine, text: str, param: str) -> None:
-    """Refuse a text too long for the model's context without tokenizing the whole of it (a 5 MB prompt held the
-    server for seconds and a gigabyte before its 400).
-
-    First by its length: a token covers at most `engine.max_token_chars` characters, so a text longer than context x
-    that is over it for sure. A real vocabulary's longest token is long (128 characters in GPT-4's, Qwen's and
-    Llama 3's), which lets megabytes past that bound on a 32k-token model; so then by a prefix: the tokens of a prefix
-    that ends before a space between two non-spaces are as many as the text's own up to there (no token of a
-    byte-level BPE, SentencePiece or WordPiece vocabulary spans such a space: each word is tokenized apart), so a
-    prefix that fills the context alone is enough to refuse. Prefixes grow 4 times at a time, from
-    PREFIX_CHARS_PER_TOKEN characters a token of the context; a text with no such space is tokenized whole."""
-    context = engine.context_length
-    at_least = -(-len(text) // engine.max_token_chars)
-    if at_least > context:
-        raise OpenAIError(
-            400,
-            f"{param}: the prompt is {len(text):,} characters, at least {at_least:,} tokens, but the model's "
-            f"context is {context}; shorten the prompt",
-            param,
-        )
-    end = (context + 1) * PREFIX_CHARS_PER_TOKEN
-    while end < len(text):
-        cut = _space_between_words(text, end)
-        if cut is None:
-            return
-        count = len(engine.tokenizer.encode(text[:cut], add_special_tokens=False))
-        if count >= context:
-            raise OpenAIError(
-                400,
-                f"{param}: the prompt is {len(text):,} characters, and its first {cut:,} alone are {count:,} tokens, "
-                f"but the model's context is {context}; shorten the prompt",
-                param,
-            )
-        end *= 4
-
-
-def _space_between_words(text: str, end: int, tries: int = 100) -> int | None:
-    """The index of the last space before `end` that stands between two non-space characters (`end` < len(text)),
-    among the last `tries` spaces; None if there is none."""
-    at = text.rfind(" ", 1, end)
-    for _ in range(tries):
-        if at < 1:
-            return None
-        if not text[at - 1].isspace() and not text[at + 1].isspace():
-            return at
-        at = text.rfind(" ", 1, at)
-    return None
+    """Refuse (400) a text too long for the model's context without tokenizing the whole of it (a 5 MB prompt held
+    the server for seconds and a gigabyte before its 400): `lightning.chat.check_fits`."""
+    try:
+        check_fits(engine.tokenizer, text, engine.context_length, engine.max_token_chars)
+    except PromptTooLong as exc:
+        raise OpenAIError(400, f"{param}: {exc}", param) from None
 
 
 def completion_prompt_token_ids(engine: InferenceEngine, prompt: str | list[int], field: str = "prompt") -> list[int]:

@@ -331,7 +331,7 @@ class LLMProxy:
         if routed and operation == "chat" and conversations is not None:
             attempt = (rollout_id, attempt_id)
             if conversations.may_continue(attempt):  # type: ignore[arg-type]
-                await asyncio.to_thread(lambda: conversations.tokenizer)  # loaded once, the loop serving on
+                await asyncio.to_thread(lambda: conversations.fits)  # the tokenizer loaded once, the loop serving on
             continuation = conversations.prompt_for(attempt, body)  # type: ignore[arg-type]
         outbound = _Outbound(raw, body, path, operation)
         return await self._guarded(self._forward(outbound, rollout_id, attempt_id, request, continuation))
