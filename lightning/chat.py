@@ -19,13 +19,82 @@ class NotAContinuation(Exception):
     """The new messages cannot be appended token-exactly; the message says why (it is counted as the reason)."""
 
 
+class PromptTooLong(ValueError):
+    """A prompt longer than the model's context, found without tokenizing the whole of it (`check_fits`)."""
+
+
+PREFIX_CHARS_PER_TOKEN = 8
+"""check_fits's first prefix of a long prompt: this many characters per token of the context (text averages about
+4; a prefix this long that stays within the context is rare, and the next is 4 times longer)."""
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """The longest token's text as the vocabulary spells it, which is never shorter than the text it stands for: a
+    text of n characters is at least n / this many tokens."""
+    return max(1, max(map(len, tokenizer.get_vocab())))
+
+
+def check_fits(tokenizer: Any, text: str, context_length: int, max_token_chars: int) -> None:
+    """Raise PromptTooLong if `text` cannot fit `context_length` tokens, without tokenizing the whole of it (a 5 MB
+    prompt took seconds and a gigabyte to tokenize).
+
+    First by its length: a token covers at most `max_token_chars` characters (`longest_token_chars`), so a text
+    longer than context x that is over it for sure. A real vocabulary's longest token is long (128 characters in
+    GPT-4's, Qwen's and Llama 3's), which lets megabytes past that bound on a 32k-token model; so then by a prefix:
+    the tokens of a prefix that ends before a space between two non-spaces are as many as the text's own up to there
+    (no token of a byte-level BPE, SentencePiece or WordPiece vocabulary spans such a space: each word is tokenized
+    apart), so a prefix that fills the context alone is enough. Prefixes grow 4 times at a time, from
+    PREFIX_CHARS_PER_TOKEN characters a token of the context; a text with no such space is left to be tokenized
+    whole."""
+    at_least = -(-len(text) // max_token_chars)
+    if at_least > context_length:
+        raise PromptTooLong(
+            f"the prompt is {len(text):,} characters, at least {at_least:,} tokens, but the model's context is "
+            f"{context_length}; shorten the prompt"
+        )
+    end = (context_length + 1) * PREFIX_CHARS_PER_TOKEN
+    while end < len(text):
+        cut = _space_between_words(text, end)
+        if cut is None:
+            return
+        count = len(tokenizer.encode(text[:cut], add_special_tokens=False))
+        if count >= context_length:
+            raise PromptTooLong(
+                f"the prompt is {len(text):,} characters, and its first {cut:,} alone are {count:,} tokens, but the "
+                f"model's context is {context_length}; shorten the prompt"
+            )
+        end *= 4
+
+
+def _space_between_words(text: str, end: int, tries: int = 100) -> int | None:
+    """The index of the last space before `end` that stands between two non-space characters (`end` < len(text)),
+    among the last `tries` spaces; None if there is none."""
+    at = text.rfind(" ", 1, end)
+    for _ in range(tries):
+        if at < 1:
+            return None
+        if not text[at - 1].isspace() and not text[at + 1].isspace():
+            return at
+        at = text.rfind(" ", 1, at)
+    return None
+
+
 def render_ids(
-    tokenizer: Any, messages: Sequence[dict[str, Any]], *, tools: Any = None, add_generation_prompt: bool
+    tokenizer: Any,
+    messages: Sequence[dict[str, Any]],
+    *,
+    tools: Any = None,
+    add_generation_prompt: bool,
+    fits: tuple[int, int] | None = None,
 ) -> list[int]:
-    """`messages` through the tokenizer's chat template, encoded (no special tokens added beyond the template's)."""
+    """`messages` through the tokenizer's chat template, encoded (no special tokens added beyond the template's).
+    With `fits` (the context length and the longest token's characters), a text too long for the context raises
+    PromptTooLong before it is tokenized whole (`check_fits`)."""
     text = tokenizer.apply_chat_template(
         list(messages), tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False
     )
+    if fits is not None:
+        check_fits(tokenizer, text, *fits)
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -36,17 +105,19 @@ def continue_conversation(
     *,
     tools: Any = None,
     last: int,
+    fits: tuple[int, int] | None = None,
 ) -> list[int]:
     """The bridge ids after a response whose last token is `last`: `history` ends with that response as an
     assistant message, `new_messages` follow it, and the bridge ends with the next assistant turn's header.
 
     Raises NotAContinuation when the response did not end its turn (`last` is not a special token: the response was
     cut off, and where the template would close it is unknown), or when the template renders `history` differently
-    once more messages follow it."""
+    once more messages follow it. With `fits` (as `render_ids` takes it), a conversation too long for the context
+    raises PromptTooLong before it is tokenized whole."""
     if last not in set(tokenizer.all_special_ids):
         raise NotAContinuation("the previous response did not end its turn (cut off by max_tokens?)")
+    full = render_ids(tokenizer, [*history, *new_messages], tools=tools, add_generation_prompt=True, fits=fits)
     base = render_ids(tokenizer, history, tools=tools, add_generation_prompt=False)
-    full = render_ids(tokenizer, [*history, *new_messages], tools=tools, add_generation_prompt=True)
     if full[: len(base)] != base:
         raise NotAContinuation("the chat template renders the conversation so far differently once new messages follow")
     try:

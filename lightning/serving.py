@@ -61,42 +61,34 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
-class BodyTooLarge(Exception):
-    """A request body over the server's limit: answered 413."""
-
-
-def too_large(size: int, limit: int, *, declared: bool) -> str:
+def too_large(size: int, limit: int, *, declared: bool, setting: str) -> str:
+    """The 413's message: the body's size, the limit, and the setting that raises it."""
     how = "is" if declared else "is over"
-    return f"the request body {how} {size:,} bytes; this server takes at most {limit:,} (a setting of the server)"
+    return (
+        f"the request body {how} {size:,} bytes; this server takes at most {limit:,} bytes ({limit / 2**20:.3g} MB), "
+        f"set by {setting}"
+    )
 
 
-async def read_body(request: Any) -> bytes:
-    """A Starlette request's body, refused (BodyTooLarge) past the app's `state.max_body_bytes`: by its declared
-    length before any of it is read, or, for a chunked body, as soon as the bytes read pass the limit (never
-    buffered whole)."""
-    limit = request.app.state.max_body_bytes
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise BodyTooLarge(too_large(int(declared), limit, declared=True))
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge(too_large(size, limit, declared=False))
-        chunks.append(chunk)
-    return b"".join(chunks)
+CLIENT_GONE = "the client went away before sending the whole body"
+"""What a route answers when reading the body raises ClientDisconnect: its client is gone, or BodyLimit refused the
+body (and answered the 413 itself); nobody reads this answer."""
 
 
 class BodyLimit:
-    """ASGI middleware: a request whose body passes `max_bytes` gets `refusal(message)` (a 413 in the server's own
-    error shape) by its declared length before any of it is read, or, for a chunked body, as soon as the bytes read
-    pass the limit; the app then sees the client gone, and its answer goes nowhere. So no route of the app ever
-    holds more than `max_bytes` of a request, whatever parses it (FastAPI's body models included)."""
+    """ASGI middleware, the one body limit of every server of ours (the store's, the LLM proxy's, the inference
+    server's): a request whose body passes `max_bytes` gets `refusal(message)` (an ASGI app answering 413 in the
+    server's own error shape; the message names `setting`, what raises the limit) by its declared length before any
+    of it is read, or, for a chunked body, as soon as the bytes read pass the limit; the app then sees the client
+    gone (Starlette's ClientDisconnect), and its answer goes nowhere. So no route of the app ever holds more than
+    `max_bytes` of a request, whatever parses it (FastAPI's body models included); the rest of a refused body is
+    read and dropped by uvicorn as it comes, never kept."""
 
-    def __init__(self, app: Any, max_bytes: int, refusal: Callable[[str], Any]) -> None:
+    def __init__(self, app: Any, max_bytes: int, refusal: Callable[[str], Any], setting: str) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.refusal = refusal
+        self.setting = setting
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -104,7 +96,8 @@ class BodyLimit:
             return
         declared = next((value for name, value in scope["headers"] if name == b"content-length"), b"")
         if declared.isdigit() and int(declared) > self.max_bytes:
-            await self.refusal(too_large(int(declared), self.max_bytes, declared=True))(scope, receive, send)
+            message = too_large(int(declared), self.max_bytes, declared=True, setting=self.setting)
+            await self.refusal(message)(scope, receive, send)
             return
         read = 0
         refused = False
@@ -118,7 +111,8 @@ class BodyLimit:
                 read += len(message.get("body", b""))
                 if read > self.max_bytes:
                     refused = True
-                    await self.refusal(too_large(read, self.max_bytes, declared=False))(scope, receive, send)
+                    text = too_large(read, self.max_bytes, declared=False, setting=self.setting)
+                    await self.refusal(text)(scope, receive, send)
                     return {"type": "http.disconnect"}
             return message
 

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from lightning.store import SqlLightningStore
+from lightning.store.agl_routes import PREFIX, ROUTES
 from lightning.store.server import create_app
 
 pytestmark = pytest.mark.slow
@@ -29,9 +30,12 @@ def test_no_generated_request_makes_the_store_server_fail(
     schema = schemathesis.openapi.from_asgi("/openapi.json", create_app(store))
     failures: list[str] = []
     tried = 0
+    agl_operations: set[tuple[str, str]] = set()
     try:
         for result in schema.get_all_operations():
             operation = result.ok()
+            if operation.path.startswith(PREFIX):
+                agl_operations.add((operation.method.upper(), operation.path))
 
             @given(case=operation.as_strategy())
             @settings(max_examples=EXAMPLES_PER_ROUTE, deadline=None, suppress_health_check=list(HealthCheck))
@@ -56,4 +60,5 @@ def test_no_generated_request_makes_the_store_server_fail(
     finally:
         asyncio.run(store.close())
     assert tried > 300
+    assert len(agl_operations) == len(ROUTES)  # agent-lightning's routes are in the schema, so fuzzed too
     assert not failures, f"{len(failures)} of {tried} requests got a 5xx:\n" + "\n".join(failures[:10])

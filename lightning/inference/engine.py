@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.cache_utils import DynamicLayer
 
+from lightning.chat import longest_token_chars
 from lightning.checkpoint import adapter_base_model, is_adapter_dir
 from lightning.devices import dtype_name, resolve_device, serving_dtype
 from lightning.inference.lora import AdapterSlot, adapter_factors
@@ -169,9 +170,8 @@ class InferenceEngine:
             self.adapters.keep_base(self.model, factors)
             self.adapters.apply(self.model, factors)
         self.context_length: int = self.model.config.max_position_embeddings
-        self.max_token_chars = max(1, max(map(len, self.tokenizer.get_vocab())))
-        """The longest token's text (as the vocabulary spells it, which is never shorter than the text it stands for):
-        a text of n characters is at least n / max_token_chars tokens."""
+        self.max_token_chars = longest_token_chars(self.tokenizer)
+        """The longest token's text in characters: a text of n characters is at least n / max_token_chars tokens."""
         self.eos_token_ids = self._eos_token_ids()
         self.pad_token_id = self.tokenizer.pad_token_id
         if self.pad_token_id is None:

@@ -15,11 +15,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from lightning.chat import PromptTooLong, check_fits
 from lightning.checkpoint import CheckpointError
 from lightning.devices import dtype_name
 from lightning.inference.engine import InferenceEngine, Output, SamplingParams, TokenLogprob
 from lightning.inference.tools import ToolCall, ToolCallParser, split_tool_calls
 from lightning.serving import DEFAULT_MAX_BODY_BYTES, BearerAuth, BodyLimit
+
+BODY_SETTING = "inference.max_request_mb of the run's config (--max-body-mb of `lightning inference serve`)"
+"""What sets the largest request body the server takes (413 beyond), named in its 413s."""
 
 
 class OpenAIError(Exception):
@@ -160,7 +164,7 @@ def create_inference_app(
                 messages.append(f"{param}: {error['msg']}")
         return OpenAIError(400, "; ".join(messages), params[0] if params else None).response()
 
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, refusal=_too_large)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, refusal=_too_large, setting=BODY_SETTING)
     if api_key is not None:
         app.add_middleware(BearerAuth, token=api_key, refusal=_wrong_api_key, open_paths=("/health",))
 
@@ -348,17 +352,12 @@ def chat_prompt_token_ids(engine: InferenceEngine, body: ChatCompletionRequest) 
 
 
 def check_fits_before_tokenizing(engine: InferenceEngine, text: str, param: str) -> None:
-    """Refuse a text that cannot fit the model's context without tokenizing it: a token covers at most
-    `engine.max_token_chars` characters, so a text longer than context x that is over the context for sure (a 5 MB
-    prompt would otherwise hold the server for seconds and a gigabyte before its 400)."""
-    at_least = -(-len(text) // engine.max_token_chars)
-    if at_least > engine.context_length:
-        raise OpenAIError(
-            400,
-            f"{param}: the prompt is {len(text):,} characters, at least {at_least:,} tokens, but the model's "
-            f"context is {engine.context_length}; shorten the prompt",
-            param,
-        )
+    """Refuse (400) a text too long for the model's context without tokenizing the whole of it (a 5 MB prompt held
+    the server for seconds and a gigabyte before its 400): `lightning.chat.check_fits`."""
+    try:
+        check_fits(engine.tokenizer, text, engine.context_length, engine.max_token_chars)
+    except PromptTooLong as exc:
+        raise OpenAIError(400, f"{param}: {exc}", param) from None
 
 
 def completion_prompt_token_ids(engine: InferenceEngine, prompt: str | list[int], field: str = "prompt") -> list[int]:

@@ -59,6 +59,8 @@ IDLE_CONNECTION_SECONDS = 240.0
 """A backend that refused a connection goes to the end of every call's order for this long (one restarting for a
 minute then costs each call nothing, and the log one line per window instead of one per call)."""
 _KNOWN_ATTEMPTS = 100_000
+BODY_SETTING = "inference.max_request_mb of the run's config (--max-body-mb of `lightning proxy serve`)"
+"""What sets the largest request body the proxy takes (413 beyond), named in its 413s."""
 
 
 class Backend(BaseModel):
@@ -228,9 +230,8 @@ class LLMProxy:
         app = FastAPI(title="lightning LLM proxy", docs_url="/docs", redoc_url=None)
         proxy = self
 
-        app.add_middleware(
-            BodyLimit, max_bytes=self.max_body_bytes, refusal=lambda message: error_response(413, message)
-        )
+        too_large = lambda message: error_response(413, message)  # noqa: E731
+        app.add_middleware(BodyLimit, max_bytes=self.max_body_bytes, refusal=too_large, setting=BODY_SETTING)
         if self.token is not None:
             admit = None if self.agents_need_token else self._signed_route
             auth = {"token": self.token, "refusal": _unauthorised, "open_paths": ("/health",)}
@@ -330,7 +331,7 @@ class LLMProxy:
         if routed and operation == "chat" and conversations is not None:
             attempt = (rollout_id, attempt_id)
             if conversations.may_continue(attempt):  # type: ignore[arg-type]
-                await asyncio.to_thread(lambda: conversations.tokenizer)  # loaded once, the loop serving on
+                await asyncio.to_thread(lambda: conversations.fits)  # the tokenizer loaded once, the loop serving on
             continuation = conversations.prompt_for(attempt, body)  # type: ignore[arg-type]
         outbound = _Outbound(raw, body, path, operation)
         return await self._guarded(self._forward(outbound, rollout_id, attempt_id, request, continuation))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning.chat import NotAContinuation, continue_conversation
+from lightning.chat import NotAContinuation, PromptTooLong, continue_conversation, longest_token_chars
 from lightning.proxy.capture import Call
 
 MAX_ATTEMPTS = 20_000
@@ -51,13 +51,15 @@ class Conversations:
         if isinstance(tokenizer, str | os.PathLike) and not (Path(tokenizer) / "tokenizer_config.json").is_file():
             raise ValueError(f"tokenizer {str(tokenizer)!r}: no tokenizer_config.json there; give a model directory")
         self._tokenizer = tokenizer
+        self._context = _context_length(tokenizer)
+        self._fits: tuple[int, int] | None = None
         self._loading = threading.Lock()
         self._calls: OrderedDict[tuple[str, str], list[_Answered]] = OrderedDict()
 
     def may_continue(self, attempt: tuple[str, str]) -> bool:
         """`attempt` has an answered call that a new one may continue, and the tokenizer is not loaded yet: the
-        proxy loads it off its event loop first (`tokenizer`, in a thread), so other calls go on meanwhile."""
-        return attempt in self._calls and isinstance(self._tokenizer, str | os.PathLike)
+        proxy loads it off its event loop first (`fits`, in a thread), so other calls go on meanwhile."""
+        return attempt in self._calls and self._fits is None
 
     @property
     def tokenizer(self) -> Any:
@@ -67,6 +69,17 @@ class Conversations:
 
                 self._tokenizer = AutoTokenizer.from_pretrained(self._tokenizer)
         return self._tokenizer
+
+    @property
+    def fits(self) -> tuple[int, int] | None:
+        """The model's context and the vocabulary's longest token in characters, by which a continuation too long
+        for the context is refused before it is tokenized whole (`lightning.chat.check_fits`); loads the tokenizer.
+        None when the context is unknown (no config.json with max_position_embeddings, no model_max_length)."""
+        if self._fits is None:
+            tokenizer = self.tokenizer
+            context = self._context or _context_length(tokenizer)
+            self._fits = (context, longest_token_chars(tokenizer)) if context else (0, 0)
+        return self._fits if self._fits[0] else None
 
     def prompt_for(self, attempt: tuple[str, str], body: dict[str, Any]) -> Continuation:
         """The token-exact prompt of `body` if it continues an earlier call of `attempt`: its messages begin with that
@@ -87,9 +100,9 @@ class Conversations:
                 try:
                     bridge = continue_conversation(
                         self.tokenizer, messages[: count + 1], messages[count + 1 :],
-                        tools=body.get("tools"), last=response_ids[-1],
+                        tools=body.get("tools"), last=response_ids[-1], fits=self.fits,
                     )  # fmt: skip
-                except NotAContinuation as exc:
+                except (NotAContinuation, PromptTooLong) as exc:  # too long: the server refuses the messages
                     return Continuation(continues=True, reason=str(exc))
                 except Exception as exc:  # the template is user data (jinja): its errors are the request's
                     return Continuation(continues=True, reason=f"the chat template failed: {exc}")
@@ -112,6 +125,18 @@ class Conversations:
         del calls[:-MAX_CALLS]
         while len(self._calls) > MAX_ATTEMPTS:
             self._calls.popitem(last=False)
+
+
+def _context_length(tokenizer: Any) -> int | None:
+    """The model's context in tokens: a model directory's config.json `max_position_embeddings`, else a loaded
+    tokenizer's `model_max_length` (transformers says 10^30 for none); None if neither says."""
+    if isinstance(tokenizer, str | os.PathLike):
+        with contextlib.suppress(OSError, ValueError):
+            length = json.loads((Path(tokenizer) / "config.json").read_text()).get("max_position_embeddings")
+            return length if isinstance(length, int) and length > 0 else None
+        return None
+    length = getattr(tokenizer, "model_max_length", None)
+    return length if isinstance(length, int) and 0 < length < 10**9 else None
 
 
 def _message(choice: Any) -> dict[str, Any]:

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args, get_origin
 
 import pydantic
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from lightning.serving import BodyTooLarge, read_body
+from lightning.serving import CLIENT_GONE
 from lightning.store import contract
 from lightning.store.base import LightningStore, describe_validation_error, handle_one_http_request
 from lightning.store.errors import InvalidArgumentError, NotFoundError, StoreError, http_status
@@ -161,8 +161,8 @@ def _endpoint(store: LightningStore, route: AglRoute) -> Callable[..., Any]:
             return JSONResponse(route.answer(body), status_code=route.status_code)
         except pydantic.ValidationError as exc:
             return _validation_error(route, exc, fields)
-        except BodyTooLarge as exc:
-            return _error(413, str(exc))
+        except ClientDisconnect:
+            return _error(400, CLIENT_GONE)
         except InvalidArgumentError as exc:
             return _error(400, str(exc))  # agl's "bad request: do not retry"
         except StoreError as exc:
@@ -205,7 +205,7 @@ async def _fields(request: Request, route: AglRoute) -> dict[str, Any]:
             values = request.query_params.getlist(name)
             fields[name] = values if name in route.list_fields else values[-1]
     else:
-        raw = await read_body(request)
+        raw = await request.body()
         body = json.loads(raw) if raw.strip() else None
         if route.body_is is not None:
             fields[route.body_is] = body

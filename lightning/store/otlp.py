@@ -38,9 +38,10 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as ProtoSpan
 from starlette.datastructures import Headers
+from starlette.requests import ClientDisconnect
 
 from lightning import semconv
-from lightning.serving import BodyTooLarge, read_body
+from lightning.serving import CLIENT_GONE
 from lightning.store.base import LightningStore, describe_validation_error
 from lightning.store.errors import ConflictError, InvalidArgumentError, NotFoundError, StoreError
 from lightning.types import Event, Link, OtelResource, Span, SpanContext, TraceStatus
@@ -101,8 +102,8 @@ class _SpanRejected(Exception):
 
 
 def add_otlp_route(app: FastAPI, store: LightningStore) -> None:
-    """POST /v1/traces on `app`: OTLP/HTTP spans (protobuf or JSON) into `store`. The app's `state.max_body_bytes`
-    caps the body as sent (413 beyond)."""
+    """POST /v1/traces on `app`: OTLP/HTTP spans (protobuf or JSON) into `store`. The app's BodyLimit caps the body
+    as sent (413 beyond, answered as `otlp_or` says); MAX_OTLP_BYTES caps it decompressed."""
     body_doc = {
         "requestBody": {
             "required": True,
@@ -131,6 +132,8 @@ def add_otlp_route(app: FastAPI, store: LightningStore) -> None:
             rejections += await _store_spans(store, spans)
         except OtlpError as exc:
             return status_response(exc.status_code, str(exc), media_type, headers=exc.headers)
+        except ClientDisconnect:
+            return status_response(400, CLIENT_GONE, media_type)
         except StoreError as exc:
             return status_response(_status_of(exc), str(exc), media_type)
         except Exception:
@@ -148,19 +151,23 @@ def add_otlp_route(app: FastAPI, store: LightningStore) -> None:
         return Response(_encode(answer, media_type), media_type=media_type)
 
 
-def otlp_refusal(refusal: Callable[[], Any]) -> Callable[[], Any]:
-    """An auth middleware's `refusal` (an ASGI app answering 401) that answers OTLP requests as OTLP/HTTP wants every
-    4xx answered: a google.rpc.Status in the request's encoding."""
+def otlp_or(answer: Response, status_code: int, message: str, headers: dict[str, str] | None = None) -> Any:
+    """An ASGI app that answers `answer` (a refusal in the server's own shape), but an OTLP request as OTLP/HTTP
+    wants every 4xx answered: `status_code` and `message` as a google.rpc.Status in the request's encoding."""
 
     async def refuse(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope.get("path") == TRACES_PATH:
             media_type = _media_type(Headers(scope=scope)) or JSON
-            answer = status_response(401, UNAUTHORISED, media_type, headers={"WWW-Authenticate": "Bearer"})
+            await status_response(status_code, message, media_type, headers=headers)(scope, receive, send)
         else:
-            answer = refusal()
-        await answer(scope, receive, send)
+            await answer(scope, receive, send)
 
-    return lambda: refuse
+    return refuse
+
+
+def otlp_refusal(refusal: Callable[[], Response]) -> Callable[[], Any]:
+    """An auth middleware's `refusal` (answering 401) that answers OTLP requests as `otlp_or` says."""
+    return lambda: otlp_or(refusal(), 401, UNAUTHORISED, headers={"WWW-Authenticate": "Bearer"})
 
 
 # --- answers ----------------------------------------------------------------------------------
@@ -228,10 +235,7 @@ def _summary(rejections: list[Rejection], total: int) -> str:
 async def _otlp_body(request: Request) -> bytes:
     """The body, decompressed by its Content-Encoding: gzip, deflate (zlib format, or raw as some clients send it)
     or none."""
-    try:
-        body = await read_body(request)
-    except BodyTooLarge as exc:
-        raise OtlpError(str(exc), 413) from None
+    body = await request.body()
     encoding = request.headers.get("content-encoding", "").strip().lower()
     if encoding in ("", "identity") or not body:
         return body

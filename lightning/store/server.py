@@ -11,18 +11,20 @@ import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
+from starlette.requests import ClientDisconnect
 
-from lightning.serving import DEFAULT_MAX_BODY_BYTES, BearerAuth, BodyTooLarge, read_body
+from lightning.serving import CLIENT_GONE, DEFAULT_MAX_BODY_BYTES, BearerAuth, BodyLimit
 from lightning.store import contract
 from lightning.store.agl_routes import PathToken, agl_openapi, agl_routes
 from lightning.store.base import LightningStore, describe_validation_error, handle_one_http_request
 from lightning.store.contract import REQUESTS
 from lightning.store.errors import InvalidArgumentError, StoreError, http_status
-from lightning.store.otlp import add_otlp_route, otlp_refusal
+from lightning.store.otlp import add_otlp_route, otlp_or, otlp_refusal
 
 logger = logging.getLogger(__name__)
 
-"""Largest request body accepted (413 beyond): a rollout's input or a batch of spans is far smaller."""
+BODY_SETTING = "--max-body-mb of `lightning store serve`"
+"""What sets the largest request body the store server takes (413 beyond), named in its 413s."""
 
 
 # --- errors -----------------------------------------------------------------------------------
@@ -30,6 +32,10 @@ logger = logging.getLogger(__name__)
 
 def _error(status_code: int, detail: str) -> JSONResponse:
     return JSONResponse({"detail": detail}, status_code=status_code)
+
+
+def _too_large(message: str) -> Any:
+    return otlp_or(_error(413, message), 413, message)
 
 
 def _unauthorised() -> JSONResponse:
@@ -55,15 +61,15 @@ class _StoreRoute(APIRoute):
             try:
                 arguments: dict[str, Any] = {"request": request}
                 if body_model is not None:
-                    arguments["body"] = body_model.model_validate_json(await read_body(request) or b"{}")
+                    arguments["body"] = body_model.model_validate_json(await request.body() or b"{}")
                 result = await endpoint(**arguments)
                 if isinstance(result, Response):
                     return result
                 return Response(answer.dump_json(result), media_type="application/json")
             except pydantic.ValidationError as exc:
                 return _error(422, describe_validation_error(exc, "body"))
-            except BodyTooLarge as exc:
-                return _error(413, str(exc))
+            except ClientDisconnect:
+                return _error(400, CLIENT_GONE)
             except StoreError as exc:
                 return _error(http_status(exc), str(exc))
             except Exception:
@@ -98,7 +104,7 @@ def create_app(
     store: LightningStore, *, token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 ) -> FastAPI:
     """The HTTP face of `store`. With `token`, every request needs `Authorization: Bearer <token>`; a body over
-    `max_body_bytes` is answered 413.
+    `max_body_bytes` is answered 413 (`BodyLimit`: by its declared length, or while a chunked one is read).
 
     The app does not close the store: whoever opened it does (`lightning store serve` on shutdown)."""
     app = FastAPI(
@@ -107,7 +113,6 @@ def create_app(
         version="1",
     )
     app.state.store = store
-    app.state.max_body_bytes = max_body_bytes
     # Routes go on the app itself: through include_router, FastAPI's route matching costs 0.15 ms a request.
     app.router.route_class = _StoreRoute
 
@@ -131,6 +136,7 @@ def create_app(
     app.router.routes.extend(agl_routes(store))
     _describe_agl_routes(app)
     add_otlp_route(app, store)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, refusal=_too_large, setting=BODY_SETTING)
     if token is not None:
         if not token:
             raise InvalidArgumentError("token must be a non-empty string, or None for no authentication")
