@@ -109,15 +109,15 @@ async def test_a_lora_run_publishes_each_adapter_to_its_vllm_replicas_and_the_pr
     tmp_path: Path,
 ) -> None:
     """Each checkpoint of a LoRA run reaches both replicas as its adapter (`load_lora_adapter` under a name of its own,
-    no whole-weights reload), the proxy sends the policy's calls to that name and records it with the step on their
-    spans, and the adapter before is unloaded. A run opened again starts its replicas on the base model with LoRA on
-    and loads the latest adapter before any call."""
+    no whole-weights reload; colocated replicas woken first), the proxy sends the policy's calls to that name and
+    records it with the step on their spans, and the adapter before is unloaded. A run opened again starts its
+    replicas on the base model with LoRA on and loads the latest adapter before any call."""
     calls = tmp_path / "calls.jsonl"
     config = load_config(
         {
             "run_name": "lora-sync", "agent": "examples.copy_task.agent:copy_agent",
             "inference": {
-                "backend": "vllm", "replicas": 2,
+                "backend": "vllm", "replicas": 2, "weight_sync": "sleep",
                 "vllm": {"executable": str(fake_vllm(tmp_path)), "startup_timeout": 60, "request_timeout": 30,
                          "env": {"FAKE_VLLM_CALLS": str(calls)}},
             },
@@ -170,6 +170,11 @@ async def test_a_lora_run_publishes_each_adapter_to_its_vllm_replicas_and_the_pr
     assert loads == [("policy-lora-1", first)] * 2 + [("policy-lora-2", second)] * 2
     assert [c["body"]["lora_name"] for c in recorded("/v1/unload_lora_adapter")] == ["policy-lora-1"] * 2
     assert recorded("/collective_rpc") == []  # never whole weights
+    admin = [c["path"] for c in map(json.loads, calls.read_text().splitlines()) if c.get("method") == "POST"]
+    # Each update: both replicas asleep through the PPO step, both woken, then the new adapter, then the old one gone.
+    update = ["/sleep", "/sleep", "/wake_up", "/wake_up", "/v1/load_lora_adapter", "/v1/load_lora_adapter"]
+    unload = ["/v1/unload_lora_adapter"] * 2
+    assert [path for path in admin if path != "/v1/chat/completions"] == [*update, *update, *unload]
 
     calls.unlink()
     run = await Run.open(config, train=False, track=False)  # resumes: the replicas start on the base, then step 2
