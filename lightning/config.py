@@ -563,11 +563,7 @@ class TrainConfig(BaseModel):
         if self.inference.weight_sync == "sleep" and self.inference.backend != "vllm":
             raise ValueError("inference.weight_sync: 'sleep' needs inference.backend 'vllm'")
         if self.algorithm.lora is not None and self.inference.backend == "vllm" and self.inference.endpoint is None:
-            raise ValueError(
-                "algorithm.lora: a run publishes LoRA adapters to the embedded inference server; swapping them into "
-                "the run's vLLM replicas (VllmServer.load_lora_adapter) is not wired into the run yet: use "
-                "inference.backend 'embedded', or full fine-tuning with vLLM"
-            )
+            self._check_lora_on_vllm(self.algorithm.lora.rank)
         if self.trainer_backend == "verl":
             if self.algorithm.device != "auto":
                 raise ValueError(
@@ -586,6 +582,28 @@ class TrainConfig(BaseModel):
             if self.algorithm.off_policy_correction != "none":
                 raise ValueError("algorithm.off_policy_correction: an option of the torch trainer; verl has none here")
         return self
+
+    def _check_lora_on_vllm(self, rank: int) -> None:
+        """A LoRA run's vLLM replicas serve each checkpoint's adapter (`Run.load_weights`): what must hold for them."""
+        from lightning.inference.vllm import VLLM_LORA_RANKS
+
+        if self.trainer_backend == "verl":
+            raise ValueError(
+                "algorithm.lora: the run hot-swaps the torch trainer's LoRA checkpoints (peft adapters) into its vLLM "
+                "replicas; what verl's LoRA export holds has not been run here: use trainer_backend torch, or full "
+                "fine-tuning with verl"
+            )
+        if rank > VLLM_LORA_RANKS[-1]:
+            raise ValueError(f"algorithm.lora.rank: vLLM serves adapters of rank {VLLM_LORA_RANKS[-1]} at most")
+        options = self.inference.vllm
+        if options.get("enable_lora") is False:
+            raise ValueError("inference.vllm.enable_lora: a LoRA run's vLLM replicas serve its adapters; leave it on")
+        chosen = options.get("max_lora_rank")
+        if chosen is not None and (chosen < rank or chosen not in VLLM_LORA_RANKS):
+            raise ValueError(
+                f"inference.vllm.max_lora_rank: {chosen} cannot serve adapters of rank {rank} (algorithm.lora.rank); "
+                f"give one of {', '.join(map(str, VLLM_LORA_RANKS))} of at least {rank}, or leave it out"
+            )
 
     @property
     def update_config(self) -> TrainerConfig:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import secrets
@@ -89,6 +90,9 @@ class _Parts:
     """Held while the serving parts change: weights swapped in, a dead part restarted."""
     weight_version: int = 0
     """The checkpoint step the inference servers serve."""
+    adapter: str | None = None
+    """A LoRA run on vLLM: the name the replicas serve checkpoint `weight_version`'s adapter under, which the proxy
+    sends the policy's calls to (None: the base model, or whole weights)."""
     last_progress: float = field(default_factory=time.monotonic)
     progress_note: str = "the run opened"
     proxy_token: str | None = None
@@ -273,7 +277,10 @@ class Run(BaseModel):
         calls in flight drained around the swap, so no rollout mixes two weight versions; spans from then on record
         version `step`. Embedded servers reload through `/admin/reload`, vLLM replicas in place (woken first if they
         slept through the update); a server the supervisor restarts later starts on these weights, and it restarts
-        nothing meanwhile, so a swap is never cut in two."""
+        nothing meanwhile, so a swap is never cut in two. A LoRA checkpoint (an adapter directory) reaches vLLM
+        replicas as the adapter alone, never as whole weights: each loads it under a new name, the proxy routes the
+        policy's calls to that name (spans record it too), then the previous adapter is unloaded
+        (`lightning.inference.vllm.publish_lora_adapter`)."""
         parts = self._open_parts()
         config = self.config
         async with self._serving_parts_held():
@@ -292,12 +299,27 @@ class Run(BaseModel):
             parts.weight_version = step
             if parts.stack is not None:
                 parts.stack.loaded(Path(path))
+            adapter = bool(parts.vllm) and _holds_adapter(path)
             for server in parts.vllm:
                 if config.inference.weight_sync == "sleep" and await asyncio.to_thread(server.is_sleeping):
                     await asyncio.to_thread(server.wake_up)
-                await asyncio.to_thread(server.reload_weights, str(path), str(step))
-            if own_proxy:
-                await asyncio.to_thread(self.proxy_admin, "resume", {"weight_version": step})
+                if not adapter:
+                    await asyncio.to_thread(server.reload_weights, str(path), str(step))
+            if adapter:
+                from lightning.inference.vllm import publish_lora_adapter
+
+                def route(name: str) -> None:  # every replica has the new adapter: calls go to it from now on
+                    parts.adapter = name
+                    if own_proxy:
+                        self.proxy_admin("resume", self._served())
+
+                await asyncio.to_thread(
+                    publish_lora_adapter, parts.vllm, path, step, route, model_name=config.inference.served_model_name
+                )
+            else:
+                parts.adapter = None
+                if own_proxy:
+                    await asyncio.to_thread(self.proxy_admin, "resume", self._served())
 
     async def release_weights(self) -> None:
         """Before an update: colocated vLLM replicas (weight_sync: sleep) release their GPU memory to the trainer,
@@ -376,9 +398,16 @@ class Run(BaseModel):
         supervisor = self._open_parts().supervisor
         return 0 if supervisor is None else supervisor.restarts
 
+    def _served(self) -> dict[str, Any]:
+        """What the run's proxy records on every span and routes the policy's calls to (`proxy_admin("resume", ...)`):
+        the checkpoint step the inference servers serve and, for a LoRA run on vLLM, the adapter's name."""
+        parts = self._open_parts()
+        return {"weight_version": parts.weight_version, "adapter": parts.adapter}
+
     def proxy_admin(self, action: str, body: dict[str, Any] | None = None, timeout: float = 600) -> Any:
         """POST /admin/<action> to the run's own LLM proxy: `pause` holds new calls and waits for the ones in flight,
-        `resume` lets calls through and records `weight_version` on every span from then on."""
+        `resume` lets calls through and records `weight_version` (and `adapter`, the LoRA adapter calls go to) on
+        every span from then on."""
         token = self.proxy_token
         headers = {"authorization": f"Bearer {token}"} if token else {}
         url = f"{self.endpoints.proxy_url}/admin/{action}"
@@ -488,8 +517,15 @@ class Run(BaseModel):
             if train:
                 await asyncio.wait_for(trainer_ready, timeout=config.timeouts.startup)
             parts.weight_version = serving_step(config, weights)
+            if parts.vllm and _holds_adapter(serving_dir):  # the replicas started on its base: the adapter now
+                from lightning.inference.vllm import publish_lora_adapter
+
+                parts.adapter = await asyncio.to_thread(
+                    publish_lora_adapter, parts.vllm, serving_dir, parts.weight_version, lambda name: None,
+                    model_name=config.inference.served_model_name,
+                )  # fmt: skip
             if not config.proxy_endpoint:  # every span from now on records the weights that produced it
-                await asyncio.to_thread(run.proxy_admin, "resume", {"weight_version": parts.weight_version})
+                await asyncio.to_thread(run.proxy_admin, "resume", run._served())
             # Before any runner of this process claims anything: what an earlier process left unfinished (requeued
             # above) calls this process's proxy, not the dead one's port.
             await point_resources_here(run)
@@ -604,7 +640,7 @@ class Supervisor:
                 child.restart()
                 self.restarts += 1
                 if child.name == "LLM proxy":  # a new proxy starts paused at version 0
-                    self.run.proxy_admin("resume", {"weight_version": parts.weight_version})
+                    self.run.proxy_admin("resume", self.run._served())
         for server in parts.vllm:
             if not (self._stop.is_set() or stopping.stop_requested()) and server.restart_if_dead():
                 self.restarts += 1
@@ -803,6 +839,13 @@ def _start_serving(
     return Endpoints(proxy_url=proxy_url, model_name=name)
 
 
+def _holds_adapter(path: str | Path) -> bool:
+    """`lightning.checkpoint.is_adapter_dir`, without importing torch here."""
+    from lightning.checkpoint import is_adapter_dir
+
+    return is_adapter_dir(path)
+
+
 def _vllm_key(server: Any) -> str | None:
     key = server.config.api_key
     return None if key is None else key.get_secret_value()
@@ -810,11 +853,18 @@ def _vllm_key(server: Any) -> str | None:
 
 def _start_vllm(config: TrainConfig, serving_dir: Path) -> list[Any]:
     """`inference.replicas` vLLM servers on the policy, started together and waited for; replica i gets its own
-    GPUs when `gpus_per_replica` is set."""
-    from lightning.inference.vllm import VllmConfig, VllmServer
+    GPUs when `gpus_per_replica` is set. With LoRA (`algorithm.lora`, or an adapter directory to serve) they start
+    on the base model with vLLM's LoRA support on, sized for the run's rank; `Run.open` loads the adapter."""
+    from lightning.checkpoint import ADAPTER_CONFIG, adapter_base_model
+    from lightning.inference.vllm import VllmConfig, VllmServer, max_lora_rank_for
     from lightning.serving import free_port
 
     inference = config.inference
+    lora_rank = config.algorithm.lora.rank if config.algorithm.lora is not None else None
+    if _holds_adapter(serving_dir):
+        adapter_rank = json.loads((serving_dir / ADAPTER_CONFIG).read_text())["r"]
+        lora_rank = max(lora_rank or 0, adapter_rank)
+        serving_dir = adapter_base_model(serving_dir)
     servers = []
     for replica in range(inference.replicas):
         options = dict(inference.vllm)
@@ -830,6 +880,9 @@ def _start_vllm(config: TrainConfig, serving_dir: Path) -> list[Any]:
             options.setdefault("dtype", inference.dtype)
         if config.deterministic:  # vLLM's batch-invariant kernels (GPU): a sequence's numerics ignore its batch
             options["env"] = {**options.get("env", {}), "VLLM_BATCH_INVARIANT": "1"}
+        if lora_rank is not None:
+            options["enable_lora"] = True
+            options.setdefault("max_lora_rank", max_lora_rank_for(lora_rank))
         options.setdefault("api_key", secrets.token_urlsafe(24))  # a random key of the run's unless one is given
         vllm_config = VllmConfig(
             model=str(serving_dir), served_model_name=inference.served_model_name, port=free_port(), **options

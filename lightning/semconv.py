@@ -77,6 +77,9 @@ LLM_TIME_TO_FIRST_CHUNK_MS = "lightning.llm.time_to_first_chunk_ms"
 LLM_TRIES = "lightning.llm.tries"
 """Backends tried for this call (1 when the first answered)."""
 LLM_WEIGHT_VERSION = "lightning.llm.weight_version"
+LLM_LORA_ADAPTER = "lightning.llm.lora_adapter"
+"""On a call of a LoRA run served by vLLM: the name of the adapter the call was sent to (`<model>-lora-<step>`, loaded
+for checkpoint `step`, which `lightning.llm.weight_version` records), so a trace says which adapter produced it."""
 LLM_HTTP_STATUS = "http.response.status_code"
 
 

@@ -277,7 +277,7 @@ def test_export_merges_an_adapter_into_a_whole_model_and_a_run_registers_it_merg
     torch.testing.assert_close(trainer.log_probs(load_policy(registered)[0].eval(), batch), expected, atol=1e-6, rtol=0)
 
 
-def test_verl_gets_the_lora_options_it_has_and_vllm_replicas_are_refused(tmp_path: Path) -> None:
+def test_verl_gets_the_lora_options_it_has(tmp_path: Path) -> None:
     from lightning.algorithm.config import VerlOptions
     from lightning.algorithm.verl_backend import verl_overrides
 
@@ -290,6 +290,19 @@ def test_verl_gets_the_lora_options_it_has_and_vllm_replicas_are_refused(tmp_pat
     with pytest.raises(ValueError, match="algorithm.lora.dropout: verl's LoRA has no dropout"):
         verl_overrides("m", TrainerConfig(lora={"dropout": 0.1}), VerlOptions(), rows_per_step=8, total_steps=1)
 
+
+def test_lora_on_vllm_replicas_is_taken_and_what_they_cannot_serve_is_refused(tmp_path: Path) -> None:
     base = {"agent": "examples.copy_task.agent:copy_agent", "output_dir": str(tmp_path), "algorithm": {"lora": {}}}
-    with pytest.raises(ConfigError, match="algorithm.lora: a run publishes LoRA adapters to the embedded"):
-        load_config(base, **{"inference.backend": "vllm"})
+    assert load_config(base, **{"inference.backend": "vllm"}).algorithm.lora.rank == 16
+    refused = {
+        "inference.vllm.max_lora_rank: 8 cannot serve adapters of rank 16": {"inference.vllm": {"max_lora_rank": 8}},
+        "inference.vllm.max_lora_rank: 24 cannot": {"inference.vllm": {"max_lora_rank": 24}},  # not a rank vLLM takes
+        "inference.vllm.enable_lora: a LoRA run's vLLM replicas serve its adapters": {
+            "inference.vllm": {"enable_lora": False}
+        },
+        "algorithm.lora.rank: vLLM serves adapters of rank 512 at most": {"algorithm.lora.rank": 1024},
+        "algorithm.lora: the run hot-swaps the torch trainer's LoRA checkpoints": {"trainer_backend": "verl"},
+    }
+    for message, overrides in refused.items():
+        with pytest.raises(ConfigError, match=message):
+            load_config(base, **{"inference.backend": "vllm", **overrides})

@@ -259,7 +259,7 @@ async def test_admin_routes_pause_and_resume_over_http(store: SqlLightningStore)
             assert (await http.post("/admin/pause")).json() == {"paused": True, "drained": 0}
             assert (await http.get("/admin/status")).json()["paused"] is True
             resumed = await http.post("/admin/resume", json={"weight_version": "step-2"})
-            assert resumed.json() == {"paused": False, "weight_version": "step-2"}
+            assert resumed.json() == {"paused": False, "weight_version": "step-2", "adapter": None}
             replaced = await http.put("/admin/backends", json=[{"url": url}, {"url": url, "token_ids": False}])
             assert replaced.json() == {"backends": [url, url]}
 
@@ -531,6 +531,36 @@ async def test_the_plain_v1_route_streams_without_buffering(store: SqlLightningS
         rest = [chunk.choices[0].delta.content async for chunk in stream]
     assert first.choices[0].delta.content == "The"
     assert rest == [" end"]
+
+
+async def test_after_adapter_n_is_published_the_policy_s_calls_go_to_it_and_their_spans_record_n(
+    store: SqlLightningStore,
+) -> None:
+    """A LoRA run on vLLM: the run resumes the proxy with the adapter's name and step (`Run.load_weights`); every call
+    for the policy from then on is sent as that adapter, and its span records both, streamed or not."""
+    with backends() as [(backend, url)], running(LLMProxy(store, [url], model_name="policy")) as proxy:
+        rollout, llm = await attempt_llm(store, proxy)
+        await client(llm).chat.completions.create(model="policy", messages=MESSAGES)  # the base, version 0
+        async with httpx.AsyncClient(base_url=proxy.url) as http:
+            await http.post("/admin/pause")
+            resumed = await http.post("/admin/resume", json={"weight_version": 3, "adapter": "policy-lora-3"})
+            assert resumed.json() == {"paused": False, "weight_version": 3, "adapter": "policy-lora-3"}
+            await client(llm).chat.completions.create(model="policy", messages=MESSAGES)
+            stream = await client(llm).chat.completions.create(model="policy", messages=MESSAGES, stream=True)
+            assert "".join([chunk.choices[0].delta.content async for chunk in stream]) == "".join(ANSWER)
+            await client(llm).chat.completions.create(model="another", messages=MESSAGES)  # not the policy: as is
+            assert (await http.get("/admin/status")).json()["adapter"] == "policy-lora-3"
+            wrong = await http.post("/admin/resume", json={"adapter": 3})
+            assert wrong.status_code == 400 and "adapter" in wrong.text
+            await http.post("/admin/resume", json={"weight_version": 4, "adapter": None})  # whole weights again
+            await client(llm).chat.completions.create(model="policy", messages=MESSAGES)
+        spans = await store.query_spans(rollout.rollout_id)
+    sent = [request["model"] for request in backend.requests]
+    assert sent == ["policy", "policy-lora-3", "policy-lora-3", "another", "policy"]
+    recorded = [
+        (s.attributes.get(semconv.LLM_WEIGHT_VERSION), s.attributes.get(semconv.LLM_LORA_ADAPTER)) for s in spans
+    ]
+    assert recorded == [(None, None), (3, "policy-lora-3"), (3, "policy-lora-3"), (3, None), (4, None)]
 
 
 async def test_the_advertised_model_name_is_mapped_to_what_the_backend_serves(store: SqlLightningStore) -> None:

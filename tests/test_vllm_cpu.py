@@ -4,6 +4,8 @@ The GPU test (`tests/test_gpu_cluster.py`) runs the same code path; only the dev
 
 - the token ids vLLM returns are our tokenizer's, and the proxy stores them with the sampled tokens' log-probs;
 - after a weight reload vLLM's log-probs are the new weights' (a reload that silently failed would show);
+- a LoRA checkpoint published as an adapter (`publish_lora_adapter`) answers through the proxy with the adapter's
+  log-probs, and the call's span names the adapter and its step; the adapter before it is unloaded;
 - a three-iteration train flow on two vLLM replicas, one of them killed mid-iteration, finishes: both replicas
   served and both took every checkpoint, the dead one was restarted, the engine's and the trainer's log-probs agree
   every iteration, and the held-out reward ends above where it started.
@@ -37,7 +39,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from lightning import semconv
 from lightning.checkpoint import latest_checkpoint, load_checkpoint
 from lightning.config import TrainConfig, validate_config
-from lightning.inference.vllm import VLLM_PYTHON_ENV, VllmConfig, VllmServer
+from lightning.inference.vllm import VLLM_PYTHON_ENV, VllmConfig, VllmServer, publish_lora_adapter
 from lightning.models import build_tiny_model
 from lightning.proxy import Backend, LLMProxy
 from lightning.run import recorded_history
@@ -76,14 +78,20 @@ def server(vllm_python: str, models: tuple[Path, Path], tmp_path_factory: pytest
         api_key=secrets.token_urlsafe(16), **CPU_OPTIONS,
         # Tool calls in the tiny template's Hermes form, parsed by vLLM (the multi-turn test's agent sends `tools`).
         extra_args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+        # LoRA adapters for the LoRA test, as a LoRA run's replicas start (on vLLM's CPU build LoRA turns torch.compile
+        # off; the reload and mismatch tests measured the same with it on: about 2e-6).
+        enable_lora=True, max_lora_rank=8,
     )  # fmt: skip
     with VllmServer(config, log_path=tmp_path_factory.mktemp("vllm") / "vllm.log") as running:
         yield running
 
 
-def trainer_log_probs(model_dir: Path, prompt: list[int], response: list[int]) -> torch.Tensor:
-    """Transformers' log-prob of each response token given the prompt and the tokens before it (float32)."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+def trainer_log_probs(model_dir: Path | Any, prompt: list[int], response: list[int]) -> torch.Tensor:
+    """Transformers' log-prob of each response token given the prompt and the tokens before it (float32); `model_dir`
+    may be a model already loaded."""
+    model = model_dir
+    if isinstance(model_dir, Path):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():
         logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
@@ -163,6 +171,76 @@ def test_after_a_reload_vllm_serves_the_new_weights(server: Any, models: tuple[P
         assert float(new) < MISMATCH_BOUND and float(old) > 0.5, (new, old)
     finally:
         server.reload_weights(models[0], version="0")
+
+
+def lora_checkpoint(base: Path, root: Path, step: int) -> Path:
+    """Checkpoint `step` as a LoRA run's trainer writes it (the trainer's peft wrapping, `save_checkpoint`), rank 4, its
+    B matrices drawn at random (seeded by `step`) so that the adapter changes every answer."""
+    from lightning.algorithm.config import LoraConfig
+    from lightning.algorithm.trainer import add_lora, load_policy
+    from lightning.checkpoint import save_checkpoint
+
+    model, tokenizer = load_policy(base)
+    wrapped = add_lora(model, LoraConfig(rank=4, alpha=8), base)
+    generator = torch.Generator().manual_seed(step)
+    with torch.no_grad():
+        for name, parameter in wrapped.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
+    return save_checkpoint(root, step, wrapped, tokenizer, trainer_state={}, keep_last=None)
+
+
+async def test_a_lora_adapter_published_to_vllm_answers_through_the_proxy_and_its_span_names_it(
+    server: Any, models: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Adapters of steps 1 and 2 published as a LoRA run publishes them (`Run.load_weights`): vLLM serves each under
+    its own name, the proxy sends the policy's calls there, and each call's log-probs are the base with that adapter
+    merged (peft), its span recording the adapter and its step; publishing step 2 unloads step 1's adapter."""
+    from peft import PeftModel
+
+    store = SqlLightningStore(f"sqlite:///{tmp_path}/store.db", watchdog_interval=None)
+    key = server.config.api_key.get_secret_value()
+    proxy = LLMProxy(store, [Backend(url=server.endpoint, api_key=key)], model_name="tiny")
+    proxy.start()
+    messages = [{"role": "user", "content": "Copy the last letter: abcd"}]
+    base = AutoModelForCausalLM.from_pretrained(models[0], dtype=torch.float32)
+    try:
+        for step in (1, 2):
+            adapter = lora_checkpoint(models[0], tmp_path / "checkpoints", step)
+
+            def route(name: str, step: int = step) -> None:
+                proxy.resume_sync(step, name)
+
+            name = publish_lora_adapter([server], adapter, step, route, model_name="tiny")
+            assert name == f"tiny-lora-{step}"
+            listed = httpx.get(f"{server.endpoint}/models", headers=server._headers()).json()["data"]
+            assert [model["id"] for model in listed] == ["tiny", name]  # the adapter before is unloaded
+
+            rollout = await store.start_rollout({"step": step})
+            llm = proxy.as_resource(rollout.rollout_id, rollout.attempt.attempt_id)
+            async with httpx.AsyncClient(timeout=60) as client:
+                answer = await client.post(
+                    f"{llm.base_url}/chat/completions",
+                    json={"model": "tiny", "messages": messages, "max_tokens": 12, "temperature": 1.0, "seed": step},
+                )
+            assert answer.status_code == 200 and answer.json()["model"] == name, answer.text
+            span = await the_llm_span(store, rollout.rollout_id)
+            assert span.attributes[semconv.LLM_WEIGHT_VERSION] == step
+            assert span.attributes[semconv.LLM_LORA_ADAPTER] == name
+            prompt = semconv.decode_token_ids(span.attributes[semconv.LLM_PROMPT_TOKEN_IDS])
+            [response] = [semconv.decode_token_ids(s) for s in span.attributes[semconv.LLM_RESPONSE_TOKEN_IDS]]
+            [served] = [semconv.decode_logprobs(s) for s in span.attributes[semconv.LLM_RESPONSE_LOGPROBS]]
+            merged = PeftModel.from_pretrained(
+                AutoModelForCausalLM.from_pretrained(models[0], dtype=torch.float32), str(adapter)
+            ).merge_and_unload()
+            with_adapter = (torch.tensor(served) - trainer_log_probs(merged, prompt, response)).abs().max()
+            without = (torch.tensor(served) - trainer_log_probs(base, prompt, response)).abs().max()
+            assert float(with_adapter) < MISMATCH_BOUND and float(without) > 0.5, (step, with_adapter, without)
+    finally:
+        proxy.stop()
+        await store.close()
+        for name in server.lora_adapters:  # the module's server serves the base alone again
+            server.unload_lora_adapter(name)
 
 
 async def test_a_multi_turn_tool_calling_agent_trains_as_one_masked_row_per_rollout(

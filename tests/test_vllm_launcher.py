@@ -24,6 +24,8 @@ from lightning.inference.vllm import (
     VllmServer,
     build_vllm_command,
     build_vllm_env,
+    max_lora_rank_for,
+    publish_lora_adapter,
 )
 from lightning.serving import free_port
 
@@ -67,6 +69,12 @@ def test_every_field_becomes_its_flag() -> None:
         "--enable-prefix-caching",
         "--enforce-eager", "--max-num-seqs", "64",
     ]  # fmt: skip
+
+
+def test_a_lora_rank_gets_the_smallest_max_lora_rank_vllm_takes() -> None:
+    assert [max_lora_rank_for(rank) for rank in (1, 4, 8, 16, 17, 300, 512)] == [1, 8, 8, 16, 32, 320, 512]
+    with pytest.raises(ValueError, match="rank 512 at most"):
+        max_lora_rank_for(513)
 
 
 def test_prefix_caching_and_tensor_parallel_defaults_add_no_flag() -> None:
@@ -267,6 +275,45 @@ def test_lifecycle_sleep_reload_lora_swap_and_stop(fake: FakeVllm, tmp_path: Pat
     assert _is_gone(leader)
     assert _wait_until(lambda: _is_gone(start["engine_pid"])), "the engine child outlived stop()"
     assert "fake vllm serving policy" in (tmp_path / "logs" / "vllm.log").read_text()
+
+
+def test_publishing_an_adapter_loads_it_on_every_replica_routes_to_it_then_unloads_the_old_one(
+    fake: FakeVllm, tmp_path: Path
+) -> None:
+    """`publish_lora_adapter`, as a LoRA run's checkpoint calls it on its replicas: each adapter under a new name,
+    loaded everywhere before the proxy is told (`route`), the one before unloaded after; a step published again (a
+    retried checkpoint, its new adapter at the same path) gets a name of its own, so vLLM's prefix cache cannot mix
+    the two."""
+    (tmp_path / "b").mkdir()
+    other = FakeVllm(tmp_path / "b")
+    step1, step2 = _make_dir(tmp_path / "step-1"), _make_dir(tmp_path / "step-2")
+    fakes = (fake, other)
+    routed = []
+
+    def adapter_calls(each: FakeVllm) -> list[tuple[str, str]]:
+        return [(c["path"].removeprefix("/v1/").split("_")[0], c["body"]["lora_name"]) for c in each.requests()]
+
+    def route(name: str) -> None:  # what each replica had been asked when the proxy was told
+        routed.append((name, [adapter_calls(each) for each in fakes]))
+
+    with VllmServer(fake.config(enable_lora=True)) as a, VllmServer(other.config(enable_lora=True)) as b:
+        assert publish_lora_adapter([a, b], step1, 1, route, model_name="policy") == "policy-lora-1"
+        assert publish_lora_adapter([a, b], step2, 2, route, model_name="policy") == "policy-lora-2"
+        assert publish_lora_adapter([a, b], step2, 2, route, model_name="policy") == "policy-lora-2-2"
+        assert a.lora_adapters == b.lora_adapters == {"policy-lora-2-2": step2}
+        listed = httpx.get(f"{b.endpoint}/models").json()["data"]
+        assert [model["id"] for model in listed] == ["policy", "policy-lora-2-2"]
+    history = [("load", "policy-lora-1"), ("load", "policy-lora-2"), ("unload", "policy-lora-1")]
+    history.append(("load", "policy-lora-2-2"))
+    assert routed == [
+        ("policy-lora-1", [history[:1]] * 2),
+        ("policy-lora-2", [history[:2]] * 2),
+        ("policy-lora-2-2", [history] * 2),
+    ]
+    for each in fakes:
+        assert adapter_calls(each) == [*history, ("unload", "policy-lora-2")]
+        paths = [c["body"]["lora_path"] for c in each.requests("/v1/load_lora_adapter")]
+        assert paths == [str(step1), str(step2), str(step2)]
 
 
 def test_api_key_is_sent_as_bearer_token(fake: FakeVllm) -> None:

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,11 @@ from lightning.serving import is_loopback
 # - `POST /reset_prefix_cache`: drops cached prefixes computed with the old weights; dev mode only. Returns
 #   `{"success": bool}` in recent versions (an empty 200 before), `false` while running requests still hold blocks.
 # - `POST /v1/load_lora_adapter` `{"lora_name", "lora_path"}` and `POST /v1/unload_lora_adapter` `{"lora_name"}`:
-#   only mounted with `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` and `--enable-lora`.
+#   only mounted with `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` and `--enable-lora`. Run against vLLM 0.32's CPU build
+#   (tests/test_vllm_cpu.py): a request whose `model` is the adapter's name is served by base + adapter, and its
+#   answer names the adapter; the prefix cache keys blocks by the adapter's name and path, so a new name (or path) never
+#   reuses another adapter's KV. Unloading drops the name only: the engine keeps the weights in its LRU cache of
+#   `--max-cpu-loras` (default `--max-loras`) adapters, so memory stays bounded.
 #
 # vLLM's `--api-key` (or `VLLM_API_KEY`) guards only `/v1/...` paths: the dev routes above answer anyone who can reach
 # the port, which is why the server binds to loopback unless told otherwise.
@@ -43,6 +47,17 @@ logger = logging.getLogger(__name__)
 
 _POLL_INTERVAL = 0.1
 _LOG_TAIL_LINES = 40
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM takes for `--max-lora-rank` (vLLM 0.32's `MaxLoRARanks`)."""
+
+
+def max_lora_rank_for(rank: int) -> int:
+    """The smallest `--max-lora-rank` vLLM takes that serves adapters of rank `rank`."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(f"LoRA rank {rank}: vLLM serves adapters of rank {VLLM_LORA_RANKS[-1]} at most")
 
 
 class VllmConfig(BaseModel):
@@ -489,3 +504,40 @@ class VllmServer:
                 status_code=response.status_code,
             )
         return response
+
+
+def lora_adapter_name(model_name: str, version: int | str, taken: Collection[str] = ()) -> str:
+    """The name checkpoint `version`'s adapter is served under: `<model_name>-lora-<version>`, or, when that name is in
+    `taken` (the same step published again: a retried checkpoint, whose new adapter sits at the same path), with `-2`,
+    `-3`, ... after it: vLLM's prefix cache tells adapters apart by name and path, so reusing both would reuse KV
+    computed with the adapter replaced."""
+    name = base = f"{model_name}-lora-{version}"
+    repeat = 1
+    while name in taken:
+        repeat += 1
+        name = f"{base}-{repeat}"
+    return name
+
+
+def publish_lora_adapter(
+    servers: Sequence[VllmServer],
+    path: str | Path,
+    version: int | str,
+    route: Callable[[str], None],
+    *,
+    model_name: str,
+) -> str:
+    """Hot-swap the LoRA adapter the policy is served as on every server: load the adapter in `path` under a new name
+    (`lora_adapter_name`), call `route(name)` (the LLM proxy sends the policy's calls to that name from then on), then
+    unload the adapters served before. The new name is loaded everywhere before any call is routed to it, and the old
+    ones are unloaded only once nothing is routed to them. Returns the new name."""
+    taken = {name for server in servers for name in server.lora_adapters}
+    name = lora_adapter_name(model_name, version, taken)
+    for server in servers:
+        server.load_lora_adapter(name, path, version=str(version))
+    route(name)
+    for server in servers:
+        for old in server.lora_adapters:
+            if old != name:
+                server.unload_lora_adapter(old)
+    return name

@@ -5,7 +5,8 @@ rollout and attempt.
 Routes: `/rollout/{rollout_id}/attempt/{attempt_id}[/signed/{signature}]/v1/...` (what a runner hands its
 agent; signed with the proxy's token, the route's attempt is not looked up in the store) and plain `/v1/...`
 (spans only when the `x-rollout-id` / `x-attempt-id` headers name an attempt).
-Admin: `POST /admin/pause`, `POST /admin/resume`, `GET /admin/status`, `PUT /admin/backends`.
+Admin: `POST /admin/pause`, `POST /admin/resume` (`{"weight_version": ..., "adapter": ...}`), `GET /admin/status`,
+`PUT /admin/backends`.
 """
 
 from __future__ import annotations
@@ -61,6 +62,13 @@ minute then costs each call nothing, and the log one line per window instead of 
 _KNOWN_ATTEMPTS = 100_000
 BODY_SETTING = "inference.max_request_mb of the run's config (--max-body-mb of `lightning proxy serve`)"
 """What sets the largest request body the proxy takes (413 beyond), named in its 413s."""
+
+
+class _Unchanged:
+    """`LLMProxy.resume`'s default for `adapter`: leave the adapter as it is (None there means the base model)."""
+
+
+UNCHANGED = _Unchanged()
 
 
 class Backend(BaseModel):
@@ -120,6 +128,11 @@ class LLMProxy:
       (`lightning.chat`), on the backend's `chat/completions/tokens` route, so a multi-turn trajectory is one
       token-exact row. Without it the backend renders every call's messages itself.
     - `max_body_bytes`: a request body over it is answered 413 before it is read whole, never forwarded.
+
+    `weight_version` (the checkpoint step served) and `adapter` are set by `resume`, and recorded on the span of every
+    call let through from then on. `adapter`: the name under which the backends serve the policy's LoRA adapter (a
+    LoRA run on vLLM loads each checkpoint's adapter under a name of its own: `lightning.inference.vllm.
+    publish_lora_adapter`); a call for `model_name` is sent under that name, whatever its backend serves the base as.
     """
 
     def __init__(
@@ -150,6 +163,7 @@ class LLMProxy:
         self.max_connections = max_connections
         self.max_body_bytes = max_body_bytes
         self.weight_version: str | int | None = None
+        self.adapter: str | None = None
         self.writer = SpanWriter(store)
         self.conversations = Conversations(tokenizer) if tokenizer is not None else None
         self._token_route = True
@@ -198,12 +212,17 @@ class LLMProxy:
         await asyncio.wait_for(self._idle.wait(), timeout)
         return draining
 
-    async def resume(self, weight_version: str | int | None = None) -> None:
-        """Let calls through again; `weight_version` is recorded on every span from now on."""
+    async def resume(
+        self, weight_version: str | int | None = None, adapter: str | None | _Unchanged = UNCHANGED
+    ) -> None:
+        """Let calls through again; `weight_version` is recorded on every span from now on. `adapter` (a name, or None
+        for the base model; by default unchanged): what calls for `model_name` are sent as, recorded on their spans."""
         self._events()
         assert self._open is not None
         if weight_version is not None:
             self.weight_version = weight_version
+        if not isinstance(adapter, _Unchanged):
+            self.adapter = adapter
         self._open.set()
 
     def set_backends(self, backends: Sequence[Backend | str]) -> None:
@@ -219,6 +238,7 @@ class LLMProxy:
             "backends": [b.url for b in self.backends],
             "external_models": sorted(self.external_models),
             "weight_version": self.weight_version,
+            "adapter": self.adapter,
             "calls": self.calls,
             "retries": self.retries,
             **self.writer.stats(),
@@ -279,8 +299,12 @@ class LLMProxy:
         async def admin_resume(request: Request) -> dict[str, Any]:
             raw = await request.body()
             body = json.loads(raw) if raw.strip() else {}
-            await proxy.resume(body.get("weight_version") if isinstance(body, dict) else None)
-            return {"paused": False, "weight_version": proxy.weight_version}
+            body = body if isinstance(body, dict) else {}
+            adapter = body.get("adapter", UNCHANGED)
+            if not isinstance(adapter, (str, type(None), _Unchanged)):
+                return error_response(400, "adapter: a LoRA adapter's name, or null for the base model", "adapter")
+            await proxy.resume(body.get("weight_version"), adapter)
+            return {"paused": False, "weight_version": proxy.weight_version, "adapter": proxy.adapter}
 
         @app.get("/admin/status")
         async def admin_status() -> dict[str, Any]:
@@ -369,6 +393,8 @@ class LLMProxy:
     ) -> Response:
         started = time.time()
         body, operation = outbound.body, outbound.operation
+        # What serves this call: fixed while it is in flight (`pause` drains the calls before weights change).
+        served = (self.weight_version, self.adapter if body.get("model") == self.model_name else None)
         stream = bool(body.get("stream"))
         upstream, backend, tries, as_completion = await self._send_continued(outbound, rollout_id, continuation)
         if operation is None or rollout_id is None or attempt_id is None:
@@ -376,7 +402,7 @@ class LLMProxy:
         call = Call(operation=operation, request=body, stream=stream, status_code=upstream.status)
         if continuation.continues:
             call.continuation = continuation.reason or "joined"
-        context = (rollout_id, attempt_id, request.headers.get("traceparent"), backend, tries, started)
+        context = (rollout_id, attempt_id, request.headers.get("traceparent"), backend, tries, started, served)
         if not stream or upstream.status != 200:
             content = await upstream.read()
             upstream.release()
@@ -491,7 +517,8 @@ class LLMProxy:
         started = time.time()
         stream = bool(body.get("stream"))
         call = Call(operation=operation, request=body, stream=stream)
-        context = (rollout_id, attempt_id, request.headers.get("traceparent"), None, 1, started)
+        served = (self.weight_version, None)
+        context = (rollout_id, attempt_id, request.headers.get("traceparent"), None, 1, started, served)
         status, result = await complete(self._litellm_router(), body, operation)
         call.status_code = status
         if status != 200 or not stream:
@@ -521,8 +548,10 @@ class LLMProxy:
         backend: Backend | None,
         tries: int,
         started: float,
+        served: tuple[str | int | None, str | None],
         first_chunk_at: float | None = None,
     ) -> None:
+        """Store the call's span; `served`: the weight version and the LoRA adapter (or None) it was sent to."""
         if rollout_id is None or attempt_id is None:
             return
         if self.conversations is not None and call.operation == "chat":
@@ -535,8 +564,11 @@ class LLMProxy:
         attributes[semconv.LLM_TRIES] = tries
         if first_chunk_at is not None:
             attributes[semconv.LLM_TIME_TO_FIRST_CHUNK_MS] = round((first_chunk_at - started) * 1000, 3)
-        if self.weight_version is not None:
-            attributes[semconv.LLM_WEIGHT_VERSION] = self.weight_version
+        weight_version, adapter = served
+        if weight_version is not None:
+            attributes[semconv.LLM_WEIGHT_VERSION] = weight_version
+        if adapter is not None:
+            attributes[semconv.LLM_LORA_ADAPTER] = adapter
         trace_id, parent_id = _parse_traceparent(traceparent)
         span_id = os.urandom(8).hex()
         failed = call.error is not None or call.status_code != 200
@@ -618,10 +650,13 @@ class LLMProxy:
     async def _backend_model(self, backend: Backend, body: dict[str, Any]) -> str | None:
         """The `model` to send `backend` instead of the request's, or None to leave it.
 
-        `Backend.model` when set; otherwise a call for the advertised `model_name` goes to a backend that serves
-        another name (a server started with its own `--served-model-name`) under the first name its
+        A call for the advertised `model_name` goes to the LoRA adapter the backends serve the policy as (`adapter`)
+        when there is one. Otherwise `Backend.model` when set; otherwise a call for `model_name` goes to a backend
+        that serves another name (a server started with its own `--served-model-name`) under the first name its
         `GET /models` lists, asked once per backend. Calls naming any other model pass unchanged.
         """
+        if self.adapter is not None and body.get("model") == self.model_name:
+            return self.adapter
         if backend.model is not None:
             return backend.model
         if body.get("model") != self.model_name:
@@ -724,9 +759,11 @@ class LLMProxy:
         """`pause` from another thread while serving with `start()`."""
         return self._server_loop().call(self.pause(timeout))
 
-    def resume_sync(self, weight_version: str | int | None = None) -> None:
+    def resume_sync(
+        self, weight_version: str | int | None = None, adapter: str | None | _Unchanged = UNCHANGED
+    ) -> None:
         """`resume` from another thread while serving with `start()`."""
-        self._server_loop().call(self.resume(weight_version))
+        self._server_loop().call(self.resume(weight_version, adapter))
 
     def _server_loop(self) -> Any:
         if self._server is None:

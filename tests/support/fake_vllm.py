@@ -5,6 +5,9 @@ Standard library only, so that it starts in milliseconds. Like vLLM, it mounts t
 VLLM_SERVER_DEV_MODE=1, the LoRA routes only with VLLM_ALLOW_RUNTIME_LORA_UPDATING, and checks the bearer token
 (VLLM_API_KEY) on /v1 paths only. It forks one idle child, as vLLM forks its engine core, whose pid it records.
 
+`POST /v1/chat/completions` answers a model it serves (its served name, or a loaded adapter's) with one fixed
+token, naming that model, as vLLM does; any other model gets vLLM's 404.
+
 Knobs (environment): FAKE_VLLM_EXIT_CODE=N prints an error and exits with N before serving; FAKE_VLLM_READY_AFTER=S
 answers /health with 503 for S seconds; FAKE_VLLM_IGNORE_SIGTERM=1 ignores SIGTERM.
 """
@@ -102,7 +105,22 @@ class Handler(BaseHTTPRequestHandler):
             if State.adapters.pop(body["lora_name"], None) is None:
                 return self._answer(404, {"error": {"message": "not found"}})
             return self._answer(200)
+        if route == ("POST", "/v1/chat/completions"):
+            return self._chat(body or {})
         return self._answer(404, {"detail": "Not Found"})
+
+    def _chat(self, body: dict) -> None:
+        model = body.get("model")
+        if model not in (State.served_name, *State.adapters):
+            message = f"The model `{model}` does not exist."
+            return self._answer(404, {"error": {"message": message, "type": "NotFoundError", "code": 404}})
+        choice = {
+            "index": 0, "message": {"role": "assistant", "content": "d"}, "finish_reason": "stop", "token_ids": [7],
+            "logprobs": {"content": [{"token": "d", "logprob": -0.5}]},
+        }  # fmt: skip
+        usage = {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}
+        answer = {"id": "chatcmpl-fake", "object": "chat.completion", "created": int(time.time()), "model": model}
+        return self._answer(200, {**answer, "choices": [choice], "prompt_token_ids": [5, 6], "usage": usage})
 
     def do_GET(self) -> None:
         self._handle("GET")
