@@ -219,13 +219,14 @@ class Trainer:
 
     async def _run_algorithm(self, algorithm: Algorithm, agent: Any, train_dataset: Any, val_dataset: Any) -> None:
         """agl's custom algorithm: `algorithm.run(train_dataset, val_dataset)` in this process against the store
-        (`store=`, else one in memory) while `n_runners` runners run `agent` on what it enqueues; they stop when it
-        returns. No flow: nothing is trained but by the algorithm itself."""
+        (`store=`, else one in memory; either answers unknown rollout ids as agl's stores do) while `n_runners`
+        runners run `agent` on what it enqueues; they stop when it returns. No flow: nothing is trained but by the
+        algorithm itself."""
         from lightning.runner import Runner
         from lightning.store import InMemoryLightningStore, open_store
 
         url = self._fields.get("store_url", self._base.get("store_url"))
-        store = open_store(url) if url is not None else InMemoryLightningStore()
+        store = open_store(url, agl_answers=True) if url is not None else InMemoryLightningStore()
         runners = [Runner(agent, store) for _ in range(self.n_runners)]
         agent.set_trainer(self)
         algorithm.set_trainer(self)

@@ -18,6 +18,7 @@ from yarl import URL
 
 from lightning.credentials import split_credentials
 from lightning.store import contract
+from lightning.store.agl_answers import AglUnknownIds
 from lightning.store.base import LightningStore
 from lightning.store.contract import MAX_WAIT_SECONDS, Request
 from lightning.store.errors import AuthError, ConflictError, InvalidArgumentError, NotFoundError, StoreError
@@ -216,12 +217,14 @@ def _error_from(method: str, status: int, reason: str | None, content: bytes, ba
     return error_type(detail)
 
 
-class LightningStoreClient(HttpLightningStore):
+class LightningStoreClient(AglUnknownIds, HttpLightningStore):
     """agent-lightning's store client, by its name and arguments: `LightningStoreClient("http://host:4747")`, the
     address of `lightning store serve` (or of agl's own server: this client speaks our `/v1/store` routes, which
     only ours serves). `retry_delays`: its length is how many times a call safe to repeat is tried again (our client
     picks its own back-off); `request_timeout`: seconds per request. `health_retry_delays` and `connection_timeout`
-    are accepted for agl's code and change nothing. `token`: the server's bearer token."""
+    are accepted for agl's code and change nothing. `token`: the server's bearer token. Unknown rollout ids are
+    answered as agl's client gets them answered: `query_spans` with an empty page, `wait_for_rollouts` by leaving
+    them out (lightning.store.agl_answers)."""
 
     def __init__(
         self,
