@@ -117,7 +117,14 @@ _LAZY: dict[str, tuple[str, str]] = {
         "find_final_reward", "find_rewards", "find_reward_spans", "is_reward_span", "get_reward_value",
         "get_final_reward",
     )},
-    "TraceToMessages": ("lightning.adapter", "TraceToMessages"),
+    **{name: ("lightning.adapter", name) for name in (
+        "TraceToMessages", "Adapter", "TraceAdapter", "OtelTraceAdapter", "TraceToTripletBase", "TracerTraceToTriplet",
+        "LlmProxyTraceToTriplet",
+    )},
+    **{name: ("lightning.agl_execution", name) for name in (
+        "ExecutionStrategy", "SharedMemoryExecutionStrategy", "ClientServerExecutionStrategy", "ExecutionEvent",
+        "ThreadingEvent", "MultiprocessingEvent",
+    )},
     **{name: ("lightning.agl_algorithms", name) for name in ("APO", "VERL", "Algorithm", "algo")},
     **{name: ("lightning.env_var", name) for name in (
         "LightningEnvVar", "resolve_bool_env_var", "resolve_int_env_var", "resolve_str_env_var",
@@ -127,8 +134,8 @@ _LAZY: dict[str, tuple[str, str]] = {
 }  # fmt: skip
 # agent-lightning's submodules (agl.litagent, agl.store, ...) as attributes, imported on first use.
 _SUBMODULES = frozenset(
-    {"adapter", "algorithm", "config", "emitter", "env_var", "litagent", "logging", "reward", "runner", "semconv",
-     "store", "tracer", "trainer", "types"}
+    {"adapter", "algorithm", "config", "emitter", "env_var", "execution", "litagent", "logging", "reward", "runner",
+     "semconv", "store", "tracer", "trainer", "types"}
 )  # fmt: skip
 
 sys.meta_path.append(agl_import_paths.FINDER)

@@ -26,8 +26,7 @@ class NotInLightning(ImportError):
 
 
 MODULES: dict[str, tuple[str, ...]] = {
-    "adapter.base": ("lightning.adapter",),
-    "adapter.triplet": ("lightning.adapter",),
+    "adapter.triplet": ("lightning.adapter.agl_triplet", "lightning.adapter"),
     "algorithm.apo": ("lightning.agl_algorithms",),
     "algorithm.apo.apo": ("lightning.agl_algorithms",),
     "algorithm.base": ("lightning.agl_algorithms",),
@@ -35,6 +34,12 @@ MODULES: dict[str, tuple[str, ...]] = {
     "algorithm.verl": ("lightning.agl_algorithms",),
     "algorithm.verl.interface": ("lightning.agl_algorithms",),
     "emitter": ("lightning.tracing",),
+    "execution": ("lightning.agl_execution",),
+    "execution.base": ("lightning.agl_execution",),
+    "execution.client_server": ("lightning.agl_execution",),
+    "execution.events": ("lightning.agl_execution",),
+    "execution.inter_process": ("lightning.agl_execution",),
+    "execution.shared_memory": ("lightning.agl_execution",),
     "emitter.annotation": ("lightning.tracing",),
     "emitter.exception": ("lightning.tracing",),
     "emitter.message": ("lightning.tracing",),
@@ -61,15 +66,11 @@ MODULES: dict[str, tuple[str, ...]] = {
     "types.tracer": ("lightning.types", "lightning.tracing"),
 }
 """agl module (after `agentlightning.`) -> our modules whose names `lightning.<that path>` offers, first found first.
-agl's modules at a path where we have a module of our own are not here: lightning.adapter, lightning.adapter.messages,
+agl's modules at a path where we have a module of our own are not here: lightning.adapter, lightning.adapter.base,
+lightning.adapter.messages,
 lightning.algorithm, lightning.cli, lightning.config, lightning.env_var, lightning.runner, lightning.semconv,
 lightning.store, lightning.store.base, lightning.store.memory, lightning.trainer, lightning.types."""
 
-_ADAPTER = (
-    "adapters here are functions over spans: lightning.adapter.spans_to_triplets and spans_to_messages "
-    "(lightning.adapter.TraceToMessages is agl's messages adapter over the latter); a run picks its training rows' "
-    "shape with adapter_shape='transition' (one row per LLM call) or 'trajectory'"
-)
 _FAST = (
     "a quick look at an agent is Trainer(...).dev(agent, dataset) (the `dev` flow: one batch of rollouts, adapted, "
     "nothing trained); a custom algorithm subclasses lightning.algorithm.Algorithm or is an @algo function"
@@ -85,10 +86,6 @@ _CLI = (
 _LEGACY = (
     "agent-lightning's deprecated 0.1/0.2 API: use lightning.Trainer(...).fit / .dev, lightning.Runner(agent, store) "
     "and the store (lightning.store.client.LightningStoreClient for a store server)"
-)
-_STRATEGY = (
-    "a run's runners are threads of the flow (task_runner='default'), processes of the run (task_runner='processes') "
-    "or Ray tasks (task_runner='ray'); size them with Trainer(n_runners=...) and runner_concurrency"
 )
 _INSTRUMENT = (
     "nothing to switch on: every call through the rollout's LLM resource is recorded by the run's LLM proxy, token "
@@ -125,7 +122,6 @@ NO_MODULE: dict[str, str] = {
     "server": _LEGACY,
     "runner.legacy": _LEGACY,
     "trainer.legacy": _LEGACY,
-    "execution": _STRATEGY,
     "instrumentation": _INSTRUMENT,
     "llm_proxy": "every run starts its own LLM proxy (`lightning proxy serve` alone); TrainConfig.proxy_endpoint "
     "uses one that is running",
@@ -143,17 +139,6 @@ NO_MODULE: dict[str, str] = {
 """agl modules (and the modules below them) with no counterpart here -> what to use instead."""
 
 NAMES: dict[str, str] = {
-    **dict.fromkeys(
-        [
-            "Adapter",
-            "TraceAdapter",
-            "OtelTraceAdapter",
-            "TraceToTripletBase",
-            "TracerTraceToTriplet",
-            "LlmProxyTraceToTriplet",
-        ],
-        _ADAPTER,
-    ),
     **dict.fromkeys(["FastAlgorithm", "Baseline"], _FAST),
     "lightning_cli": "a run's settings are a TrainConfig (YAML; `lightning config check FILE`), and the flows take "
     "--set field=value",
@@ -163,17 +148,6 @@ NAMES: dict[str, str] = {
     "rewards are its `lightning.reward.<name>` attributes",
     "get_message_value": "a message span's text is span.attributes['lightning.message.body']",
     "get_object_value": "an object span's value is json.loads(span.attributes['lightning.object.json'])",
-    **dict.fromkeys(
-        [
-            "ExecutionStrategy",
-            "ClientServerExecutionStrategy",
-            "SharedMemoryExecutionStrategy",
-            "ExecutionEvent",
-            "ThreadingEvent",
-            "MultiprocessingEvent",
-        ],
-        _STRATEGY,
-    ),
     "LLMProxy": NO_MODULE["llm_proxy"],
     **dict.fromkeys(
         [

@@ -203,8 +203,10 @@ def test_apo_becomes_the_optimize_prompt_flow_s_apo_section(monkeypatch: pytest.
         agl.APO(AsyncOpenAI(base_url="http://127.0.0.1:9/v1", api_key="sk-other"))
     with pytest.raises(ValueError, match="APO optimises one prompt template"):
         agl.Trainer(algorithm=algorithm)
-    with pytest.raises(TypeError, match="adapter= is not supported"):
+    with pytest.raises(TypeError, match="TraceToMessages and adapters of your own are for APO"):
         agl.Trainer(algorithm={"lr": 1e-5}, adapter=TraceToMessages())
+    with pytest.raises(TypeError, match="APO reads its rollouts as messages"):
+        agl.Trainer(algorithm=algorithm, initial_resources={"system": seed}, adapter=agl.LlmProxyTraceToTriplet())
 
 
 # --- Algorithm and @algo ------------------------------------------------------------------------------------------
