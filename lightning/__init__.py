@@ -113,10 +113,12 @@ _LAZY: dict[str, tuple[str, str]] = {
     "LitAgentRunner": ("lightning.runner", "LitAgentRunner"),
     **{name: ("lightning.tracing", name) for name in (
         "Tracer", "OtelTracer", "AgentOpsTracer", "SpanCoreFields", "emit_reward", "emit_message", "emit_object",
-        "emit_exception", "operation",
+        "emit_exception", "emit_annotation", "operation",
         "find_final_reward", "find_rewards", "find_reward_spans", "is_reward_span", "get_reward_value",
-        "get_final_reward",
+        "get_final_reward", "get_rewards_from_span", "get_message_value", "get_object_value", "get_active_tracer",
     )},
+    "SpanNames": ("lightning.semconv", "SpanNames"),
+    "SpanAttributeNames": ("lightning.semconv", "SpanAttributeNames"),
     **{name: ("lightning.adapter", name) for name in (
         "TraceToMessages", "Adapter", "TraceAdapter", "OtelTraceAdapter", "TraceToTripletBase", "TracerTraceToTriplet",
         "LlmProxyTraceToTriplet",

@@ -63,7 +63,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "trainer.trainer": ("lightning.trainer",),
     "types.core": ("lightning.types", "lightning.agent"),
     "types.resources": ("lightning.types",),
-    "types.tracer": ("lightning.types", "lightning.tracing"),
+    "types.tracer": ("lightning.types", "lightning.tracing", "lightning.semconv"),
 }
 """agl module (after `agentlightning.`) -> our modules whose names `lightning.<that path>` offers, first found first.
 agl's modules at a path where we have a module of our own are not here: lightning.adapter, lightning.adapter.base,
@@ -99,7 +99,14 @@ _STORE = (
 _TRACER = (
     "the tracer is lightning.Tracer (agl's OtelTracer and AgentOpsTracer name it), the runner's own (`self.tracer` "
     "in an agent): give it to LitAgentRunner(tracer), or let Runner(agent, store) make one. It records every span, "
-    "rewards included, so there is no tracer that records nothing, and none is active outside a runner"
+    "rewards included, so there is no tracer that records nothing; spans are recorded with the emitters "
+    "(emit_reward, emit_annotation, ...) and `with lightning.operation(name) as op:` (op.set_input / set_output), not "
+    "with a tracer's operation_context and its recording context"
+)
+_ACTIVE_TRACER = (
+    "a tracer is active inside one of its trace contexts (a runner opens one per attempt), in that thread or asyncio "
+    "task only, and lightning.get_active_tracer() returns it; no tracer can be made active outside one, as emitters "
+    "record spans of an attempt"
 )
 _COMPONENTS = (
     "a run's parts are chosen by TrainConfig fields (inference.backend, trainer_backend, task_runner, store_url), "
@@ -142,12 +149,6 @@ NAMES: dict[str, str] = {
     **dict.fromkeys(["FastAlgorithm", "Baseline"], _FAST),
     "lightning_cli": "a run's settings are a TrainConfig (YAML; `lightning config check FILE`), and the flows take "
     "--set field=value",
-    "emit_annotation": "record it with lightning.emit_object(value, attributes={...}) or emit_message(text, "
-    "attributes={...})",
-    "get_rewards_from_span": "lightning.get_reward_value(span) reads a reward span's primary reward; its named "
-    "rewards are its `lightning.reward.<name>` attributes",
-    "get_message_value": "a message span's text is span.attributes['lightning.message.body']",
-    "get_object_value": "an object span's value is json.loads(span.attributes['lightning.object.json'])",
     "LLMProxy": NO_MODULE["llm_proxy"],
     **dict.fromkeys(
         [
@@ -171,22 +172,10 @@ NAMES: dict[str, str] = {
     "total_attempts, total_spans, total_resources, total_workers, uptime) and counts by status",
     "LightningStoreServer": "run `lightning store serve --db URL` (agl's LightningStoreClient talks to it), or serve "
     "lightning.store.server.create_app(store) with uvicorn",
-    **dict.fromkeys(
-        [
-            "DummyTracer",
-            "get_active_tracer",
-            "set_active_tracer",
-            "clear_active_tracer",
-            "SpanRecordingContext",
-        ],
-        _TRACER,
-    ),
+    **dict.fromkeys(["DummyTracer", "SpanRecordingContext"], _TRACER),
+    **dict.fromkeys(["set_active_tracer", "clear_active_tracer"], _ACTIVE_TRACER),
     "build_component": _COMPONENTS,
     **dict.fromkeys(["FilterOptions", "SortOptions", "FilterField"], _FILTERS),
-    **dict.fromkeys(
-        ["SpanNames", "SpanAttributeNames"],
-        "span and attribute names are constants of lightning.semconv (REWARD_SPAN, MESSAGE_SPAN, GEN_AI_*, ...)",
-    ),
 }
 """agl names with no counterpart here -> what to use instead (wherever agl has the name)."""
 
