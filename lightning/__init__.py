@@ -127,7 +127,9 @@ _LAZY: dict[str, tuple[str, str]] = {
         "ExecutionStrategy", "SharedMemoryExecutionStrategy", "ClientServerExecutionStrategy", "ExecutionEvent",
         "ThreadingEvent", "MultiprocessingEvent",
     )},
-    **{name: ("lightning.agl_algorithms", name) for name in ("APO", "VERL", "Algorithm", "algo")},
+    **{name: ("lightning.agl_algorithms", name) for name in (
+        "APO", "VERL", "Algorithm", "algo", "FastAlgorithm", "Baseline",
+    )},
     **{name: ("lightning.env_var", name) for name in (
         "LightningEnvVar", "resolve_bool_env_var", "resolve_int_env_var", "resolve_str_env_var",
     )},

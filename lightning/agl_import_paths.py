@@ -31,6 +31,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "algorithm.apo.apo": ("lightning.agl_algorithms",),
     "algorithm.base": ("lightning.agl_algorithms",),
     "algorithm.decorator": ("lightning.agl_algorithms",),
+    "algorithm.fast": ("lightning.agl_algorithms",),
     "algorithm.verl": ("lightning.agl_algorithms",),
     "algorithm.verl.interface": ("lightning.agl_algorithms",),
     "emitter": ("lightning.tracing",),
@@ -71,10 +72,6 @@ lightning.adapter.messages,
 lightning.algorithm, lightning.cli, lightning.config, lightning.env_var, lightning.runner, lightning.semconv,
 lightning.store, lightning.store.base, lightning.store.memory, lightning.trainer, lightning.types."""
 
-_FAST = (
-    "a quick look at an agent is Trainer(...).dev(agent, dataset) (the `dev` flow: one batch of rollouts, adapted, "
-    "nothing trained); a custom algorithm subclasses lightning.algorithm.Algorithm or is an @algo function"
-)
 _VERL = (
     "agl's verl integration (its trainer, daemon and dataset) is lightning.VERL(config) given to "
     "lightning.Trainer(algorithm=...), which maps the verl config onto the `train` flow (trainer_backend verl)"
@@ -119,7 +116,6 @@ _FILTERS = (
 )
 
 NO_MODULE: dict[str, str] = {
-    "algorithm.fast": _FAST,
     "algorithm.utils": _INTERNAL,
     "verl": _VERL,
     "cli.prometheus": _CLI,
@@ -146,7 +142,6 @@ NO_MODULE: dict[str, str] = {
 """agl modules (and the modules below them) with no counterpart here -> what to use instead."""
 
 NAMES: dict[str, str] = {
-    **dict.fromkeys(["FastAlgorithm", "Baseline"], _FAST),
     "lightning_cli": "a run's settings are a TrainConfig (YAML; `lightning config check FILE`), and the flows take "
     "--set field=value",
     "LLMProxy": NO_MODULE["llm_proxy"],

@@ -38,7 +38,7 @@ from lightning.adapter import (
     TraceToTripletBase,
 )
 from lightning.agent import FunctionalLitAgent, LitAgent
-from lightning.agl_algorithms import APO, VERL, Algorithm
+from lightning.agl_algorithms import APO, VERL, Algorithm, FastAlgorithm
 from lightning.agl_execution import ClientServerExecutionStrategy, as_strategy
 from lightning.agl_import_paths import missing
 from lightning.algorithm.config import TrainerConfig
@@ -225,9 +225,10 @@ class Trainer:
                 "lightning.Runner(agent, LightningStoreClient(url)).iter() there against `lightning store serve`"
             )
         if self._custom is not None:
-            if flow_name != "train":
+            if flow_name != "train" and not isinstance(self._custom, FastAlgorithm):
                 raise TypeError(
-                    "Trainer.dev: a custom Algorithm runs with fit; dev runs the `dev` flow (give no algorithm)"
+                    "Trainer.dev: a custom Algorithm runs with fit (dev runs a FastAlgorithm such as Baseline, or the "
+                    "`dev` flow when no algorithm is given)"
                 )
             return await self._run_algorithm(self._custom, agent, train_dataset, val_dataset)
         if self._verl is not None and (refusal := self._verl.refusal()) is not None:
