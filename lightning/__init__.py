@@ -134,6 +134,10 @@ _LAZY: dict[str, tuple[str, str]] = {
         "LightningEnvVar", "resolve_bool_env_var", "resolve_int_env_var", "resolve_str_env_var",
     )},
     "LightningStoreClient": ("lightning.store.client", "LightningStoreClient"),
+    "LightningStoreServer": ("lightning.store.agl_server", "LightningStoreServer"),
+    "LightningStoreThreaded": ("lightning.store.agl_server", "LightningStoreThreaded"),
+    "LightningStoreCapabilities": ("lightning.store.base", "LightningStoreCapabilities"),
+    "LightningStoreStatistics": ("lightning.store.base", "LightningStoreStatistics"),
     "InMemoryLightningStore": ("lightning.store.memory", "InMemoryLightningStore"),
 }  # fmt: skip
 # agent-lightning's submodules (agl.litagent, agl.store, ...) as attributes, imported on first use.

@@ -55,8 +55,9 @@ MODULES: dict[str, tuple[str, ...]] = {
     "reward": ("lightning.tracing",),
     "runner.agent": ("lightning.runner",),
     "runner.base": ("lightning.runner",),
-    "store.client_server": ("lightning.store.client",),
+    "store.client_server": ("lightning.store.client", "lightning.store.agl_server"),
     "store.sqlite": ("lightning.store.sql",),
+    "store.threading": ("lightning.store.agl_server",),
     "tracer": ("lightning.tracing",),
     "tracer.agentops": ("lightning.tracing",),
     "tracer.base": ("lightning.tracing",),
@@ -131,7 +132,6 @@ NO_MODULE: dict[str, str] = {
     "store.collection": _STORE,
     "store.collection_based": _STORE,
     "store.mongo": _STORE,
-    "store.threading": _STORE,
     "store.utils": _INTERNAL,
     "tracer.dummy": _TRACER,
     "tracer.weave": _TRACER,
@@ -160,13 +160,7 @@ NAMES: dict[str, str] = {
         ],
         _LEGACY,
     ),
-    **dict.fromkeys(["CollectionBasedLightningStore", "LightningStoreThreaded"], _STORE),
-    "LightningStoreCapabilities": "every store here has the same capabilities (async, thread-safe, shared by "
-    "processes on a SQLite file or PostgreSQL)",
-    "LightningStoreStatistics": "statistics() answers a plain dict with agl's keys (name, total_rollouts, "
-    "total_attempts, total_spans, total_resources, total_workers, uptime) and counts by status",
-    "LightningStoreServer": "run `lightning store serve --db URL` (agl's LightningStoreClient talks to it), or serve "
-    "lightning.store.server.create_app(store) with uvicorn",
+    "CollectionBasedLightningStore": _STORE,
     **dict.fromkeys(["DummyTracer", "SpanRecordingContext"], _TRACER),
     **dict.fromkeys(["set_active_tracer", "clear_active_tracer"], _ACTIVE_TRACER),
     "build_component": _COMPONENTS,

@@ -85,3 +85,29 @@ def test_the_store_an_agl_algorithm_is_given_answers_unknown_ids_as_agl_s(tmp_pa
     assert isinstance(by_url, AglSqlLightningStore)
     asyncio.run(by_url.close())
     assert isinstance(open_store("http://127.0.0.1:9", agl_answers=True), LightningStoreClient)
+
+
+async def test_agl_s_store_server_object_serves_a_store_from_this_process() -> None:
+    """agl's `LightningStoreServer(store, host, port)` with `start()` / `stop()` (examples/minimal/llm_proxy.py's form),
+    reached by a client at `endpoint`; the server object is a store too, and `LightningStoreThreaded` the store."""
+    from support.servers import free_port
+
+    store = agl.InMemoryLightningStore(watchdog_interval=None)
+    assert agl.LightningStoreThreaded(store) is store
+    server = agl.LightningStoreServer(store, "127.0.0.1", free_port())
+    await server.start()
+    try:
+        client = LightningStoreClient(server.endpoint, retry_delays=(), request_timeout=5.0)
+        queued = await client.enqueue_rollout({"x": 1})
+        assert [r.rollout_id for r in await server.query_rollouts()] == [queued.rollout_id]  # the same store
+        assert (await client.statistics())["total_rollouts"] == 1
+        assert client.capabilities["otlp_traces"] and client.otlp_traces_endpoint() == f"{server.endpoint}/v1/traces"
+        await client.close()
+    finally:
+        await server.stop()
+    assert store.capabilities == {"thread_safe": True, "async_safe": True, "zero_copy": True, "otlp_traces": False}
+    with pytest.raises(ValueError, match="without a token"):
+        agl.LightningStoreServer(store, "0.0.0.0", 4747)
+    with pytest.raises(ValueError, match="lightning store serve"):
+        agl.LightningStoreServer(store, launch_mode="mp")
+    await store.close()

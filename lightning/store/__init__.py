@@ -7,7 +7,13 @@ from lightning.agl_import_paths import missing
 from lightning.credentials import expand, split_credentials
 from lightning.environment import STORE_TOKEN
 from lightning.store import contract
-from lightning.store.base import UNSET, LightningStore, Unset
+from lightning.store.base import (
+    UNSET,
+    LightningStore,
+    LightningStoreCapabilities,
+    LightningStoreStatistics,
+    Unset,
+)
 from lightning.store.contract import DEFAULT_QUEUE
 from lightning.store.errors import AuthError, ConflictError, InvalidArgumentError, NotFoundError, StoreError
 from lightning.store.memory import InMemoryLightningStore
@@ -41,6 +47,10 @@ def __getattr__(name: str) -> Any:
         from lightning.store.client import LightningStoreClient
 
         return LightningStoreClient
+    if name in ("LightningStoreServer", "LightningStoreThreaded"):  # agl's names (uvicorn, loaded on first use)
+        from lightning.store import agl_server
+
+        return getattr(agl_server, name)
     missing(__name__, name)
 
 
@@ -53,6 +63,8 @@ __all__ = [
     "InMemoryLightningStore",
     "InvalidArgumentError",
     "LightningStore",
+    "LightningStoreCapabilities",
+    "LightningStoreStatistics",
     "NotFoundError",
     "SqlLightningStore",
     "StoreError",

@@ -19,7 +19,7 @@ from yarl import URL
 from lightning.credentials import split_credentials
 from lightning.store import contract
 from lightning.store.agl_answers import AglUnknownIds
-from lightning.store.base import LightningStore
+from lightning.store.base import LightningStore, LightningStoreCapabilities
 from lightning.store.contract import MAX_WAIT_SECONDS, Request
 from lightning.store.errors import AuthError, ConflictError, InvalidArgumentError, NotFoundError, StoreError
 from lightning.types import Rollout
@@ -66,6 +66,15 @@ class HttpLightningStore(LightningStore):
 
     def __repr__(self) -> str:
         return f"HttpLightningStore({self.base_url!r})"
+
+    @property
+    def capabilities(self) -> LightningStoreCapabilities:
+        """A store server takes OTLP/HTTP traces too (`otlp_traces_endpoint()`)."""
+        return LightningStoreCapabilities(thread_safe=True, async_safe=True, zero_copy=True, otlp_traces=True)
+
+    def otlp_traces_endpoint(self) -> str:
+        """The server's OTLP/HTTP traces route (spans carry the rollout and attempt ids as attributes)."""
+        return f"{self.base_url}/v1/traces"
 
     # --- transport ---------------------------------------------------------------------------
     # aiohttp, not httpx: measured here, a call costs the client about 0.12 ms of CPU on aiohttp and 0.5 ms on
