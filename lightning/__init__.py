@@ -134,6 +134,7 @@ _LAZY: dict[str, tuple[str, str]] = {
         "LightningEnvVar", "resolve_bool_env_var", "resolve_int_env_var", "resolve_str_env_var",
     )},
     "LightningStoreClient": ("lightning.store.client", "LightningStoreClient"),
+    "LLMProxy": ("lightning.agl_llm_proxy", "LLMProxy"),
     "LightningStoreServer": ("lightning.store.agl_server", "LightningStoreServer"),
     "LightningStoreThreaded": ("lightning.store.agl_server", "LightningStoreThreaded"),
     "LightningStoreCapabilities": ("lightning.store.base", "LightningStoreCapabilities"),

@@ -17,8 +17,6 @@ import os
 from collections.abc import Mapping
 from typing import Any, Generic, Literal, TypeVar
 
-from lightning.agl_import_paths import NAMES
-
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -308,6 +306,7 @@ class Algorithm:
         self._trainer: Any = None
         self._adapter: Any = None
         self._initial_resources: dict[str, Any] | None = None
+        self._llm_proxy: Any = None
 
     def is_async(self) -> bool:
         return inspect.iscoroutinefunction(self.run)
@@ -330,13 +329,12 @@ class Algorithm:
         return self._given(self._store, "no store yet; Trainer(algorithm=...).fit(agent) sets it")
 
     def set_llm_proxy(self, llm_proxy: Any) -> None:
-        if llm_proxy is not None:
-            raise ValueError(f"{type(self).__name__}: {NAMES['LLMProxy']}")
+        self._llm_proxy = llm_proxy
 
-    def get_llm_proxy(self) -> None:
-        """None, as agl's when the Trainer has no LLM proxy: a custom algorithm's runners call the LLMs that its
-        resources name."""
-        return None
+    def get_llm_proxy(self) -> Any:
+        """The Trainer's `llm_proxy` (agl's LLMProxy, lightning.agl_llm_proxy), else None: the runners then call the
+        LLMs that the resources name."""
+        return self._llm_proxy
 
     def set_adapter(self, adapter: Any) -> None:
         self._adapter = adapter
@@ -447,6 +445,17 @@ class Baseline(FastAlgorithm):
         tasks = [(task, "train") for task in _tasks(train_dataset)] + [(task, "val") for task in _tasks(val_dataset)]
         if not tasks:
             raise ValueError("Baseline: give train_dataset or val_dataset (Trainer(...).fit(agent, train, val))")
+        proxy = self._llm_proxy
+        started = proxy is not None and not proxy.is_running()
+        if started:  # agl's Baseline starts a proxy it was given and stops it after
+            await proxy.start()
+        try:
+            await self._run(store, tasks)
+        finally:
+            if started:
+                await proxy.stop()
+
+    async def _run(self, store: Any, tasks: list[tuple[Any, str]]) -> None:
         resources_id = None
         if self._initial_resources:
             resources_id = (await store.add_resources(self._initial_resources)).resources_id

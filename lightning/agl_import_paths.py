@@ -47,6 +47,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "emitter.object": ("lightning.tracing",),
     "emitter.reward": ("lightning.tracing",),
     "litagent": ("lightning.agent",),
+    "llm_proxy": ("lightning.agl_llm_proxy",),
     "litagent.decorator": ("lightning.agent",),
     "litagent.litagent": ("lightning.agent",),
     # Ours is lightning.log_setup: a module named `logging` would hide the standard library's from any script run
@@ -127,8 +128,6 @@ NO_MODULE: dict[str, str] = {
     "runner.legacy": _LEGACY,
     "trainer.legacy": _LEGACY,
     "instrumentation": _INSTRUMENT,
-    "llm_proxy": "every run starts its own LLM proxy (`lightning proxy serve` alone); TrainConfig.proxy_endpoint "
-    "uses one that is running",
     "store.collection": _STORE,
     "store.collection_based": _STORE,
     "store.mongo": _STORE,
@@ -144,7 +143,6 @@ NO_MODULE: dict[str, str] = {
 NAMES: dict[str, str] = {
     "lightning_cli": "a run's settings are a TrainConfig (YAML; `lightning config check FILE`), and the flows take "
     "--set field=value",
-    "LLMProxy": NO_MODULE["llm_proxy"],
     **dict.fromkeys(
         [
             "LegacyAgentRunner",

@@ -64,7 +64,6 @@ _REFUSED = {
     "runner": "the run starts its runners; size them with n_runners= and runner_concurrency=",
     "port": "runners reach the store directly; to serve it over HTTP run `lightning store serve` and give "
     "store='http://host:port'",
-    "llm_proxy": "every run starts its own LLM proxy; give proxy_endpoint= to use one that is running",
     "hooks": "hooks are not passed to a run's runners; use lightning.runner.Runner(agent, store, hooks=[...]) directly",
 }
 
@@ -95,6 +94,7 @@ class Trainer:
         adapter: Any = None,
         tracer: Any = None,
         strategy: Any = None,
+        llm_proxy: Any = None,
         config: TrainConfig | Mapping[str, Any] | str | Path | None = None,
         dev: bool = False,
         daemon: bool = True,
@@ -138,6 +138,12 @@ class Trainer:
             self._fields.update(_resource_fields(initial_resources))
         if self._apo is not None:
             self._fields["apo"] = _apo_section(self._apo, self._fields)
+        self.llm_proxy = llm_proxy
+        if llm_proxy is not None and self._custom is None:
+            raise TypeError(
+                "Trainer: llm_proxy= goes to a custom Algorithm (get_llm_proxy()); a run starts its own LLM proxy in "
+                "front of its inference server (proxy_endpoint= to use one already running)"
+            )
         if self._custom is None:
             self._fields.update(_adapter_fields(self.adapter, apo=self._apo is not None, given=adapter is not None))
         elif isinstance(self.strategy, ClientServerExecutionStrategy):
@@ -257,6 +263,10 @@ class Trainer:
         algorithm.set_trainer(self)
         algorithm.set_store(store)
         algorithm.set_adapter(self.adapter)
+        if self.llm_proxy is not None:
+            if self.llm_proxy.get_store() is None:
+                self.llm_proxy.set_store(store)
+            algorithm.set_llm_proxy(self.llm_proxy)
         if self._initial_resources is not None:
             algorithm.set_initial_resources(self._initial_resources)
         stop = asyncio.Event()

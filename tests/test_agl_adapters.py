@@ -91,3 +91,43 @@ def test_agl_s_events_stop_a_runner_s_iter() -> None:
         assert event.is_set() and event.wait(0)
         event.clear()
         assert not event.is_set()
+
+
+@pytest.mark.slow  # 3 s: a proxy started and stopped, its first call (1.2 s of it)
+async def test_agl_s_llm_proxy_object_records_a_hosted_vllm_model_s_calls_with_token_ids() -> None:
+    """agl's `LLMProxy(port=, model_list=[hosted_vllm ...], store=)` (examples/minimal/llm_proxy.py's form): started,
+    called on an attempt's route from `as_resource`, its spans carry token ids that LlmProxyTraceToTriplet adapts."""
+    from openai import AsyncOpenAI
+    from support.scripted_agl import scripted_chat_app
+    from support.servers import serving
+
+    store = agl.InMemoryLightningStore(watchdog_interval=None)
+    app = scripted_chat_app(lambda body: {"role": "assistant", "content": "Hello!"})
+    with serving(app) as url:
+        model_list = [
+            {"model_name": "qwen", "litellm_params": {"model": "hosted_vllm/served", "api_base": f"{url}/v1"}}
+        ]
+        proxy = agl.LLMProxy(model_list=model_list, store=store, launch_mode="thread")
+        await proxy.start()
+        try:
+            rollout = await store.start_rollout({"origin": "test_llm_proxy"})
+            llm = proxy.as_resource(rollout.rollout_id, rollout.attempt.attempt_id)
+            client = AsyncOpenAI(base_url=llm.endpoint, api_key="dummy", max_retries=0)
+            answer = await client.chat.completions.create(model=llm.model, messages=[{"role": "user", "content": "hi"}])
+        finally:
+            await proxy.stop()
+    assert answer.choices[0].message.content == "Hello!" and app.state.requests[0]["model"] == "served"
+    assert app.state.requests[0]["return_token_ids"] is True  # asked for, as agl's return_token_ids callback does
+    ids = {"rollout_id": rollout.rollout_id, "attempt_id": rollout.attempt.attempt_id}
+    await store.add_span(reward_span(99, "r", 1.0, 1e10).model_copy(update=ids))  # as the agent's emit_reward would
+    spans = list(await store.query_spans(rollout.rollout_id))
+    (triplet,) = LlmProxyTraceToTriplet().adapt(spans)
+    assert (triplet.prompt, triplet.response, triplet.reward) == ({"token_ids": [1, 2, 3]}, {"token_ids": [4, 5]}, 1.0)
+    assert not proxy.is_running()
+    with pytest.raises(ValueError, match="one proxy here serves one model"):
+        agl.LLMProxy(
+            model_list=[*model_list, {"model_name": "other", "litellm_params": model_list[0]["litellm_params"]}]
+        )
+    with pytest.raises(TypeError, match="llm_proxy= goes to a custom Algorithm"):
+        agl.Trainer(llm_proxy=proxy)
+    await store.close()

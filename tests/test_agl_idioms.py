@@ -175,20 +175,22 @@ def test_import_lightning_as_agl_names_what_agents_and_scripts_use_without_prefe
         "Tracer", "LLM", "ProxyLLM", "PromptTemplate", "NamedResources", "Dataset", "Rollout", "AttemptedRollout",
         "Span", "SpanCoreFields", "Triplet", "Hook", "LightningStore", "setup_logging", "configure_logger",
         "VERL", "APO", "Algorithm", "algo", "LightningEnvVar", "resolve_bool_env_var", "resolve_str_env_var",
+        "LLMProxy", "LightningStoreServer", "TracerTraceToTriplet", "LlmProxyTraceToTriplet", "Baseline",
+        "SharedMemoryExecutionStrategy", "emit_annotation", "get_active_tracer", "SpanNames",
     ]  # fmt: skip
     code = (
         "import json, sys\n"
         "import lightning as agl\n"
         f"missing = [n for n in {names!r} if not hasattr(agl, n)]\n"
         "layers = sorted(m for m in sys.modules if m.split('.')[0] in ('prefect', 'flows', 'tasks', 'torch'))\n"
-        "try:\n    agl.LLMProxy\n    proxy = ''\nexcept ImportError as exc:\n    proxy = str(exc)\n"
-        "print(json.dumps({'missing': missing, 'layers': layers, 'proxy': proxy}))\n"
+        "try:\n    agl.Task\n    task = ''\nexcept ImportError as exc:\n    task = str(exc)\n"
+        "print(json.dumps({'missing': missing, 'layers': layers, 'task': task}))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     found = json.loads(done.stdout.splitlines()[-1])
     assert found["missing"] == [] and found["layers"] == []
-    assert "proxy_endpoint" in found["proxy"]
+    assert "deprecated 0.1/0.2 API" in found["task"]
 
 
 # --- the Trainer's configuration (its flows run in test_agl_trainer.py) ---

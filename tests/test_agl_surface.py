@@ -90,13 +90,15 @@ from lightning.algorithm import APO, VERL, Algorithm, Baseline, FastAlgorithm, a
 from lightning.algorithm.fast import Baseline
 from lightning.adapter import LlmProxyTraceToTriplet, TracerTraceToTriplet
 from lightning.execution import ClientServerExecutionStrategy, SharedMemoryExecutionStrategy
+from lightning.llm_proxy import LLMProxy
+from lightning.store import LightningStoreServer, LightningStoreThreaded
 from lightning.algorithm.apo import APO
 from lightning.algorithm.verl import VERL
 from lightning.env_var import LightningEnvVar, resolve_bool_env_var, resolve_int_env_var, resolve_str_env_var
 from lightning.logging import setup, setup_module
 refused = {}
 for line in ("from lightning.tracer.dummy import DummyTracer", "from lightning import LegacyAgentRunner",
-             "from lightning import LLMProxy", "from lightning.verl import AgentLightningTrainer"):
+             "from lightning import build_component", "from lightning.verl import AgentLightningTrainer"):
     try:
         exec(line)
     except ImportError as exc:
@@ -112,7 +114,7 @@ print(json.dumps({"refused": refused, "layers": layers}))
     assert found["layers"] == []
     assert "lightning.Tracer" in found["refused"]["from lightning.tracer.dummy import DummyTracer"]
     assert "deprecated 0.1/0.2 API" in found["refused"]["from lightning import LegacyAgentRunner"]
-    assert "proxy_endpoint" in found["refused"]["from lightning import LLMProxy"]
+    assert "TrainConfig fields" in found["refused"]["from lightning import build_component"]
     assert "lightning.VERL(config)" in found["refused"]["from lightning.verl import AgentLightningTrainer"]
 
 
