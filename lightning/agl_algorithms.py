@@ -168,6 +168,19 @@ def verl_fields(
         _put(fields, "algorithm.mini_batch_size", take(_ACTOR + "ppo_mini_batch_size") * samples)
     if "trainer.test_freq" in flat:
         _put(fields, "eval_every", max(0, take("trainer.test_freq")))
+    # verl's rollouts sample at most data.max_response_length tokens (rollout.response_length), at rollout.temperature
+    # (1.0) in training and rollout.val_kwargs.temperature (0: greedy) in validation.
+    length = flat.get("actor_rollout_ref.rollout.response_length", flat.get("data.max_response_length"))
+    if length is not None:
+        used.add("actor_rollout_ref.rollout.response_length")
+        for field, prefix, temperature in (
+            ("sampling", "actor_rollout_ref.rollout.", 1.0),
+            ("eval_sampling", "actor_rollout_ref.rollout.val_kwargs.", 0.0),
+        ):
+            sampling = {"temperature": take(prefix + "temperature") if prefix + "temperature" in flat else temperature}
+            if prefix + "top_p" in flat:
+                sampling["top_p"] = take(prefix + "top_p")
+            fields[field] = {**sampling, "max_tokens": length}
     level = flat.get("agentlightning.trace_aggregator.level")
     if level is not None:
         _put(fields, "adapter_shape", take("agentlightning.trace_aggregator.level"))

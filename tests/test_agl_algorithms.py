@@ -121,6 +121,9 @@ def test_verl_maps_agl_s_config_onto_the_train_flow() -> None:
         },
         "inference": {"backend": "vllm", "vllm": {"gpu_memory_utilization": 0.6}},
         "eval_every": 0,
+        # verl samples data.max_response_length tokens, at temperature 1 in training and greedily in validation.
+        "sampling": {"temperature": 1.0, "max_tokens": 4},
+        "eval_sampling": {"temperature": 0.0, "max_tokens": 4},
     }
     assert verl.ignored == ["actor_rollout_ref.rollout.multi_turn.format", "trainer.logger"]
     # total_epochs: verl's steps, full batches of the training set per epoch.
