@@ -113,22 +113,38 @@ _LAZY: dict[str, tuple[str, str]] = {
     "LitAgentRunner": ("lightning.runner", "LitAgentRunner"),
     **{name: ("lightning.tracing", name) for name in (
         "Tracer", "OtelTracer", "AgentOpsTracer", "SpanCoreFields", "emit_reward", "emit_message", "emit_object",
-        "emit_exception", "operation",
+        "emit_exception", "emit_annotation", "operation",
         "find_final_reward", "find_rewards", "find_reward_spans", "is_reward_span", "get_reward_value",
-        "get_final_reward",
+        "get_final_reward", "get_rewards_from_span", "get_message_value", "get_object_value", "get_active_tracer",
     )},
-    "TraceToMessages": ("lightning.adapter", "TraceToMessages"),
-    **{name: ("lightning.agl_algorithms", name) for name in ("APO", "VERL", "Algorithm", "algo")},
+    "SpanNames": ("lightning.semconv", "SpanNames"),
+    "SpanAttributeNames": ("lightning.semconv", "SpanAttributeNames"),
+    **{name: ("lightning.adapter", name) for name in (
+        "TraceToMessages", "Adapter", "TraceAdapter", "OtelTraceAdapter", "TraceToTripletBase", "TracerTraceToTriplet",
+        "LlmProxyTraceToTriplet",
+    )},
+    **{name: ("lightning.agl_execution", name) for name in (
+        "ExecutionStrategy", "SharedMemoryExecutionStrategy", "ClientServerExecutionStrategy", "ExecutionEvent",
+        "ThreadingEvent", "MultiprocessingEvent",
+    )},
+    **{name: ("lightning.agl_algorithms", name) for name in (
+        "APO", "VERL", "Algorithm", "algo", "FastAlgorithm", "Baseline",
+    )},
     **{name: ("lightning.env_var", name) for name in (
         "LightningEnvVar", "resolve_bool_env_var", "resolve_int_env_var", "resolve_str_env_var",
     )},
     "LightningStoreClient": ("lightning.store.client", "LightningStoreClient"),
+    "LLMProxy": ("lightning.agl_llm_proxy", "LLMProxy"),
+    "LightningStoreServer": ("lightning.store.agl_server", "LightningStoreServer"),
+    "LightningStoreThreaded": ("lightning.store.agl_server", "LightningStoreThreaded"),
+    "LightningStoreCapabilities": ("lightning.store.base", "LightningStoreCapabilities"),
+    "LightningStoreStatistics": ("lightning.store.base", "LightningStoreStatistics"),
     "InMemoryLightningStore": ("lightning.store.memory", "InMemoryLightningStore"),
 }  # fmt: skip
 # agent-lightning's submodules (agl.litagent, agl.store, ...) as attributes, imported on first use.
 _SUBMODULES = frozenset(
-    {"adapter", "algorithm", "config", "emitter", "env_var", "litagent", "logging", "reward", "runner", "semconv",
-     "store", "tracer", "trainer", "types"}
+    {"adapter", "algorithm", "config", "emitter", "env_var", "execution", "litagent", "logging", "reward", "runner",
+     "semconv", "store", "tracer", "trainer", "types"}
 )  # fmt: skip
 
 sys.meta_path.append(agl_import_paths.FINDER)

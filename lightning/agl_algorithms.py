@@ -17,8 +17,6 @@ import os
 from collections.abc import Mapping
 from typing import Any, Generic, Literal, TypeVar
 
-from lightning.agl_import_paths import NAMES
-
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -170,6 +168,19 @@ def verl_fields(
         _put(fields, "algorithm.mini_batch_size", take(_ACTOR + "ppo_mini_batch_size") * samples)
     if "trainer.test_freq" in flat:
         _put(fields, "eval_every", max(0, take("trainer.test_freq")))
+    # verl's rollouts sample at most data.max_response_length tokens (rollout.response_length), at rollout.temperature
+    # (1.0) in training and rollout.val_kwargs.temperature (0: greedy) in validation.
+    length = flat.get("actor_rollout_ref.rollout.response_length", flat.get("data.max_response_length"))
+    if length is not None:
+        used.add("actor_rollout_ref.rollout.response_length")
+        for field, prefix, temperature in (
+            ("sampling", "actor_rollout_ref.rollout.", 1.0),
+            ("eval_sampling", "actor_rollout_ref.rollout.val_kwargs.", 0.0),
+        ):
+            sampling = {"temperature": take(prefix + "temperature") if prefix + "temperature" in flat else temperature}
+            if prefix + "top_p" in flat:
+                sampling["top_p"] = take(prefix + "top_p")
+            fields[field] = {**sampling, "max_tokens": length}
     level = flat.get("agentlightning.trace_aggregator.level")
     if level is not None:
         _put(fields, "adapter_shape", take("agentlightning.trace_aggregator.level"))
@@ -308,6 +319,7 @@ class Algorithm:
         self._trainer: Any = None
         self._adapter: Any = None
         self._initial_resources: dict[str, Any] | None = None
+        self._llm_proxy: Any = None
 
     def is_async(self) -> bool:
         return inspect.iscoroutinefunction(self.run)
@@ -330,13 +342,12 @@ class Algorithm:
         return self._given(self._store, "no store yet; Trainer(algorithm=...).fit(agent) sets it")
 
     def set_llm_proxy(self, llm_proxy: Any) -> None:
-        if llm_proxy is not None:
-            raise ValueError(f"{type(self).__name__}: {NAMES['LLMProxy']}")
+        self._llm_proxy = llm_proxy
 
-    def get_llm_proxy(self) -> None:
-        """None, as agl's when the Trainer has no LLM proxy: a custom algorithm's runners call the LLMs that its
-        resources name."""
-        return None
+    def get_llm_proxy(self) -> Any:
+        """The Trainer's `llm_proxy` (agl's LLMProxy, lightning.agl_llm_proxy), else None: the runners then call the
+        LLMs that the resources name."""
+        return self._llm_proxy
 
     def set_adapter(self, adapter: Any) -> None:
         self._adapter = adapter
@@ -405,4 +416,104 @@ def algo(func: Any) -> FunctionalAlgorithm[Any]:
     return FunctionalAlgorithm(func)
 
 
-__all__ = ["APO", "VERL", "Algorithm", "FunctionalAlgorithm", "algo"]
+# --- FastAlgorithm and Baseline -----------------------------------------------------------------------------------
+
+
+class FastAlgorithm(Algorithm):
+    """agl's base of algorithms for a quick look at an agent: `Trainer(algorithm=...)` runs one with `dev` as with
+    `fit`."""
+
+
+class Baseline(FastAlgorithm):
+    """agl's Baseline: every task of `train_dataset` (mode train) then of `val_dataset` (mode val), `n_epochs` times,
+    through the Trainer's runners, with the Trainer's `initial_resources`; nothing is trained. Each finished rollout
+    is logged with its attempts, its spans (`span_verbosity`: "keys", "key_values" or "none") and what the Trainer's
+    adapter makes of its latest attempt's spans; at most `max_queue_length` rollouts wait in the queue at once, the
+    store polled every `polling_interval` seconds. The finished rollouts are kept in `finished`, in the order they
+    finished. `train_split` is checked as agl checks it and, as there, not used."""
+
+    def __init__(
+        self,
+        *,
+        n_epochs: int = 1,
+        train_split: float = 0.5,
+        polling_interval: float = 5.0,
+        max_queue_length: int = 4,
+        span_verbosity: Literal["keys", "key_values", "none"] = "keys",
+    ) -> None:
+        super().__init__()
+        if not 0.0 < train_split < 1.0:
+            raise ValueError("Baseline: train_split must be between 0 and 1")
+        if span_verbosity not in ("keys", "key_values", "none"):
+            raise ValueError("Baseline: span_verbosity must be 'keys', 'key_values' or 'none'")
+        self.n_epochs = n_epochs
+        self.train_split = train_split
+        self.polling_interval = polling_interval
+        self.max_queue_length = max_queue_length
+        self.span_verbosity = span_verbosity
+        self.finished: list[Any] = []
+
+    async def run(self, train_dataset: Any = None, val_dataset: Any = None) -> None:
+        store = self.get_store()
+        tasks = [(task, "train") for task in _tasks(train_dataset)] + [(task, "val") for task in _tasks(val_dataset)]
+        if not tasks:
+            raise ValueError("Baseline: give train_dataset or val_dataset (Trainer(...).fit(agent, train, val))")
+        proxy = self._llm_proxy
+        started = proxy is not None and not proxy.is_running()
+        if started:  # agl's Baseline starts a proxy it was given and stops it after
+            await proxy.start()
+        try:
+            await self._run(store, tasks)
+        finally:
+            if started:
+                await proxy.stop()
+
+    async def _run(self, store: Any, tasks: list[tuple[Any, str]]) -> None:
+        resources_id = None
+        if self._initial_resources:
+            resources_id = (await store.add_resources(self._initial_resources)).resources_id
+        for epoch in range(self.n_epochs):
+            logger.info("Baseline: epoch %d of %d, %d tasks", epoch + 1, self.n_epochs, len(tasks))
+            pending: list[str] = []
+            for task, mode in tasks:
+                while len(await store.query_rollouts(status_in=["queuing", "requeuing"])) > self.max_queue_length:
+                    pending = await self._harvest(pending, wait=self.polling_interval)
+                rollout = await store.enqueue_rollout(input=task, mode=mode, resources_id=resources_id)
+                logger.info("Baseline: enqueued %s (%s): %s", rollout.rollout_id, mode, task)
+                pending.append(rollout.rollout_id)
+            while pending:
+                pending = await self._harvest(pending, wait=self.polling_interval)
+
+    async def _harvest(self, pending: list[str], *, wait: float) -> list[str]:
+        """Log the rollouts of `pending` that finish within `wait` seconds; the ones still running."""
+        store = self.get_store()
+        done = await store.wait_for_rollouts(rollout_ids=pending, timeout=wait)
+        for rollout in done:
+            self.finished.append(rollout)
+            await self._log(rollout)
+        finished = {rollout.rollout_id for rollout in done}
+        return [rollout_id for rollout_id in pending if rollout_id not in finished]
+
+    async def _log(self, rollout: Any) -> None:
+        store = self.get_store()
+        logger.info("Baseline: rollout %s finished: %s", rollout.rollout_id, rollout.status)
+        for attempt in await store.query_attempts(rollout.rollout_id):
+            logger.info(
+                "Baseline: rollout %s attempt %s (%s): %s on %s",
+                rollout.rollout_id, attempt.sequence_id, attempt.attempt_id, attempt.status, attempt.worker_id,
+            )  # fmt: skip
+            if self.span_verbosity == "none":
+                continue
+            for span in await store.query_spans(rollout.rollout_id, attempt.attempt_id):
+                shown = span.attributes if self.span_verbosity == "key_values" else sorted(span.attributes)
+                logger.info("Baseline: span #%d %s: %s", span.sequence_id, span.name, shown)
+        if self._adapter is not None:
+            adapted = self._adapter.adapt(list(await store.query_spans(rollout.rollout_id, "latest")))
+            logger.info("Baseline: rollout %s adapted: %s", rollout.rollout_id, adapted)
+
+
+def _tasks(dataset: Any) -> list[Any]:
+    return [] if dataset is None else [dataset[index] for index in range(len(dataset))]
+
+
+__all__ = ["APO", "VERL", "Algorithm", "Baseline", "FastAlgorithm", "FunctionalAlgorithm", "algo"]

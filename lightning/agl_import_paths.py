@@ -26,21 +26,28 @@ class NotInLightning(ImportError):
 
 
 MODULES: dict[str, tuple[str, ...]] = {
-    "adapter.base": ("lightning.adapter",),
-    "adapter.triplet": ("lightning.adapter",),
+    "adapter.triplet": ("lightning.adapter.agl_triplet", "lightning.adapter"),
     "algorithm.apo": ("lightning.agl_algorithms",),
     "algorithm.apo.apo": ("lightning.agl_algorithms",),
     "algorithm.base": ("lightning.agl_algorithms",),
     "algorithm.decorator": ("lightning.agl_algorithms",),
+    "algorithm.fast": ("lightning.agl_algorithms",),
     "algorithm.verl": ("lightning.agl_algorithms",),
     "algorithm.verl.interface": ("lightning.agl_algorithms",),
     "emitter": ("lightning.tracing",),
+    "execution": ("lightning.agl_execution",),
+    "execution.base": ("lightning.agl_execution",),
+    "execution.client_server": ("lightning.agl_execution",),
+    "execution.events": ("lightning.agl_execution",),
+    "execution.inter_process": ("lightning.agl_execution",),
+    "execution.shared_memory": ("lightning.agl_execution",),
     "emitter.annotation": ("lightning.tracing",),
     "emitter.exception": ("lightning.tracing",),
     "emitter.message": ("lightning.tracing",),
     "emitter.object": ("lightning.tracing",),
     "emitter.reward": ("lightning.tracing",),
     "litagent": ("lightning.agent",),
+    "llm_proxy": ("lightning.agl_llm_proxy",),
     "litagent.decorator": ("lightning.agent",),
     "litagent.litagent": ("lightning.agent",),
     # Ours is lightning.log_setup: a module named `logging` would hide the standard library's from any script run
@@ -49,8 +56,9 @@ MODULES: dict[str, tuple[str, ...]] = {
     "reward": ("lightning.tracing",),
     "runner.agent": ("lightning.runner",),
     "runner.base": ("lightning.runner",),
-    "store.client_server": ("lightning.store.client",),
+    "store.client_server": ("lightning.store.client", "lightning.store.agl_server"),
     "store.sqlite": ("lightning.store.sql",),
+    "store.threading": ("lightning.store.agl_server",),
     "tracer": ("lightning.tracing",),
     "tracer.agentops": ("lightning.tracing",),
     "tracer.base": ("lightning.tracing",),
@@ -58,22 +66,14 @@ MODULES: dict[str, tuple[str, ...]] = {
     "trainer.trainer": ("lightning.trainer",),
     "types.core": ("lightning.types", "lightning.agent"),
     "types.resources": ("lightning.types",),
-    "types.tracer": ("lightning.types", "lightning.tracing"),
+    "types.tracer": ("lightning.types", "lightning.tracing", "lightning.semconv"),
 }
 """agl module (after `agentlightning.`) -> our modules whose names `lightning.<that path>` offers, first found first.
-agl's modules at a path where we have a module of our own are not here: lightning.adapter, lightning.adapter.messages,
+agl's modules at a path where we have a module of our own are not here: lightning.adapter, lightning.adapter.base,
+lightning.adapter.messages,
 lightning.algorithm, lightning.cli, lightning.config, lightning.env_var, lightning.runner, lightning.semconv,
 lightning.store, lightning.store.base, lightning.store.memory, lightning.trainer, lightning.types."""
 
-_ADAPTER = (
-    "adapters here are functions over spans: lightning.adapter.spans_to_triplets and spans_to_messages "
-    "(lightning.adapter.TraceToMessages is agl's messages adapter over the latter); a run picks its training rows' "
-    "shape with adapter_shape='transition' (one row per LLM call) or 'trajectory'"
-)
-_FAST = (
-    "a quick look at an agent is Trainer(...).dev(agent, dataset) (the `dev` flow: one batch of rollouts, adapted, "
-    "nothing trained); a custom algorithm subclasses lightning.algorithm.Algorithm or is an @algo function"
-)
 _VERL = (
     "agl's verl integration (its trainer, daemon and dataset) is lightning.VERL(config) given to "
     "lightning.Trainer(algorithm=...), which maps the verl config onto the `train` flow (trainer_backend verl)"
@@ -85,10 +85,6 @@ _CLI = (
 _LEGACY = (
     "agent-lightning's deprecated 0.1/0.2 API: use lightning.Trainer(...).fit / .dev, lightning.Runner(agent, store) "
     "and the store (lightning.store.client.LightningStoreClient for a store server)"
-)
-_STRATEGY = (
-    "a run's runners are threads of the flow (task_runner='default'), processes of the run (task_runner='processes') "
-    "or Ray tasks (task_runner='ray'); size them with Trainer(n_runners=...) and runner_concurrency"
 )
 _INSTRUMENT = (
     "nothing to switch on: every call through the rollout's LLM resource is recorded by the run's LLM proxy, token "
@@ -102,7 +98,14 @@ _STORE = (
 _TRACER = (
     "the tracer is lightning.Tracer (agl's OtelTracer and AgentOpsTracer name it), the runner's own (`self.tracer` "
     "in an agent): give it to LitAgentRunner(tracer), or let Runner(agent, store) make one. It records every span, "
-    "rewards included, so there is no tracer that records nothing, and none is active outside a runner"
+    "rewards included, so there is no tracer that records nothing; spans are recorded with the emitters "
+    "(emit_reward, emit_annotation, ...) and `with lightning.operation(name) as op:` (op.set_input / set_output), not "
+    "with a tracer's operation_context and its recording context"
+)
+_ACTIVE_TRACER = (
+    "a tracer is active inside one of its trace contexts (a runner opens one per attempt), in that thread or asyncio "
+    "task only, and lightning.get_active_tracer() returns it; no tracer can be made active outside one, as emitters "
+    "record spans of an attempt"
 )
 _COMPONENTS = (
     "a run's parts are chosen by TrainConfig fields (inference.backend, trainer_backend, task_runner, store_url), "
@@ -115,7 +118,6 @@ _FILTERS = (
 )
 
 NO_MODULE: dict[str, str] = {
-    "algorithm.fast": _FAST,
     "algorithm.utils": _INTERNAL,
     "verl": _VERL,
     "cli.prometheus": _CLI,
@@ -125,14 +127,10 @@ NO_MODULE: dict[str, str] = {
     "server": _LEGACY,
     "runner.legacy": _LEGACY,
     "trainer.legacy": _LEGACY,
-    "execution": _STRATEGY,
     "instrumentation": _INSTRUMENT,
-    "llm_proxy": "every run starts its own LLM proxy (`lightning proxy serve` alone); TrainConfig.proxy_endpoint "
-    "uses one that is running",
     "store.collection": _STORE,
     "store.collection_based": _STORE,
     "store.mongo": _STORE,
-    "store.threading": _STORE,
     "store.utils": _INTERNAL,
     "tracer.dummy": _TRACER,
     "tracer.weave": _TRACER,
@@ -143,38 +141,8 @@ NO_MODULE: dict[str, str] = {
 """agl modules (and the modules below them) with no counterpart here -> what to use instead."""
 
 NAMES: dict[str, str] = {
-    **dict.fromkeys(
-        [
-            "Adapter",
-            "TraceAdapter",
-            "OtelTraceAdapter",
-            "TraceToTripletBase",
-            "TracerTraceToTriplet",
-            "LlmProxyTraceToTriplet",
-        ],
-        _ADAPTER,
-    ),
-    **dict.fromkeys(["FastAlgorithm", "Baseline"], _FAST),
     "lightning_cli": "a run's settings are a TrainConfig (YAML; `lightning config check FILE`), and the flows take "
     "--set field=value",
-    "emit_annotation": "record it with lightning.emit_object(value, attributes={...}) or emit_message(text, "
-    "attributes={...})",
-    "get_rewards_from_span": "lightning.get_reward_value(span) reads a reward span's primary reward; its named "
-    "rewards are its `lightning.reward.<name>` attributes",
-    "get_message_value": "a message span's text is span.attributes['lightning.message.body']",
-    "get_object_value": "an object span's value is json.loads(span.attributes['lightning.object.json'])",
-    **dict.fromkeys(
-        [
-            "ExecutionStrategy",
-            "ClientServerExecutionStrategy",
-            "SharedMemoryExecutionStrategy",
-            "ExecutionEvent",
-            "ThreadingEvent",
-            "MultiprocessingEvent",
-        ],
-        _STRATEGY,
-    ),
-    "LLMProxy": NO_MODULE["llm_proxy"],
     **dict.fromkeys(
         [
             "LegacyAgentRunner",
@@ -190,29 +158,11 @@ NAMES: dict[str, str] = {
         ],
         _LEGACY,
     ),
-    **dict.fromkeys(["CollectionBasedLightningStore", "LightningStoreThreaded"], _STORE),
-    "LightningStoreCapabilities": "every store here has the same capabilities (async, thread-safe, shared by "
-    "processes on a SQLite file or PostgreSQL)",
-    "LightningStoreStatistics": "statistics() answers a plain dict with agl's keys (name, total_rollouts, "
-    "total_attempts, total_spans, total_resources, total_workers, uptime) and counts by status",
-    "LightningStoreServer": "run `lightning store serve --db URL` (agl's LightningStoreClient talks to it), or serve "
-    "lightning.store.server.create_app(store) with uvicorn",
-    **dict.fromkeys(
-        [
-            "DummyTracer",
-            "get_active_tracer",
-            "set_active_tracer",
-            "clear_active_tracer",
-            "SpanRecordingContext",
-        ],
-        _TRACER,
-    ),
+    "CollectionBasedLightningStore": _STORE,
+    **dict.fromkeys(["DummyTracer", "SpanRecordingContext"], _TRACER),
+    **dict.fromkeys(["set_active_tracer", "clear_active_tracer"], _ACTIVE_TRACER),
     "build_component": _COMPONENTS,
     **dict.fromkeys(["FilterOptions", "SortOptions", "FilterField"], _FILTERS),
-    **dict.fromkeys(
-        ["SpanNames", "SpanAttributeNames"],
-        "span and attribute names are constants of lightning.semconv (REWARD_SPAN, MESSAGE_SPAN, GEN_AI_*, ...)",
-    ),
 }
 """agl names with no counterpart here -> what to use instead (wherever agl has the name)."""
 

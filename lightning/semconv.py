@@ -4,6 +4,7 @@
 import array
 import base64
 import sys
+from enum import StrEnum
 from typing import Any
 
 REWARD_SPAN = "lightning.reward"
@@ -11,6 +12,8 @@ MESSAGE_SPAN = "lightning.message"
 OBJECT_SPAN = "lightning.object"
 EXCEPTION_SPAN = "lightning.exception"
 OPERATION_SPAN = "lightning.operation"
+ANNOTATION_SPAN = "lightning.annotation"
+"""`emit_annotation`'s span (agent-lightning's name for a span of attributes: tags, metadata, rewards)."""
 
 REWARD_VALUE = "lightning.reward.value"
 """The primary reward (float) on a reward span."""
@@ -31,9 +34,37 @@ SPAN_SEQUENCE_ID = "lightning.span_sequence_id"
 
 # agent-lightning 0.3 spellings, accepted on input.
 PEER_REWARD_SPAN = "agentlightning.reward"
+PEER_MESSAGE_BODY = "agentlightning.message.body"
+PEER_OBJECT_JSON = "agentlightning.object.json"
+PEER_OBJECT_LITERAL = "agentlightning.object.literal"
+PEER_OBJECT_TYPE = "agentlightning.object.type"
 PEER_ROLLOUT_ID = "agentlightning.rollout_id"
 PEER_ATTEMPT_ID = "agentlightning.attempt_id"
 PEER_SPAN_SEQUENCE_ID = "agentlightning.span_sequence_id"
+
+
+class SpanNames(StrEnum):
+    """agent-lightning's enum of span names (deprecated there in favour of its semconv), with the names our spans
+    have: `span.name == SpanNames.REWARD` finds our reward spans. No span here is named VIRTUAL (agl's adapters make
+    such spans; ours do not)."""
+
+    REWARD = REWARD_SPAN
+    MESSAGE = MESSAGE_SPAN
+    OBJECT = OBJECT_SPAN
+    EXCEPTION = EXCEPTION_SPAN
+    VIRTUAL = "lightning.virtual"
+    ROLLOUT_ID = ROLLOUT_ID
+    ATTEMPT_ID = ATTEMPT_ID
+    SPAN_SEQUENCE_ID = SPAN_SEQUENCE_ID
+
+
+class SpanAttributeNames(StrEnum):
+    """agent-lightning's enum of the attributes its emitters wrote (deprecated there), with the attributes ours
+    write: MESSAGE holds a message span's text, OBJECT an object span's JSON."""
+
+    MESSAGE = MESSAGE_BODY
+    OBJECT = OBJECT_JSON
+
 
 # LLM call spans, written by the LLM proxy. They follow OpenTelemetry's GenAI conventions
 # (`gen_ai.*`: span name "{operation} {model}") and add the exact token ids.

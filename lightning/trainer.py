@@ -30,13 +30,22 @@ from pathlib import Path
 from typing import Any
 
 from lightning import preflight
+from lightning.adapter import (
+    LlmProxyTraceToTriplet,
+    TraceAdapter,
+    TracerTraceToTriplet,
+    TraceToMessages,
+    TraceToTripletBase,
+)
 from lightning.agent import FunctionalLitAgent, LitAgent
-from lightning.agl_algorithms import APO, VERL, Algorithm
+from lightning.agl_algorithms import APO, VERL, Algorithm, FastAlgorithm
+from lightning.agl_execution import ClientServerExecutionStrategy, as_strategy
 from lightning.agl_import_paths import missing
 from lightning.algorithm.config import TrainerConfig
 from lightning.config import TrainConfig, load_config, load_entry_point, validate_config
 from lightning.env_var import LightningEnvVar, resolve_str_env_var
 from lightning.errors import ConfigError
+from lightning.tracing import Tracer
 from lightning.types import LLM, Dataset, PromptTemplate, ProxyLLM
 
 registry = types.SimpleNamespace()
@@ -50,17 +59,11 @@ _REFUSED = {
     "batch_size= and samples_per_task=",
     "max_tasks": "a run's runners stop when the iteration's rollouts are done; bound the work with iterations=, "
     "batch_size= and samples_per_task=",
-    "tracer": "each runner records spans with its own lightning.Tracer into the run's store, and the run's LLM proxy "
-    "records every LLM call; leave tracer out",
-    "adapter": "spans become training rows by lightning's adapter; choose its shape with "
-    "adapter_shape='transition' (one row per LLM call) or 'trajectory' (one per rollout)",
-    "triplet_exporter": "spans become training rows by lightning's adapter; choose its shape with "
-    "adapter_shape='transition' or 'trajectory'",
+    "triplet_exporter": "agent-lightning's deprecated name for adapter=: give adapter=TracerTraceToTriplet(...) (or "
+    "leave it out), or choose the rows' shape with adapter_shape='transition' or 'trajectory'",
     "runner": "the run starts its runners; size them with n_runners= and runner_concurrency=",
-    "strategy": "runner tasks run on threads of the flow (task_runner='default') or on Ray (task_runner='ray')",
     "port": "runners reach the store directly; to serve it over HTTP run `lightning store serve` and give "
     "store='http://host:port'",
-    "llm_proxy": "every run starts its own LLM proxy; give proxy_endpoint= to use one that is running",
     "hooks": "hooks are not passed to a run's runners; use lightning.runner.Runner(agent, store, hooks=[...]) directly",
 }
 
@@ -72,7 +75,11 @@ class Trainer:
     or agl's `VERL(config)`, `APO(client, ...)`, an `Algorithm` / `@algo` function: lightning.agl_algorithms),
     `store` (a store URL, or an HttpLightningStore), `initial_resources` (named LLMs and prompt templates: the LLM
     to train is the endpoint rollouts use, as inference backend `external`; the rest reach every rollout as they
-    are); any `TrainConfig` field (run_name, iterations, model,
+    are), `adapter` (agl's TracerTraceToTriplet, LlmProxyTraceToTriplet or a dict of the former's options: checked
+    against what a run trains on, lightning.adapter.agl_triplet; TraceToMessages or an adapter of your own with APO
+    and custom algorithms, which read it), `tracer` (agl's OtelTracer() or AgentOpsTracer(): each runner records
+    with one of its own into the run's store), `strategy` (agl's "shm" / "cs" or its strategy objects: they set
+    task_runner and n_runners, lightning.agl_execution); any `TrainConfig` field (run_name, iterations, model,
     batch_size, ...); and `config=` (a TrainConfig, a dict of its fields, or a YAML file) under them. The other
     agent-lightning arguments are refused with what to use instead."""
 
@@ -84,14 +91,15 @@ class Trainer:
         algorithm: TrainerConfig | Mapping[str, Any] | VERL | APO[Any] | Algorithm | None = None,
         store: Any = None,
         initial_resources: Mapping[str, Any] | None = None,
+        adapter: Any = None,
+        tracer: Any = None,
+        strategy: Any = None,
+        llm_proxy: Any = None,
         config: TrainConfig | Mapping[str, Any] | str | Path | None = None,
         dev: bool = False,
         daemon: bool = True,
         **fields: Any,
     ) -> None:
-        self._adapter = None
-        if isinstance(algorithm, APO | Algorithm) and _is_messages_adapter(fields.get("adapter")):
-            self._adapter = fields.pop("adapter")  # what APO reads its transcripts with here, and agl's too
         refused = sorted(name for name in _REFUSED if fields.get(name) is not None)
         if refused:
             raise TypeError(
@@ -111,6 +119,13 @@ class Trainer:
             raise ValueError(f"Trainer: n_workers={n_workers} and n_runners={n_runners} disagree; give n_runners only")
         if n_runners is not None or n_workers is not None:
             self._fields["n_runners"] = n_runners if n_runners is not None else n_workers
+        self.strategy = as_strategy(strategy, self._fields.get("n_runners")) if strategy is not None else None
+        if self.strategy is not None:
+            self._fields.update(self.strategy.trainer_fields())
+        self.tracer = _tracer(tracer)
+        self.adapter = _adapter(adapter)
+        """agl's `trainer.adapter`: the adapter given (a dict: TracerTraceToTriplet of its options), else agl's
+        default, TracerTraceToTriplet()."""
         self._verl = algorithm if isinstance(algorithm, VERL) else None
         self._apo = algorithm if isinstance(algorithm, APO) else None
         self._custom = algorithm if isinstance(algorithm, Algorithm) else None
@@ -123,6 +138,21 @@ class Trainer:
             self._fields.update(_resource_fields(initial_resources))
         if self._apo is not None:
             self._fields["apo"] = _apo_section(self._apo, self._fields)
+        self.llm_proxy = llm_proxy
+        if llm_proxy is not None and self._custom is None:
+            raise TypeError(
+                "Trainer: llm_proxy= goes to a custom Algorithm (get_llm_proxy()); a run starts its own LLM proxy in "
+                "front of its inference server (proxy_endpoint= to use one already running)"
+            )
+        if self._custom is None:
+            self._fields.update(_adapter_fields(self.adapter, apo=self._apo is not None, given=adapter is not None))
+        elif isinstance(self.strategy, ClientServerExecutionStrategy):
+            raise ValueError(
+                "Trainer: a custom Algorithm's runners run on this process's event loop beside it; give "
+                "strategy='shm' (or none). To run runners in other processes, serve the store (`lightning store "
+                "serve`), give store='http://host:port', and run lightning.Runner(agent, LightningStoreClient(url))"
+                ".iter() there"
+            )
         # a bad field fails here
         validate_config({**self._base, **self._verl_fields(None), **self._fields}, "Trainer's configuration")
         self.n_runners = self._fields.get("n_runners", self._base.get("n_runners", TrainConfig().n_runners))
@@ -201,9 +231,10 @@ class Trainer:
                 "lightning.Runner(agent, LightningStoreClient(url)).iter() there against `lightning store serve`"
             )
         if self._custom is not None:
-            if flow_name != "train":
+            if flow_name != "train" and not isinstance(self._custom, FastAlgorithm):
                 raise TypeError(
-                    "Trainer.dev: a custom Algorithm runs with fit; dev runs the `dev` flow (give no algorithm)"
+                    "Trainer.dev: a custom Algorithm runs with fit (dev runs a FastAlgorithm such as Baseline, or the "
+                    "`dev` flow when no algorithm is given)"
                 )
             return await self._run_algorithm(self._custom, agent, train_dataset, val_dataset)
         if self._verl is not None and (refusal := self._verl.refusal()) is not None:
@@ -219,18 +250,23 @@ class Trainer:
 
     async def _run_algorithm(self, algorithm: Algorithm, agent: Any, train_dataset: Any, val_dataset: Any) -> None:
         """agl's custom algorithm: `algorithm.run(train_dataset, val_dataset)` in this process against the store
-        (`store=`, else one in memory) while `n_runners` runners run `agent` on what it enqueues; they stop when it
-        returns. No flow: nothing is trained but by the algorithm itself."""
+        (`store=`, else one in memory; either answers unknown rollout ids as agl's stores do) while `n_runners`
+        runners run `agent` on what it enqueues; they stop when it returns. No flow: nothing is trained but by the
+        algorithm itself."""
         from lightning.runner import Runner
         from lightning.store import InMemoryLightningStore, open_store
 
         url = self._fields.get("store_url", self._base.get("store_url"))
-        store = open_store(url) if url is not None else InMemoryLightningStore()
+        store = open_store(url, agl_answers=True) if url is not None else InMemoryLightningStore()
         runners = [Runner(agent, store) for _ in range(self.n_runners)]
         agent.set_trainer(self)
         algorithm.set_trainer(self)
         algorithm.set_store(store)
-        algorithm.set_adapter(self._adapter)
+        algorithm.set_adapter(self.adapter)
+        if self.llm_proxy is not None:
+            if self.llm_proxy.get_store() is None:
+                self.llm_proxy.set_store(store)
+            algorithm.set_llm_proxy(self.llm_proxy)
         if self._initial_resources is not None:
             algorithm.set_initial_resources(self._initial_resources)
         stop = asyncio.Event()
@@ -310,10 +346,61 @@ def _algorithm_fields(algorithm: Any) -> dict[str, Any]:
     )
 
 
-def _is_messages_adapter(adapter: Any) -> bool:
-    from lightning.adapter import TraceToMessages
+def _tracer(tracer: Any) -> Tracer | None:
+    """agl's `tracer=`: OtelTracer() / AgentOpsTracer() (ours) say what each runner records with, which is a tracer
+    of ours in every runner, writing to the run's store; agl's other tracers have no counterpart."""
+    if tracer is None or isinstance(tracer, Tracer):
+        return tracer
+    raise TypeError(
+        f"Trainer: tracer= is a {type(tracer).__name__}; give lightning.OtelTracer() or AgentOpsTracer() (or leave it "
+        "out): each runner of a run records with a tracer of its own into the run's store, and the run's LLM proxy "
+        "records every call through the LLM resource"
+    )
 
-    return isinstance(adapter, TraceToMessages)
+
+def _adapter(adapter: Any) -> TraceAdapter[Any]:
+    """agl's `adapter=`: an adapter, a dict of TracerTraceToTriplet's options (agl's default class), or None
+    (TracerTraceToTriplet())."""
+    if adapter is None:
+        return TracerTraceToTriplet()
+    if isinstance(adapter, Mapping):
+        options = dict(adapter)
+        kind = str(options.pop("type", "TracerTraceToTriplet")).rpartition(".")[2]
+        classes: dict[str, type[TraceAdapter[Any]]] = {
+            "TracerTraceToTriplet": TracerTraceToTriplet,
+            "LlmProxyTraceToTriplet": LlmProxyTraceToTriplet,
+            "TraceToMessages": TraceToMessages,
+        }
+        if kind not in classes:
+            raise TypeError(f"Trainer: adapter={adapter!r}; its type must be one of {sorted(classes)}")
+        return classes[kind](**options)
+    if isinstance(adapter, TraceAdapter):
+        return adapter
+    raise TypeError(
+        f"Trainer: adapter= is a {type(adapter).__name__}; give lightning.adapter.TracerTraceToTriplet(...) (or a "
+        "dict of its options), LlmProxyTraceToTriplet(), TraceToMessages(), or a TraceAdapter of your own for a "
+        "custom Algorithm"
+    )
+
+
+def _adapter_fields(adapter: TraceAdapter[Any], *, apo: bool, given: bool) -> dict[str, Any]:
+    """What `adapter` means for a run's flow: APO reads transcripts as messages (TraceToMessages, or no adapter);
+    `train` and `dev` make training rows with our adapter, which agl's triplet adapters describe
+    (`trainer_fields`)."""
+    if apo:
+        if given and not isinstance(adapter, TraceToMessages):
+            raise TypeError(
+                f"Trainer: APO reads its rollouts as messages; give adapter=TraceToMessages() or leave it out, not "
+                f"{type(adapter).__name__}"
+            )
+        return {}
+    if isinstance(adapter, TraceToTripletBase):
+        return adapter.trainer_fields()
+    raise TypeError(
+        f"Trainer: adapter={type(adapter).__name__}() is not supported here: a run's training rows come from "
+        "lightning's adapter (adapter_shape='transition', one row per LLM call, or 'trajectory', one per rollout); "
+        "TraceToMessages and adapters of your own are for APO and custom Algorithms, which read them"
+    )
 
 
 def _apo_section(apo: APO[Any], fields: dict[str, Any]) -> dict[str, Any]:

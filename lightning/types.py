@@ -504,8 +504,9 @@ SpanLike = Span
 
 def __getattr__(name: str) -> Any:
     # agent-lightning's `types` also offers Hook, RolloutRawResult and SpanCoreFields, which live with the agent and
-    # the tracing here (both import this module: they are looked up on first use).
-    return lookup(__name__, ("lightning.agent", "lightning.tracing"), name)
+    # the tracing here (both import this module: they are looked up on first use), and SpanNames / SpanAttributeNames,
+    # with our names in lightning.semconv.
+    return lookup(__name__, ("lightning.agent", "lightning.tracing", "lightning.semconv"), name)
 
 
 __path__: list[str] = []

@@ -121,6 +121,9 @@ def test_verl_maps_agl_s_config_onto_the_train_flow() -> None:
         },
         "inference": {"backend": "vllm", "vllm": {"gpu_memory_utilization": 0.6}},
         "eval_every": 0,
+        # verl samples data.max_response_length tokens, at temperature 1 in training and greedily in validation.
+        "sampling": {"temperature": 1.0, "max_tokens": 4},
+        "eval_sampling": {"temperature": 0.0, "max_tokens": 4},
     }
     assert verl.ignored == ["actor_rollout_ref.rollout.multi_turn.format", "trainer.logger"]
     # total_epochs: verl's steps, full batches of the training set per epoch.
@@ -203,8 +206,10 @@ def test_apo_becomes_the_optimize_prompt_flow_s_apo_section(monkeypatch: pytest.
         agl.APO(AsyncOpenAI(base_url="http://127.0.0.1:9/v1", api_key="sk-other"))
     with pytest.raises(ValueError, match="APO optimises one prompt template"):
         agl.Trainer(algorithm=algorithm)
-    with pytest.raises(TypeError, match="adapter= is not supported"):
+    with pytest.raises(TypeError, match="TraceToMessages and adapters of your own are for APO"):
         agl.Trainer(algorithm={"lr": 1e-5}, adapter=TraceToMessages())
+    with pytest.raises(TypeError, match="APO reads its rollouts as messages"):
+        agl.Trainer(algorithm=algorithm, initial_resources={"system": seed}, adapter=agl.LlmProxyTraceToTriplet())
 
 
 # --- Algorithm and @algo ------------------------------------------------------------------------------------------
@@ -271,3 +276,23 @@ def test_an_algorithm_subclass_gets_the_datasets_and_the_initial_resources(tmp_p
     assert algorithm.rewards == [1.0, 1.0, 1.0]
     with pytest.raises(TypeError, match="pick_a_prompt takes no train_dataset"):
         agl.Trainer(n_runners=1, algorithm=pick_a_prompt).fit(prompt_agent, ["a"])
+
+
+def test_baseline_runs_every_task_through_the_runners_and_logs_what_came_back(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """agl's `Baseline` (apo_debug.py's trainer mode, with the algorithm named): its train then val tasks, logged."""
+    baseline = agl.Baseline(polling_interval=0.05, max_queue_length=1, span_verbosity="key_values")
+    seed = agl.PromptTemplate(template="You are a friendly chatbot. {any_question}", engine="f-string")
+    trainer = agl.Trainer(n_runners=2, algorithm=baseline, initial_resources={"main_prompt": seed})
+    with caplog.at_level("INFO", logger="lightning.agl_algorithms"):
+        assert trainer.dev(prompt_agent, ["a", "b"], val_dataset=["c"]) is None  # a FastAlgorithm runs with dev too
+    assert sorted((r.input, r.mode, r.status) for r in baseline.finished) == [
+        ("a", "train", "succeeded"), ("b", "train", "succeeded"), ("c", "val", "succeeded"),
+    ]  # fmt: skip
+    assert "lightning.reward.value': 1.0" in caplog.text and "adapted: []" in caplog.text  # no LLM call, no triplet
+    assert isinstance(baseline, agl.FastAlgorithm) and isinstance(baseline, agl.Algorithm)
+    with pytest.raises(ValueError, match="train_split"):
+        agl.Baseline(train_split=1.0)
+    with pytest.raises(TypeError, match="dev runs a FastAlgorithm"):
+        agl.Trainer(algorithm=pick_a_prompt).dev(prompt_agent, ["a"])

@@ -208,3 +208,59 @@ async def test_agl_s_calc_x_debug_form_with_the_top_level_names() -> None:
         assert spans[0].attributes["gen_ai.request.temperature"] == 1.0
         assert agl.find_final_reward(spans) == 1.0
     await store.close()
+
+
+# --- apo_debug.py's runner and hook modes, with each of agl's tracer names ---
+
+SKY = "Explain why the sky appears blue using principles of light scattering in 100 words."
+
+
+def judged_endpoint() -> Any:
+    """Answers the agent, then its judge (a number), as a real model would be asked."""
+    from support.scripted_agl import scripted_chat_app
+
+    def reply(body: dict[str, Any]) -> dict[str, Any]:
+        judging = "Return only a number" in body["messages"][-1]["content"]
+        return {"role": "assistant", "content": "0.8" if judging else "Rayleigh scattering."}
+
+    return scripted_chat_app(reply)
+
+
+@rollout
+async def sky_agent(task: str, prompt_template: PromptTemplate) -> float:
+    """As apo_debug.py's agent: `AsyncOpenAI()` from the environment, its answer scored by a judging call."""
+    client = AsyncOpenAI(max_retries=0)
+    messages = [{"role": "user", "content": prompt_template.format(any_question=task)}]
+    answer = await client.chat.completions.create(model="gpt-4.1-nano", messages=messages)  # type: ignore[arg-type]
+    judge = [
+        {"role": "user", "content": f"Task: {task}\nOutput: {answer.choices[0].message.content}\nReturn only a number"}
+    ]
+    score = await client.chat.completions.create(model="gpt-4.1-nano", messages=judge, temperature=0.0)  # type: ignore[arg-type]
+    return float(score.choices[0].message.content or 0)
+
+
+@pytest.mark.parametrize("tracer_name", ["OtelTracer", "AgentOpsTracer"])
+async def test_apo_debug_s_runner_and_hook_modes_with_each_tracer_name(
+    tracer_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = judged_endpoint()
+    with serving(app) as url:
+        monkeypatch.setenv("OPENAI_BASE_URL", f"{url}/v1")
+        monkeypatch.setenv("OPENAI_API_KEY", "sk-agent-secret")
+        tracer = getattr(agl, tracer_name)()
+        runner = LitAgentRunner[str](tracer)
+        store = InMemoryLightningStore()
+        resource = PromptTemplate(template="You are a helpful assistant. {any_question}", engine="f-string")
+        hook = TraceRecorder()
+        with runner.run_context(agent=sky_agent, store=store, hooks=[hook]):  # the hook mode
+            finished = await runner.step(SKY, resources={"main_prompt": resource})
+        with runner.run_context(agent=sky_agent, store=store):  # the runner mode
+            again = await runner.step(SKY, resources={"main_prompt": resource})
+    assert app.state.requests[0]["messages"][0]["content"] == f"You are a helpful assistant. {SKY}"
+    for done in (finished, again):
+        spans = await store.query_spans(done.rollout_id)
+        assert [span.name for span in spans] == ["openai.chat", "openai.chat", "lightning.reward"]
+        assert find_final_reward(spans) == 0.8
+    assert hook.traces == [["openai.chat", "openai.chat", "lightning.reward"]]
+    tracer.shutdown()
+    await store.close()

@@ -175,20 +175,22 @@ def test_import_lightning_as_agl_names_what_agents_and_scripts_use_without_prefe
         "Tracer", "LLM", "ProxyLLM", "PromptTemplate", "NamedResources", "Dataset", "Rollout", "AttemptedRollout",
         "Span", "SpanCoreFields", "Triplet", "Hook", "LightningStore", "setup_logging", "configure_logger",
         "VERL", "APO", "Algorithm", "algo", "LightningEnvVar", "resolve_bool_env_var", "resolve_str_env_var",
+        "LLMProxy", "LightningStoreServer", "TracerTraceToTriplet", "LlmProxyTraceToTriplet", "Baseline",
+        "SharedMemoryExecutionStrategy", "emit_annotation", "get_active_tracer", "SpanNames",
     ]  # fmt: skip
     code = (
         "import json, sys\n"
         "import lightning as agl\n"
         f"missing = [n for n in {names!r} if not hasattr(agl, n)]\n"
         "layers = sorted(m for m in sys.modules if m.split('.')[0] in ('prefect', 'flows', 'tasks', 'torch'))\n"
-        "try:\n    agl.LLMProxy\n    proxy = ''\nexcept ImportError as exc:\n    proxy = str(exc)\n"
-        "print(json.dumps({'missing': missing, 'layers': layers, 'proxy': proxy}))\n"
+        "try:\n    agl.Task\n    task = ''\nexcept ImportError as exc:\n    task = str(exc)\n"
+        "print(json.dumps({'missing': missing, 'layers': layers, 'task': task}))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     found = json.loads(done.stdout.splitlines()[-1])
     assert found["missing"] == [] and found["layers"] == []
-    assert "proxy_endpoint" in found["proxy"]
+    assert "deprecated 0.1/0.2 API" in found["task"]
 
 
 # --- the Trainer's configuration (its flows run in test_agl_trainer.py) ---
@@ -250,9 +252,13 @@ def test_initial_resources_take_named_llms_and_prompt_templates(tmp_path: Path) 
     ("arguments", "error", "message"),
     [
         ({"max_rollouts": 4}, TypeError, "max_rollouts= is not supported here: .*iterations="),
-        ({"tracer": "agentlightning.OtelTracer"}, TypeError, "tracer= is not supported"),
-        ({"adapter": {"agent_match": "write"}}, TypeError, "adapter_shape="),
-        ({"strategy": "shm"}, TypeError, "task_runner="),
+        ({"tracer": "agentlightning.OtelTracer"}, TypeError, r"give lightning.OtelTracer\(\) or AgentOpsTracer"),
+        ({"adapter": {"agent_match": "write"}}, ValueError, "give that agent an LLM resource other than the trained"),
+        ({"adapter": {"llm_call_match": "chat"}}, ValueError, "leave llm_call_match out"),
+        ({"adapter": {"repair_hierarchy": False}}, ValueError, "always places a span"),
+        ({"strategy": "mystery"}, TypeError, "give 'shm' or 'cs'"),
+        ({"strategy": {"type": "cs", "role": "runner"}}, ValueError, "task_runner='ray'"),
+        ({"triplet_exporter": object()}, TypeError, "adapter=TracerTraceToTriplet"),
         ({"llm_proxy": object()}, TypeError, "proxy_endpoint="),
         ({"hooks": [object()]}, TypeError, "Runner\\(agent, store, hooks="),
         ({"dev": True}, TypeError, r"\.dev\(agent"),

@@ -86,14 +86,19 @@ from lightning.tracer.agentops import AgentOpsTracer
 from lightning.tracer.otel import OtelTracer
 from lightning.runner import LitAgentRunner
 from lightning import APO, VERL, Algorithm, Trainer, algo, configure_logger, setup_logging
-from lightning.algorithm import APO, VERL, Algorithm, algo
+from lightning.algorithm import APO, VERL, Algorithm, Baseline, FastAlgorithm, algo
+from lightning.algorithm.fast import Baseline
+from lightning.adapter import LlmProxyTraceToTriplet, TracerTraceToTriplet
+from lightning.execution import ClientServerExecutionStrategy, SharedMemoryExecutionStrategy
+from lightning.llm_proxy import LLMProxy
+from lightning.store import LightningStoreServer, LightningStoreThreaded
 from lightning.algorithm.apo import APO
 from lightning.algorithm.verl import VERL
 from lightning.env_var import LightningEnvVar, resolve_bool_env_var, resolve_int_env_var, resolve_str_env_var
 from lightning.logging import setup, setup_module
 refused = {}
-for line in ("from lightning.tracer.dummy import DummyTracer", "from lightning.algorithm import Baseline",
-             "from lightning import LLMProxy", "from lightning.verl import AgentLightningTrainer"):
+for line in ("from lightning.tracer.dummy import DummyTracer", "from lightning import LegacyAgentRunner",
+             "from lightning import build_component", "from lightning.verl import AgentLightningTrainer"):
     try:
         exec(line)
     except ImportError as exc:
@@ -108,8 +113,8 @@ print(json.dumps({"refused": refused, "layers": layers}))
     found = json.loads(done.stdout.splitlines()[-1])
     assert found["layers"] == []
     assert "lightning.Tracer" in found["refused"]["from lightning.tracer.dummy import DummyTracer"]
-    assert "Trainer(...).dev" in found["refused"]["from lightning.algorithm import Baseline"]
-    assert "proxy_endpoint" in found["refused"]["from lightning import LLMProxy"]
+    assert "deprecated 0.1/0.2 API" in found["refused"]["from lightning import LegacyAgentRunner"]
+    assert "TrainConfig fields" in found["refused"]["from lightning import build_component"]
     assert "lightning.VERL(config)" in found["refused"]["from lightning.verl import AgentLightningTrainer"]
 
 

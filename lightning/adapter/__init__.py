@@ -2,6 +2,13 @@
 
 from typing import Any
 
+from lightning.adapter.agl_triplet import (
+    LlmProxyTraceToTriplet,
+    RewardMatchPolicy,
+    TracerTraceToTriplet,
+    TraceToTripletBase,
+)
+from lightning.adapter.base import Adapter, OtelTraceAdapter, TraceAdapter
 from lightning.adapter.messages import TraceToMessages, Transcript, spans_to_messages
 from lightning.adapter.tree import SpanNode, build_forest, iter_forest
 from lightning.adapter.triplets import (
@@ -24,6 +31,13 @@ __all__ = [
     "DEFAULT_LLM_SPAN_NAME",
     "AdaptReport",
     "AdaptResult",
+    "Adapter",
+    "LlmProxyTraceToTriplet",
+    "OtelTraceAdapter",
+    "RewardMatchPolicy",
+    "TraceAdapter",
+    "TraceToTripletBase",
+    "TracerTraceToTriplet",
     "RewardMatch",
     "Shape",
     "SpanNode",

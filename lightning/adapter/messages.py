@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
 from pydantic import BaseModel, Field
 
 from lightning import semconv
+from lightning.adapter.base import TraceAdapter
 from lightning.adapter.triplets import DEFAULT_LLM_SPAN_NAME, AdaptReport, RewardMatch, select_llm_calls
 from lightning.types import Span
 
@@ -29,7 +31,7 @@ def spans_to_messages(
     spans: Sequence[Span],
     *,
     reward_match: RewardMatch = "final",
-    agent_name: str | None = None,
+    agent_name: str | re.Pattern[str] | None = None,
     llm_span_name: str = DEFAULT_LLM_SPAN_NAME,
 ) -> list[Transcript]:
     """One transcript per LLM call of these spans, chosen and rewarded by the same rules as the triplets
@@ -76,7 +78,7 @@ def spans_to_messages(
     return transcripts
 
 
-class TraceToMessages:
+class TraceToMessages(TraceAdapter[list[dict[str, Any]]]):
     """agent-lightning's messages adapter: `TraceToMessages().adapt(spans)` (or called) -> one
     `{"messages": [...], "tools": [...] | None}` per LLM call, the request's messages then the model's answer, in
     OpenAI's fine-tuning shape. Over `spans_to_messages`: the calls are those the run's LLM proxy recorded (agl's
@@ -84,8 +86,6 @@ class TraceToMessages:
 
     def adapt(self, source: Sequence[Span], /) -> list[dict[str, Any]]:
         return [{"messages": t.messages, "tools": t.tools} for t in spans_to_messages(source)]
-
-    __call__ = adapt
 
 
 def _openai_message(message: dict[str, Any]) -> dict[str, Any]:

@@ -8,7 +8,8 @@ The rules, each applied in one place below:
   (a client-side span around the proxy's) is a wrapper: the inner one is used, the wrapper skipped and counted.
 - A call is in reward code, skipped and counted, when one of its ancestors (after timing repair) is a reward
   span, or a span whose name or `lightning.operation.name` contains "reward" or "judge" (any case).
-- `agent_name` keeps the calls whose nearest agent ancestor-or-self is that agent; an agent span is one
+- `agent_name` keeps the calls whose nearest agent ancestor-or-self is that agent (a compiled `re.Pattern`: whose
+  name it finds, `re.search`, as agent-lightning's `agent_match`); an agent span is one
   with attribute `agent.name`, `lightning.agent.name` or `gen_ai.agent.name`, or named `agent <name>` or
   `invoke_agent <name>`. Calls under no agent span are dropped by the filter, and counted.
 - A call is usable when it has prompt and response token ids: `lightning.llm.prompt_token_ids` and
@@ -164,7 +165,7 @@ def spans_to_triplets(
     *,
     shape: Shape = "transition",
     reward_match: RewardMatch = "final",
-    agent_name: str | None = None,
+    agent_name: str | re.Pattern[str] | None = None,
     llm_span_name: str = DEFAULT_LLM_SPAN_NAME,
     group_id: str | None = None,
 ) -> AdaptResult:
@@ -193,7 +194,7 @@ async def adapt_rollouts(
     *,
     shape: Shape = "transition",
     reward_match: RewardMatch = "final",
-    agent_name: str | None = None,
+    agent_name: str | re.Pattern[str] | None = None,
     llm_span_name: str = DEFAULT_LLM_SPAN_NAME,
     group_id: str | None = None,
 ) -> AdaptResult:
@@ -249,7 +250,7 @@ def _adapt_attempt(
     *,
     shape: Shape,
     reward_match: RewardMatch,
-    agent_name: str | None,
+    agent_name: str | re.Pattern[str] | None,
     llm_span_name: str,
     group_id: str,
 ) -> AdaptResult:
@@ -307,7 +308,7 @@ def select_llm_calls(
     report: AdaptReport,
     *,
     reward_match: RewardMatch = "final",
-    agent_name: str | None = None,
+    agent_name: str | re.Pattern[str] | None = None,
     pattern: str = DEFAULT_LLM_SPAN_NAME,
 ) -> list[LlmCall]:
     """The LLM calls that count, in start-time order, each with its reward; what is skipped is counted."""
@@ -333,7 +334,7 @@ def select_llm_calls(
         if any(is_call[id(descendant)] for descendant in node.walk() if descendant is not node):
             report.wrapper_llm_spans_skipped += 1
             continue
-        if agent_name is not None and _agent_of(node) != agent_name:
+        if agent_name is not None and not _is_agent(_agent_of(node), agent_name):
             report.calls_filtered_by_agent += 1
             continue
         if reward_match == "final":
@@ -373,6 +374,12 @@ def _agent_of(node: SpanNode) -> str | None:
             if span.name.startswith(prefix):
                 return span.name[len(prefix) :]
     return None
+
+
+def _is_agent(name: str | None, wanted: str | re.Pattern[str]) -> bool:
+    if name is None:
+        return False
+    return name == wanted if isinstance(wanted, str) else wanted.search(name) is not None
 
 
 def _first_reward_after(call: Span, timed_rewards: list[Span]) -> float | None:

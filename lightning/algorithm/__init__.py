@@ -1,5 +1,6 @@
 """RL training math and the torch trainer: triplets -> TrainingBatch -> advantages -> clipped policy loss -> update.
-As agl's `agentlightning.algorithm`, it also offers agl's algorithm objects (`VERL`, `APO`, `Algorithm`, `algo`) from
+As agl's `agentlightning.algorithm`, it also offers agl's algorithm objects (`VERL`, `APO`, `Algorithm`, `algo`,
+`FastAlgorithm`, `Baseline`) from
 lightning.agl_algorithms, loaded on first use."""
 
 import importlib
@@ -7,7 +8,7 @@ from typing import Any
 
 from lightning.agl_import_paths import missing
 
-AGL_NAMES = frozenset({"APO", "VERL", "Algorithm", "FunctionalAlgorithm", "algo"})
+AGL_NAMES = frozenset({"APO", "VERL", "Algorithm", "FunctionalAlgorithm", "algo", "FastAlgorithm", "Baseline"})
 
 
 def __getattr__(name: str) -> Any:

@@ -13,7 +13,6 @@ bearer token (see `PathToken`).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import re
@@ -28,9 +27,9 @@ from starlette.routing import Route
 
 from lightning.serving import CLIENT_GONE
 from lightning.store import contract
+from lightning.store.agl_answers import answer_as_agl
 from lightning.store.base import LightningStore, describe_validation_error, handle_one_http_request
-from lightning.store.errors import InvalidArgumentError, NotFoundError, StoreError, http_status
-from lightning.types import PaginatedResult, Span
+from lightning.store.errors import InvalidArgumentError, StoreError, http_status
 
 logger = logging.getLogger(__name__)
 
@@ -180,21 +179,12 @@ def _endpoint(store: LightningStore, route: AglRoute) -> Callable[..., Any]:
 
 
 async def _answer(store: LightningStore, call: contract.Request, request: Request) -> Any:
-    """Our store's answer to `call`, except for rollout ids it does not know, which agl answers with nothing rather
-    than an error: `query_spans` gives an empty page, and `wait_for_rollouts` leaves them out (with none known, it
-    answers none after the timeout, as agl's store does waiting for ids that never come)."""
-    if isinstance(call, contract.WaitForRollouts):
-        known = {rollout.rollout_id for rollout in await store.query_rollouts(rollout_id_in=call.rollout_ids)}
-        call = call.model_copy(update={"rollout_ids": [rid for rid in call.rollout_ids if rid in known]})
-        if not call.rollout_ids:
-            await asyncio.sleep(min(call.timeout or 0.0, contract.MAX_WAIT_SECONDS))
-            return []
-    try:
-        return await handle_one_http_request(store, call, request.is_disconnected)
-    except NotFoundError:
-        if not isinstance(call, contract.QuerySpans):
-            raise
-        return PaginatedResult[Span](items=[], limit=call.limit, offset=call.offset, total=0)
+    """Our store's answer to `call`, with agl's for rollout ids it does not know (lightning.store.agl_answers)."""
+
+    def handle(call: contract.Request) -> Any:
+        return handle_one_http_request(store, call, request.is_disconnected)
+
+    return await answer_as_agl(store, call, handle)
 
 
 async def _fields(request: Request, route: AglRoute) -> dict[str, Any]:

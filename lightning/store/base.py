@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 import pydantic
 
@@ -97,6 +97,29 @@ async def handle_one_http_request(
         remaining -= slice_
         if contract.claimed_any(claimed) or remaining <= 0 or await client_gone():
             return claimed
+
+
+class LightningStoreCapabilities(TypedDict, total=False):
+    """What a store can do (agent-lightning's `store.capabilities`): every store here is thread-safe and async-safe
+    and keeps one copy that all its users share; a store server (an HttpLightningStore) also takes OTLP/HTTP
+    traces (`otlp_traces_endpoint()`)."""
+
+    thread_safe: bool
+    async_safe: bool
+    zero_copy: bool
+    otlp_traces: bool
+
+
+class LightningStoreStatistics(TypedDict, total=False):
+    """agent-lightning's keys of `statistics()`; ours adds counts by status (rollouts_queuing, ...)."""
+
+    name: str
+    total_rollouts: int
+    total_attempts: int
+    total_spans: int
+    total_resources: int
+    total_workers: int
+    uptime: float
 
 
 class LightningStore(ABC):
@@ -315,7 +338,13 @@ class LightningStore(ABC):
     # --- housekeeping ------------------------------------------------------------------------
 
     async def statistics(self) -> dict[str, Any]:
+        """agl's keys (LightningStoreStatistics) and counts by status."""
         return await self._request(contract.Statistics)
+
+    @property
+    def capabilities(self) -> LightningStoreCapabilities:
+        """agent-lightning's capability flags: the same for every store here but a server's OTLP route."""
+        return LightningStoreCapabilities(thread_safe=True, async_safe=True, zero_copy=True, otlp_traces=False)
 
     async def run_watchdog(self) -> int:
         """One watchdog pass now: mark timed-out and unresponsive attempts, move their rollouts; how many it marked."""

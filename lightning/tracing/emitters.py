@@ -114,6 +114,9 @@ def _flatten(emitter: str, attributes: Mapping[str, Any], prefix: str, into: dic
             into[name] = value
         elif isinstance(value, list | tuple) and all(isinstance(item, str | bool | int | float) for item in value):
             into[name] = list(value)
+        elif isinstance(value, list | tuple) and value and all(isinstance(item, Mapping) for item in value):
+            for index, item in enumerate(value):  # agl's flattening: a list of dicts by index (rewards' dimensions)
+                _flatten(emitter, item, f"{name}.{index}.", into)
         else:
             raise TypeError(
                 f"{emitter}: attribute {name!r} is a {type(value).__name__}; give str, bool, int, float, a list of "
@@ -250,6 +253,16 @@ def emit_object(obj: Any, attributes: Mapping[str, Any] | None = None, *, propag
         raise TypeError(f"emit_object: {type(obj).__name__} cannot be recorded as JSON: {exc}") from exc
     fields = _extra_attributes("emit_object", attributes, semconv.OBJECT_JSON)
     return _record("emit_object", semconv.OBJECT_SPAN, {**fields, semconv.OBJECT_JSON: encoded}, propagate)
+
+
+def emit_annotation(annotation: Mapping[str, Any], propagate: bool = True) -> SpanCoreFields:
+    """agent-lightning's annotation span: `annotation`'s keys and values as the span's attributes (nested dicts
+    flattened with dots, lists of dicts by index: `{"agentlightning.reward": [{"name": "x", "value": 1.0}]}` is agl's
+    reward, which our readers take too). propagate=False: record nothing, only return the span."""
+    if not isinstance(annotation, Mapping):
+        raise TypeError(f"emit_annotation: annotation must be a dict, got {type(annotation).__name__}")
+    fields = _extra_attributes("emit_annotation", annotation, semconv.ANNOTATION_SPAN + ".")
+    return _record("emit_annotation", semconv.ANNOTATION_SPAN, fields, propagate)
 
 
 def emit_exception(exc: BaseException) -> None:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from typing import Any
+
+from pydantic import BaseModel
 
 from lightning import semconv
 from lightning.store.base import LightningStore
@@ -28,6 +31,46 @@ def get_reward_value(span: Span) -> float | None:
     if span.name in (semconv.PEER_REWARD_SPAN, PEER_ANNOTATION_SPAN):
         return _finite(attributes.get(PEER_LEGACY_REWARD))
     return None
+
+
+class RewardDimension(BaseModel):
+    """One reward of a reward span: its name and value (agent-lightning's `RewardPydanticModel`)."""
+
+    name: str
+    value: float
+
+
+RewardPydanticModel = RewardDimension
+"""agent-lightning's name for a reward dimension."""
+
+_PEER_DIMENSION = re.compile(r"^agentlightning\.reward\.(\d+)\.(name|value)$")
+
+
+def get_rewards_from_span(span: Span) -> list[RewardDimension]:
+    """The rewards a span carries, the primary first (agent-lightning's reader): its `agentlightning.reward.<i>`
+    dimensions (agl's spans, and ours, which carry them too), else our primary reward and named components; [] for a
+    span that carries none."""
+    attributes = span.attributes or {}
+    dimensions: dict[int, dict[str, Any]] = {}
+    for key, value in attributes.items():
+        found = _PEER_DIMENSION.match(key)
+        if found:
+            dimensions.setdefault(int(found.group(1)), {})[found.group(2)] = value
+    if dimensions:
+        return [RewardDimension.model_validate(dimensions[index]) for index in sorted(dimensions)]
+    primary = get_reward_value(span)
+    if primary is None:
+        return []
+    primary_key = attributes.get(semconv.REWARD_PRIMARY_KEY)
+    named = [
+        RewardDimension(name=key.removeprefix(semconv.REWARD_PREFIX), value=value)
+        for key, value in attributes.items()
+        if key.startswith(semconv.REWARD_PREFIX)
+        and key not in (semconv.REWARD_VALUE, semconv.REWARD_PRIMARY_KEY)
+        and key != semconv.REWARD_PREFIX + str(primary_key)
+        and isinstance(value, int | float)
+    ]
+    return [RewardDimension(name=str(primary_key or "primary"), value=primary), *named]
 
 
 def is_reward_span(span: Span) -> bool:

@@ -51,6 +51,8 @@ class _Scope:
     """Its spans that ended, in order (`Tracer.get_last_trace`)."""
     proxied: frozenset[str] = frozenset()
     """host:port of the LLM proxies its rollout calls, which record those calls themselves."""
+    tracer: Tracer | None = None
+    """The tracer whose trace context it is (`get_active_tracer`)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -63,6 +65,13 @@ class _Ended:
 def current_scope() -> _Scope | None:
     """The trace context active in this thread or asyncio task, if any."""
     return otel_context.get_value(_SCOPE_KEY)  # type: ignore[return-value]
+
+
+def get_active_tracer() -> Tracer | None:
+    """The tracer whose trace context is active in this thread or asyncio task (inside a rollout: the runner's), or
+    None (agent-lightning's call; its active tracer is one per process, ours one per trace context)."""
+    scope = current_scope()
+    return scope.tracer if scope is not None else None
 
 
 class _StoreSpanProcessor(SpanProcessor):
@@ -562,7 +571,7 @@ class Tracer:
                 "this tracer has no store: make it with Tracer(store), or run it under a runner "
                 "(LitAgentRunner(tracer).run_context(agent=..., store=...))"
             )
-        self._last_scope = _Scope(self._processor, self._otel_tracer, rollout_id, attempt_id)
+        self._last_scope = _Scope(self._processor, self._otel_tracer, rollout_id, attempt_id, tracer=self)
         return self._last_scope
 
 
