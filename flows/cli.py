@@ -22,7 +22,7 @@ from flows.secret_blocks import URL_FIELDS, export_secret_blocks
 from lightning import owner, preflight, stopping
 from lightning.config import load_config
 from lightning.config_file import parse_overrides
-from lightning.credentials import references
+from lightning.credentials import redact, references
 from lightning.environment import PREFECT_UI
 from lightning.errors import ConfigError
 from lightning.metrics import LOCAL_PREFECT_UI, LOCAL_UI, is_server, ui_command
@@ -315,5 +315,5 @@ def where_to_look(config: Any, summary: dict[str, Any]) -> str:
 def mlflow_ui(tracking_uri: str) -> str:
     """How to see the runs of `tracking_uri`: a server's address, or the command that serves a local store's UI."""
     if is_server(tracking_uri):
-        return f"open {tracking_uri}"
+        return f"open {redact(tracking_uri)}"
     return f"{ui_command(tracking_uri)}   then open {LOCAL_UI}"

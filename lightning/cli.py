@@ -18,7 +18,7 @@ import yaml
 
 from lightning import preflight
 from lightning.config import TrainConfig, load_config
-from lightning.credentials import split_credentials
+from lightning.credentials import redact
 from lightning.diagnose import collect_stacks, dump_stacks_on_signal
 from lightning.environment import (
     BACKEND_API_KEY,
@@ -300,7 +300,8 @@ def _mlflow_ui(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     mlflow = Path(sys.executable).parent / "mlflow"
     command = [str(mlflow) if mlflow.is_file() else "mlflow", "ui", "--backend-store-uri", args.backend_store_uri]
     command += ["--host", args.host, "--port", str(args.port)]
-    print(f"MLflow UI on http://{args.host}:{args.port} ({args.backend_store_uri}); Ctrl-C stops it", flush=True)
+    where = redact(args.backend_store_uri)
+    print(f"MLflow UI on http://{args.host}:{args.port} ({where}); Ctrl-C stops it", flush=True)
     os.environ[LITELLM_OFFLINE] = "True"
     os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
     os.execvp(command[0], command)
@@ -324,7 +325,7 @@ def _mlflow_promote(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     tracker = MlflowTracker(args.tracking_uri)
     versions = tracker.client.search_model_versions(f"name = '{args.name}'")
     if not versions:
-        parser.error(f"no registered model {args.name!r} at {args.tracking_uri}")
+        parser.error(f"no registered model {args.name!r} at {redact(args.tracking_uri)}")
     newest = max(versions, key=lambda v: int(v.version))
     rewarded = [v for v in versions if _reward(v) is not None]
     best = max(rewarded, key=lambda v: (_reward(v), int(v.version))) if rewarded else None
@@ -358,7 +359,7 @@ def _reward_of(text: str | None) -> float | None:
 def _debug_compare_logprobs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not (Path(args.model) / "config.json").is_file():
         parser.error(f"model: {args.model} is not a Hugging Face model directory (no config.json)")
-    where = split_credentials(args.store)[0]
+    where = redact(args.store)
     database = _sqlite_file(args.store)
     if database is not None and not database.is_file():  # (opening it would make an empty store there)
         print(f"error: --store {where}: no such file {database}; give the run's store_url", file=sys.stderr)
@@ -390,7 +391,7 @@ def _debug_compare_logprobs(args: argparse.Namespace, parser: argparse.ArgumentP
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except Exception as exc:  # a database that cannot be opened (PostgreSQL down, a wrong password): not a traceback
-        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+        first = next((line.strip() for line in redact(str(exc)).splitlines() if line.strip()), "")
         print(f"error: --store {where}: cannot read the store: {type(exc).__name__}: {first}", file=sys.stderr)
         return 1
     finally:

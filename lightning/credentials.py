@@ -56,14 +56,51 @@ def expand(text: str) -> str:
 
 
 def split_credentials(url: str) -> tuple[str, str | None]:
-    """`url` without its user and password, and the secret they carried (the password, else the user name):
-    `http://:TOKEN@host:4747` gives (`http://host:4747`, TOKEN). A URL without them comes back as is, with None."""
+    """`url` without its credentials, and the secret they carried: the password, else the user name
+    (`http://:TOKEN@host:4747` gives (`http://host:4747`, TOKEN)), or a store server's token as the path's first part
+    (`http://host:4747/t/TOKEN`, the form agent-lightning's client takes). A URL without them comes back as is, with
+    None."""
     parts = urlsplit(url)
-    if parts.username is None and parts.password is None:
+    in_path = parts.scheme in ("http", "https") and parts.path.startswith(PATH_TOKEN)
+    if parts.username is None and parts.password is None and not in_path:
         return url, None
-    host = parts.netloc.rpartition("@")[2]
     secret = unquote(parts.password or parts.username or "") or None
-    return urlunsplit(parts._replace(netloc=host)), secret
+    parts = parts._replace(netloc=parts.netloc.rpartition("@")[2])
+    if in_path:
+        token, _, rest = parts.path.removeprefix(PATH_TOKEN).partition("/")
+        secret = secret or unquote(token) or None
+        parts = parts._replace(path=f"/{rest}" if rest else "")
+    return urlunsplit(parts), secret
+
+
+PATH_TOKEN = "/t/"
+"""A store server's token as the first part of the path (`http://host:4747/t/TOKEN/...`): agent-lightning's client
+cannot send a header."""
+_USERINFO = re.compile(
+    r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^/\s:@'\"]*)(?::(?P<password>[^/\s@'\"]*))?@"
+)
+_IN_PATH = re.compile(r"(?P<head>\bhttps?://[^/\s'\"]+/t/)(?P<token>[^/\s'\"?#]+)")
+MASK = "***"
+
+
+def redact(text: str) -> str:
+    """`text` with the credentials of every URL in it masked: a password (`postgresql://user:***@db`), a token given
+    as the user of an http(s) URL (`http://***@host`, `http://:***@host`) or as its path's first part
+    (`http://host:4747/t/***`). A `${...}` reference is no secret and stays. What prints, logs or stores a URL passes
+    it through here first."""
+
+    def userinfo(match: re.Match[str]) -> str:
+        scheme, user, password = match.group("scheme"), match.group("user"), match.group("password")
+        if password is not None:
+            return f"{scheme}{user}:{_masked(password)}@"
+        return f"{scheme}{_masked(user) if scheme.lower().startswith('http') else user}@"
+
+    text = _USERINFO.sub(userinfo, text)
+    return _IN_PATH.sub(lambda match: match.group("head") + _masked(match.group("token")), text)
+
+
+def _masked(secret: str) -> str:
+    return secret if not secret or REFERENCE.fullmatch(secret) else MASK
 
 
 # --- the run's LLM proxy token -----------------------------------------------------------------------

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from lightning.credentials import expand
+from lightning.credentials import expand, redact
 from lightning.environment import MLFLOW_TRACKING_URI
 
 logger = logging.getLogger(__name__)
@@ -46,8 +46,6 @@ SECRET_KEY = re.compile(
     r"|bearer|(^|[_\-.])(auth|token)$",
     re.IGNORECASE,
 )
-URL_PASSWORD = re.compile(r"(://[^/\s:@]*):[^/\s@]+@")
-"""The password of a URL's userinfo (`scheme://user:PASSWORD@host`, and `scheme://:TOKEN@host`)."""
 EXPERIMENT_KIND = "mlflow.experimentKind"
 NOTE = "mlflow.note.content"
 SOURCE_NAME, SOURCE_TYPE, SOURCE_COMMIT = "mlflow.source.name", "mlflow.source.type", "mlflow.source.git.commit"
@@ -274,7 +272,7 @@ class MlflowTracker:
     @property
     def run_url(self) -> str:
         """The run's page: on the tracking server, or for a local store where its UI serves it (`ui_command`)."""
-        server = self.tracking_uri if is_server(self.tracking_uri) else LOCAL_UI
+        server = redact(self.tracking_uri) if is_server(self.tracking_uri) else LOCAL_UI
         return f"{server.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{self.run_id}"
 
     def _run(self) -> str:
@@ -377,7 +375,7 @@ def loggable_params(params: Mapping[str, Any]) -> dict[str, str]:
         if any(SECRET_KEY.search(part) for part in key.split(".")):
             continue
         text = value if isinstance(value, str) else json.dumps(value, default=str)
-        text = URL_PASSWORD.sub(r"\1:***@", text)
+        text = redact(text)
         if len(text) > MAX_PARAM_VALUE:
             text = text[: MAX_PARAM_VALUE - 3] + "..."
         loggable[key[:MAX_PARAM_KEY]] = text
@@ -393,7 +391,7 @@ def redacted(values: Any) -> Any:
     if isinstance(values, list | tuple):
         return [redacted(value) for value in values]
     if isinstance(values, str):
-        return URL_PASSWORD.sub(r"\1:***@", values)
+        return redact(values)
     return values
 
 
@@ -440,7 +438,7 @@ def ui_command(tracking_uri: str) -> str:
     """The command that serves a local store's UI at LOCAL_UI (`make mlflow-ui` for the default store)."""
     if tracking_uri == DEFAULT_TRACKING_URI:
         return "make mlflow-ui"
-    return f".venv/bin/lightning mlflow ui --backend-store-uri {tracking_uri}"
+    return f".venv/bin/lightning mlflow ui --backend-store-uri {redact(tracking_uri)}"
 
 
 def _default_tracking_uri() -> str:

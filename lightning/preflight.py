@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning.config import TrainConfig, load_agent, load_entry_point, load_tasks
-from lightning.credentials import MissingSecret, expand
+from lightning.credentials import MissingSecret, expand, redact
 from lightning.devices import resolve_device
 from lightning.errors import ConfigError
 from lightning.store import open_store
@@ -28,7 +28,7 @@ def problems(config: TrainConfig, optimiser: bool = False) -> list[str]:
     if inference.api_key_env and inference.endpoint and not os.environ.get(inference.api_key_env):
         found.append(
             f"inference.api_key_env: the environment variable {inference.api_key_env} (the API key of "
-            f"{inference.endpoint or 'the endpoint'}) is not set; every rollout would fail without it"
+            f"{redact(inference.endpoint)}) is not set; every rollout would fail without it"
         )
     if optimiser and config.apo is not None and config.apo.api_key_env and not os.environ.get(config.apo.api_key_env):
         found.append(
@@ -87,10 +87,10 @@ def _check(found: list[str], field: str, attempt: Any) -> None:
     try:
         attempt()
     except (ConfigError, MissingSecret) as exc:
-        message = str(exc)
+        message = redact(str(exc))  # a library's error may quote the URL it was given, its password with it
         found.append(message if message.startswith(f"{field}:") else f"{field}: {message}")
     except Exception as exc:
-        found.append(f"{field}: {type(exc).__name__}: {_one_line(str(exc))}")
+        found.append(f"{field}: {type(exc).__name__}: {_one_line(redact(str(exc)))}")
 
 
 def _model_problem(path: Path) -> None:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning.credentials import redact
 from lightning.pipeline import STALENESS_METRICS
 from lightning.run import Run
 from lightning.types import AttemptedRollout
@@ -197,7 +198,7 @@ def mlflow_link(run: Run) -> str:
     tracker = run.tracker
     uri = run.config.tracking_uri
     if tracker is None:
-        return f"MLflow: {uri}" if is_server(uri) else f"MLflow: `{ui_command(uri)}`, then {LOCAL_UI}"
+        return f"MLflow: {redact(uri)}" if is_server(uri) else f"MLflow: `{ui_command(uri)}`, then {LOCAL_UI}"
     if is_server(uri):
         return f"[MLflow run {run.name}]({tracker.run_url})"
     return f"[MLflow run {run.name}]({tracker.run_url}) (served by `{ui_command(uri)}`)"

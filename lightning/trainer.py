@@ -21,6 +21,7 @@ import copy
 import inspect
 import itertools
 import json
+import os
 import re
 import sys
 import types
@@ -43,7 +44,9 @@ from lightning.agl_execution import ClientServerExecutionStrategy, as_strategy
 from lightning.agl_import_paths import missing
 from lightning.algorithm.config import TrainerConfig
 from lightning.config import TrainConfig, load_config, load_entry_point, validate_config
+from lightning.credentials import REFERENCE, split_credentials
 from lightning.env_var import LightningEnvVar, resolve_str_env_var
+from lightning.environment import STORE_TOKEN
 from lightning.errors import ConfigError
 from lightning.tracing import Tracer
 from lightning.types import LLM, Dataset, PromptTemplate, ProxyLLM
@@ -420,10 +423,20 @@ def _apo_section(apo: APO[Any], fields: dict[str, Any]) -> dict[str, Any]:
 
 
 def _store_url(store: Any) -> str:
+    """The URL the run's parts open `store` by. A store server's token that came with it (in the URL, or the client's
+    own) goes to them through this process's environment ($LIGHTNING_STORE_TOKEN), as the flows hand over secrets:
+    the config is kept by Prefect and shown in MLflow, so it holds no token (a `${VAR}` reference stays)."""
     if isinstance(store, str):
-        return store
+        url, token = split_credentials(store)
+        if not store.startswith(("http://", "https://")) or token is None or REFERENCE.fullmatch(token):
+            return store  # a database's password stays in its URL (give it as a `${VAR}` reference)
+        os.environ[STORE_TOKEN] = token
+        return url
     base_url = getattr(store, "base_url", None)  # an HttpLightningStore: the server the run's parts can reach too
     if isinstance(base_url, str):
+        token = getattr(store, "token", None)
+        if isinstance(token, str) and token:
+            os.environ[STORE_TOKEN] = token
         return base_url
     raise TypeError(
         f"Trainer: store= is a {type(store).__name__}; a run opens its store by URL in every process that needs it: "

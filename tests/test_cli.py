@@ -150,7 +150,7 @@ def test_compare_logprobs_says_in_one_line_what_it_cannot_reach(
     said = refused("http://127.0.0.1:1")
     assert said.startswith("error: query_rollouts: no answer from the store at http://127.0.0.1:1")
     said = refused("postgresql://postgres:secret@127.0.0.1:1/x", "--rollout", "ro-1")
-    assert said.startswith("error: --store postgresql://127.0.0.1:1/x: cannot read the store: OperationalError: ")
+    assert said.startswith("error: --store postgresql://postgres:***@127.0.0.1:1/x: cannot read the store: Operational")
     assert "secret" not in said
     missing = tmp_path / "nowhere" / "store.db"
     said = refused(f"sqlite:///{missing}")

@@ -182,6 +182,8 @@ def test_run_url_on_a_server() -> None:
     tracker = MlflowTracker("http://mlflow.internal:5000/")
     tracker.experiment_id, tracker.run_id = "7", "abc"
     assert tracker.run_url == "http://mlflow.internal:5000/#/experiments/7/runs/abc"
+    tracker.tracking_uri = "http://trainer:hunter2@mlflow.internal:5000"  # a link is printed: no password in it
+    assert tracker.run_url == "http://trainer:***@mlflow.internal:5000/#/experiments/7/runs/abc"
 
 
 def test_importing_lightning_does_not_import_mlflow() -> None:

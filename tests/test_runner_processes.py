@@ -157,6 +157,7 @@ def run_runner(url: str, *extra: str, env_token: str | None = None) -> tuple[sub
     [
         ("--token", "The token given with --token is not the store server's"),
         ("env", "The token in $LIGHTNING_STORE_TOKEN is not the store server's"),
+        ("url", "The token in the --store URL (http://:TOKEN@host:port) is not the store server's"),
         ("none", "No token was given and this store server needs one"),
     ],
 )
@@ -166,7 +167,8 @@ def test_a_runner_with_a_refused_token_exits_at_once_saying_why(
     url, store = served_store_with_token
     asyncio.run(store.enqueue_rollout({"i": 0}))
     extra = ("--token", "WRONG") if where == "--token" else ()
-    done, took = run_runner(url, *extra, env_token="WRONG" if where == "env" else None)
+    address = url.replace("http://", "http://:WRONG@") if where == "url" else url
+    done, took = run_runner(address, *extra, env_token="WRONG" if where == "env" else None)
     assert done.returncode == 1, done.stderr
     last_lines = done.stderr.strip().splitlines()[-2:]
     assert last_lines[0].startswith(f"python -m lightning.runner: claim_rollouts: the store server at {url} refused")

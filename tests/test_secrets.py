@@ -157,23 +157,60 @@ async def test_a_store_token_in_the_url_authenticates_and_is_never_printed(
     backing = SqlLightningStore(f"sqlite:///{tmp_path}/store.db", watchdog_interval=None)
     try:
         with serving(create_app(backing, token=token)) as url:
-            address = url.replace("http://", "http://:${STORE_TOK}@")
-            client = open_store(address)
-            try:
-                await client.enqueue_rollout({"x": 1})
-                assert token not in repr(client) and token not in client.base_url
-            finally:
-                await client.close()
-            wrong = open_store(url.replace("http://", "http://:not-the-token@"))
-            try:
-                with pytest.raises(AuthError) as refused:
-                    await wrong.enqueue_rollout({"x": 2})
-            finally:
-                await wrong.close()
-        assert "not-the-token" not in str(refused.value) and url.removeprefix("http://") in str(refused.value)
-        assert len(await backing.query_rollouts()) == 1
+            # Both documented forms: the URL's user info, and agent-lightning's first part of the path.
+            for address in (url.replace("http://", "http://:${STORE_TOK}@"), f"{url}/t/${{STORE_TOK}}"):
+                client = open_store(address)
+                try:
+                    await client.enqueue_rollout({"x": 1})
+                    assert token not in repr(client) and token not in client.base_url
+                finally:
+                    await client.close()
+            refusals = []
+            for address in (url.replace("http://", "http://:not-the-token@"), f"{url}/t/not-the-token"):
+                wrong = open_store(address)
+                try:
+                    with pytest.raises(AuthError) as refused:
+                        await wrong.enqueue_rollout({"x": 2})
+                    refusals.append(str(refused.value))
+                finally:
+                    await wrong.close()
+        for refusal in refusals:
+            assert "not-the-token" not in refusal and f"the store server at {url} refused" in refusal, refusal
+        assert len(await backing.query_rollouts()) == 2
     finally:
         await backing.close()
+
+
+def test_urls_are_printed_with_their_credentials_masked() -> None:
+    from lightning.credentials import redact
+
+    assert redact("the store server at http://:tok-SECRET123-st2@127.0.0.1:47481 refused") == (
+        "the store server at http://:***@127.0.0.1:47481 refused"
+    )
+    assert redact("postgresql://trainer:hunter2@db/x, http://tok@h:1 and http://h:4747/t/tok/v1") == (
+        "postgresql://trainer:***@db/x, http://***@h:1 and http://h:4747/t/***/v1"
+    )
+    # A reference is no secret, a user name alone is one only where it is a store server's token (http).
+    kept = "postgresql://trainer:${PGPASSWORD}@db/x postgresql://postgres@db/x http://h:1/t/${TOK} sqlite:///a@b.db"
+    assert redact(kept) == kept
+
+
+def test_a_store_token_given_to_the_agl_trainer_reaches_the_run_by_its_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`Trainer(store=...)` puts the store's URL in the run's config, which Prefect keeps and MLflow shows: a token
+    that came with it goes to the run's processes through the environment instead."""
+    from lightning import Trainer
+    from lightning.store.client import HttpLightningStore
+
+    monkeypatch.delenv("LIGHTNING_STORE_TOKEN", raising=False)
+    trainer = Trainer(store="http://:tok-1@127.0.0.1:9")
+    assert trainer.build_config(lambda task: 0.0, [{"x": 1}]).store_url == "http://127.0.0.1:9"
+    assert os.environ["LIGHTNING_STORE_TOKEN"] == "tok-1"
+    Trainer(store=HttpLightningStore("http://127.0.0.1:9/t/tok-2"))
+    assert os.environ["LIGHTNING_STORE_TOKEN"] == "tok-2"
+    by_reference = Trainer(store="http://:${STORE_TOK}@127.0.0.1:9")  # expanded where the store is opened
+    assert by_reference.build_config(lambda task: 0.0, [{"x": 1}]).store_url == "http://:${STORE_TOK}@127.0.0.1:9"
 
 
 @pytest.mark.slow

@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field
 
 from lightning import semconv
+from lightning.credentials import redact
 from lightning.proxy.capture import Call, SseReader
 from lightning.proxy.continuation import Continuation, Conversations
 from lightning.proxy.external import ExternalModel, complete, make_router
@@ -494,7 +495,7 @@ class LLMProxy:
                 model = await self._backend_model(backend, outbound.body)
                 response = await client.post(url, data=_payload(outbound, backend, model), headers=headers)
             except _RETRYABLE as exc:
-                failure = f"{backend.url}: {type(exc).__name__}: {exc}"
+                failure = redact(f"{backend.url}: {type(exc).__name__}: {exc}")
                 if isinstance(exc, aiohttp.ClientConnectorError):
                     self._down_until[index] = time.monotonic() + _DOWN_SECONDS
             else:
@@ -502,7 +503,7 @@ class LLMProxy:
                     if rollout_id is not None:
                         self._stick(rollout_id, index)
                     return response, backend, tries
-                failure = f"{backend.url}: HTTP {response.status}"
+                failure = f"{redact(backend.url)}: HTTP {response.status}"
                 response.release()
             self.retries += 1
             logger.warning("LLM proxy: %s; trying the next backend in %.2fs", failure, delay)

@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 
+from lightning.credentials import split_credentials
 from lightning.environment import STORE_TOKEN
 
 
@@ -64,16 +65,22 @@ def main(argv: list[str] | None = None) -> None:
     try:
         ran = asyncio.run(run())
     except AuthError as exc:
-        raise SystemExit(f"python -m lightning.runner: {exc}\n{_token_hint(args.token)}") from None
+        raise SystemExit(f"python -m lightning.runner: {exc}\n{_token_hint(args.token, args.store)}") from None
     print(f"runner ran {ran} rollouts", file=sys.stderr)
 
 
-def _token_hint(given: str | None) -> str:
-    """What to do about a refused token, by where the token came from."""
+def _token_hint(given: str | None, store: str) -> str:
+    """What to do about a refused token, by where the token came from (as `open_store` picks it: --token, the store
+    URL, the environment)."""
     if given:
         return (
             "The token given with --token is not the store server's. Pass the token `lightning store serve` was "
             "started with, by --token or in $LIGHTNING_STORE_TOKEN."
+        )
+    if split_credentials(store)[1] is not None:
+        return (
+            "The token in the --store URL (http://:TOKEN@host:port) is not the store server's. Give the token "
+            "`lightning store serve` was started with there, by --token or in $LIGHTNING_STORE_TOKEN."
         )
     if os.environ.get(STORE_TOKEN):
         return (

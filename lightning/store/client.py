@@ -47,10 +47,12 @@ class HttpLightningStore(LightningStore):
     def __init__(self, base_url: str, *, token: str | None = None, timeout: float = 30.0, retries: int = 3) -> None:
         if retries < 0:
             raise InvalidArgumentError(f"retries must be >= 0, got {retries}")
-        # `http://:TOKEN@host` is a token too; the URL kept (and printed in errors) has none.
+        # `http://:TOKEN@host` and `http://host/t/TOKEN` (agl's form) give a token too; the URL kept (and printed in
+        # errors) has none.
         base_url, in_url = split_credentials(base_url)
         token = token or in_url
         self.base_url = base_url.rstrip("/")
+        self._token = token
         self._headers = {"content-type": "application/json", "accept": "application/json"}
         if token:
             self._headers["authorization"] = f"Bearer {token}"
@@ -75,6 +77,11 @@ class HttpLightningStore(LightningStore):
     def otlp_traces_endpoint(self) -> str:
         """The server's OTLP/HTTP traces route (spans carry the rollout and attempt ids as attributes)."""
         return f"{self.base_url}/v1/traces"
+
+    @property
+    def token(self) -> str | None:
+        """The server's bearer token this client sends (given, or from its URL); never in its repr or errors."""
+        return self._token
 
     # --- transport ---------------------------------------------------------------------------
     # aiohttp, not httpx: measured here, a call costs the client about 0.12 ms of CPU on aiohttp and 0.5 ms on
