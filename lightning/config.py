@@ -371,6 +371,11 @@ class TrainConfig(BaseModel):
     """Where the run's own LLM proxy listens (vllm and external inference). Runners on other machines reach it at
     this address, so give the node's address (not 0.0.0.0); any non-loopback address needs a bearer token in
     $LIGHTNING_PROXY_TOKEN, which runners read from their environment (the store never holds it)."""
+    proxy_any_agent_key: bool = False
+    """The run's LLM proxy serves an agent's model calls on the route its runner handed it (signed with the run's
+    token) whatever API key the agent sends, as agent-lightning's proxy does: its agents send "dummy" or their own
+    OPENAI_API_KEY. False: every call needs the run's proxy token, which agents get as their LLM's `api_key`. Only
+    with proxy_host on loopback; `Trainer` (agent-lightning's) turns it on unless told otherwise."""
     proxy_in_process: bool = False
     """Run the LLM proxy on a thread of the flow's process instead of a process of its own (which spares the
     runners its share of the interpreter lock)."""
@@ -542,6 +547,11 @@ class TrainConfig(BaseModel):
             )
         if not is_loopback(self.proxy_host) and self.inference.backend == "embedded":
             raise ValueError("proxy_host: the embedded inference server's proxy stays on 127.0.0.1; use vllm")
+        if self.proxy_any_agent_key and not is_loopback(self.proxy_host):
+            raise ValueError(
+                f"proxy_any_agent_key: only for a proxy on loopback; on {self.proxy_host} every call must carry the "
+                "token, so agents must send their LLM's api_key"
+            )
         problem = ray_store_problem(self.task_runner, self.store_url)
         if problem is not None:
             raise ValueError(f"store_url: {problem}")

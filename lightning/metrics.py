@@ -449,7 +449,8 @@ def new_local_db(db_path: Path) -> None:
     """A new local tracking database at `db_path`, copied from an empty one of this MLflow version kept in the user's
     cache (made there once, by MLflow itself): MLflow builds a database by running its schema migrations, 2 s of CPU
     for every new run directory otherwise. Its `Default` experiment keeps artifacts beside the database, as the
-    run's own experiments do. Nothing is copied where the cache cannot be written: MLflow then builds it."""
+    run's own experiments do. Nothing is copied where the cache cannot be written: MLflow then builds it. Either way
+    the file is its owner's alone (0600), as the store's is: it holds the run's traces (prompts and answers)."""
     import mlflow
     from mlflow.tracking import MlflowClient
 
@@ -463,6 +464,7 @@ def new_local_db(db_path: Path) -> None:
             MlflowClient(tracking_uri=f"sqlite:///{building}").search_experiments()
             os.replace(building, template)  # whole, or not there: another process may be building it too
         shutil.copyfile(template, scratch)
+        scratch.chmod(0o600)
         now = int(time.time() * 1000)
         with contextlib.closing(sqlite3.connect(scratch)) as db, db:
             db.execute(
@@ -474,6 +476,8 @@ def new_local_db(db_path: Path) -> None:
             os.link(scratch, db_path)
     except (OSError, RuntimeError, sqlite3.Error) as exc:  # no home directory, a damaged copy: MLflow builds it
         logger.debug("no MLflow database template (%s): MLflow builds %s", exc, db_path)
+        with contextlib.suppress(FileExistsError):  # in an empty file of the owner's, which SQLite takes as a database
+            os.close(os.open(db_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
     finally:
         scratch.unlink(missing_ok=True)
 

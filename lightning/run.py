@@ -39,7 +39,6 @@ from lightning.config import TrainConfig, load_tasks
 from lightning.credentials import claim_proxy_token
 from lightning.diagnose import collect_stacks, dump_stacks_on_signal
 from lightning.environment import VLLM_PYTHON
-from lightning.serving import is_loopback
 from lightning.store import lifecycle
 from lightning.store.base import LightningStore
 from lightning.types import ProxyLLM
@@ -798,6 +797,7 @@ def _start_serving(
             log_dir=config.run_dir / "logs", stacks_dir=config.run_dir / "stacks",
             start_timeout=config.timeouts.startup, report=report,
             max_body_bytes=int(inference.max_request_mb * 2**20), proxy_token=parts.proxy_token,
+            agents_need_token=not config.proxy_any_agent_key,
         )  # fmt: skip
         parts.closers.append(parts.stack.close)
         served = parts.stack.serving()
@@ -825,9 +825,9 @@ def _start_serving(
         backends = [Backend(url=str(inference.endpoint), api_key=api_key)]
     parts.proxy_token, release_token = claim_proxy_token()
     parts.closers.append(release_token)
-    # On loopback, agents' calls are served whatever key they send, as agent-lightning's proxy serves them; beyond it,
-    # the token is required (the admin routes need it everywhere).
-    need_token = not is_loopback(config.proxy_host)
+    # Every call needs the token, unless the config lets agents send their own key on their signed routes (loopback
+    # only: agent-lightning's habit); the admin routes need it always.
+    need_token = not config.proxy_any_agent_key
     # The policy's tokenizer (it does not change with the weights): multi-turn calls go to the backends token-exactly.
     tokenizer = str(serving_dir) if inference.endpoint is None else None
     proxy = LLMProxy(

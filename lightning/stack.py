@@ -168,7 +168,8 @@ class LocalStack:
     trainer. `log_dir`: where those processes write (default: a temporary directory); `stacks_dir`: where they
     dump their stacks on SIGUSR1 (`lightning.diagnose`). `start_timeout`: the seconds both processes may take to
     answer, together (a run's `timeouts.startup`); `report` gets a line every REPORT_EVERY seconds while one starts.
-    `max_body_bytes`: the largest request body either server takes (413 above it).
+    `max_body_bytes`: the largest request body either server takes (413 above it). `agents_need_token`: False lets
+    agents send any key on the routes their runners hand them (`LLMProxy`'s; `TrainConfig.proxy_any_agent_key`).
     """
 
     def __init__(
@@ -190,6 +191,7 @@ class LocalStack:
         report: Callable[[str], None] | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         proxy_token: str | None = None,
+        agents_need_token: bool = True,
     ) -> None:
         from lightning.proxy import Backend, LLMProxy
 
@@ -232,14 +234,16 @@ class LocalStack:
             if proxy == "thread":
                 backends = [Backend(url=backend, api_key=self.inference_key)]
                 self.proxy = LLMProxy(
-                    store, backends, model_name=model_name, token=self.proxy_token, agents_need_token=False,
+                    store, backends, model_name=model_name, token=self.proxy_token,
+                    agents_need_token=agents_need_token,
                     tokenizer=str(model_dir), max_body_bytes=max_body_bytes,
                 )  # fmt: skip
                 self.proxy_url = self.proxy.start()
             else:
                 port = free_port()
                 command = [sys.executable, "-m", "lightning.cli", "proxy", "serve", "--backend", backend]
-                command += ["--model-name", model_name, "--port", str(port), "--any-agent-key"]
+                command += ["--model-name", model_name, "--port", str(port)]
+                command += [] if agents_need_token else ["--any-agent-key"]
                 command += ["--tokenizer", str(model_dir), "--max-body-mb", str(max_body_bytes / 2**20)]
                 env = {
                     STORE_URL: str(store_url),

@@ -48,6 +48,7 @@ from lightning.credentials import REFERENCE, split_credentials
 from lightning.env_var import LightningEnvVar, resolve_str_env_var
 from lightning.environment import STORE_TOKEN
 from lightning.errors import ConfigError
+from lightning.serving import is_loopback
 from lightning.tracing import Tracer
 from lightning.types import LLM, Dataset, PromptTemplate, ProxyLLM
 
@@ -196,6 +197,10 @@ class Trainer:
         if one_pass and train_dataset is not None and not isinstance(train_dataset, str | Path):
             data.setdefault("batch_size", len(train_dataset))
             data.setdefault("samples_per_task", 1)
+        # agent-lightning's agents send a key of their own ("dummy", their OPENAI_API_KEY) to the run's LLM proxy,
+        # which serves them on loopback as agl's does (TrainConfig.proxy_any_agent_key) unless told otherwise.
+        if is_loopback(str(data.get("proxy_host", TrainConfig.model_fields["proxy_host"].default))):
+            data.setdefault("proxy_any_agent_key", True)
         agent_spec = _agent_spec(agent)
         data["agent"] = agent_spec
         data.setdefault("run_name", _run_name(agent))

@@ -1,8 +1,9 @@
 """agent-lightning-style example agents (examples/agl_langgraph_sql, agl_room_selector, agl_apo_room_selector),
 each run through `Trainer(...).dev(...)` as agent-lightning's docs run them: code that differs from agl's only in its
 import lines. The LLM is a scripted OpenAI-compatible endpoint given as `initial_resources` (a capable model's
-answers, not a model), reached through the run's LLM proxy on loopback, which serves the agents' placeholder API
-key. Each test runs in its own directory: the run's store, MLflow and files go to their defaults there."""
+answers, not a model), reached through the run's LLM proxy on loopback, which in Trainer's runs serves the agents'
+placeholder API key. Each test runs in its own directory: the run's store, MLflow and files go to their defaults
+there."""
 
 from __future__ import annotations
 

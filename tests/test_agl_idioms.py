@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 import lightning as agl
+from lightning.config import TrainConfig
 from lightning.errors import ConfigError
 from lightning.trainer import REGISTRY_SPEC, Trainer, registry
 
@@ -231,6 +232,14 @@ def test_the_trainer_maps_agent_lightning_s_arguments_onto_a_train_config(tmp_pa
     assert spec.startswith(REGISTRY_SPEC) and getattr(registry, spec.rsplit(".", 1)[1]) is local
     with pytest.raises(ValueError, match="task_runner 'ray'.*importable module"):
         Trainer(task_runner="ray", store="http://127.0.0.1:9").build_config(local, [{"x": 2}])
+
+
+def test_the_trainer_s_runs_serve_agents_that_send_a_key_of_their_own_as_agl_s_do() -> None:
+    # agl's agents send "dummy" or their OPENAI_API_KEY to the LLM proxy; a config run's proxy needs the token.
+    assert Trainer().build_config(module_level_agent, [{"q": 1}]).proxy_any_agent_key is True
+    strict = Trainer(proxy_any_agent_key=False).build_config(module_level_agent, [{"q": 1}])
+    assert strict.proxy_any_agent_key is False
+    assert TrainConfig().proxy_any_agent_key is False
 
 
 def test_initial_resources_take_named_llms_and_prompt_templates(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from support.servers import free_port, serving
 
 from lightning import semconv
 from lightning.agent import LitAgent
+from lightning.errors import ConfigError
 from lightning.proxy import Backend, ExternalModel, LLMProxy
 from lightning.runner import Runner
 from lightning.seeding import turn_seed
@@ -313,6 +314,50 @@ async def test_on_loopback_agents_calls_are_served_whatever_key_they_send(store:
     assert span.attributes[semconv.GEN_AI_REQUEST_MODEL] == "policy"
     with pytest.raises(ValueError, match="agents_need_token=False"):
         LLMProxy(store, [url], token="s3cret", agents_need_token=False).start(host="0.0.0.0")
+
+
+@pytest.mark.parametrize("any_agent_key", [False, True])
+async def test_a_run_s_proxy_needs_the_token_unless_its_config_lets_agents_send_any_key(
+    store: SqlLightningStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, any_agent_key: bool
+) -> None:
+    """By default a run's proxy takes a call on the route a runner handed its agent only with the run's token, which
+    the agent has as its LLM's api_key; `proxy_any_agent_key` (agent-lightning's habit, set by its Trainer) serves
+    such a call whatever key comes with it. Either way a route not signed with the token needs the token."""
+    from lightning.config import load_config
+    from lightning.run import _Parts, _start_serving
+    from lightning.runner import _routed
+
+    monkeypatch.delenv("LIGHTNING_PROXY_TOKEN", raising=False)
+    with backends() as [(_, url)]:
+        config = load_config({
+            "run_name": "r", "agent": "examples.copy_task.agent:copy_agent", "proxy_any_agent_key": any_agent_key,
+            "inference": {"backend": "external", "endpoint": url}, "store_url": f"sqlite:///{tmp_path}/store.db",
+            "output_dir": str(tmp_path / "runs"),
+        })  # fmt: skip
+        parts = _Parts(store=store, model_dir=None)
+        endpoints = _start_serving(config, parts, tmp_path)  # as Run.open starts the run's proxy
+        try:
+            rollout = await store.start_rollout({"question": "2+2"})
+            llm = _routed(ProxyLLM(endpoint=f"{endpoints.proxy_url}/v1", model="policy"), rollout)
+            assert llm.api_key == parts.proxy_token  # from this process's environment, where the run put it
+            answer = await client(llm).chat.completions.create(model="policy", messages=MESSAGES)
+            own_key = openai.AsyncOpenAI(base_url=llm.base_url, api_key="dummy", max_retries=0)
+            if any_agent_key:
+                await own_key.chat.completions.create(model="policy", messages=MESSAGES)
+            else:
+                with pytest.raises(openai.AuthenticationError, match="proxy_any_agent_key: true"):
+                    await own_key.chat.completions.create(model="policy", messages=MESSAGES)
+            unsigned = openai.AsyncOpenAI(base_url=f"{llm.base_url.split('/signed/')[0]}/v1", api_key="dummy")
+            with pytest.raises(openai.AuthenticationError):
+                await unsigned.with_options(max_retries=0).chat.completions.create(model="policy", messages=MESSAGES)
+            spans = await store.query_spans(rollout.rollout_id)
+        finally:
+            for close in reversed(parts.closers):
+                close()
+    assert answer.choices[0].message.content == "".join(ANSWER)
+    assert len(spans) == (2 if any_agent_key else 1)
+    with pytest.raises(ConfigError, match="proxy_any_agent_key: only for a proxy on loopback"):
+        load_config({"proxy_any_agent_key": True, "proxy_host": "10.0.0.5", "inference": {"backend": "vllm"}})
 
 
 def test_the_proxy_refuses_to_listen_beyond_loopback_without_a_token(tmp_path: Path) -> None:

@@ -5,7 +5,8 @@ Reward: 1.0 when the query returns the same rows as the reference query.
 
 Only its import lines differ from agent-lightning code: `agentlightning.litagent`, `.types` and `.emitter` become
 `lightning.litagent`, `.types` and `.emitter`. Like agl's agents, it sends its own placeholder API key ("dummy"),
-which the run's LLM proxy on loopback serves. The database and the questions are examples/agl_sql_agent's.
+which the run's LLM proxy serves in the runs `Trainer` starts (`proxy_any_agent_key`). The database and the
+questions are examples/agl_sql_agent's.
 """
 
 from __future__ import annotations

@@ -782,7 +782,12 @@ class LLMProxy:
 
 
 def _unauthorised() -> JSONResponse:
-    return error_response(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>'")
+    return error_response(
+        401,
+        "missing or wrong bearer token: send 'Authorization: Bearer <token>'. An agent sends its LLM's api_key (the "
+        "run's token); a run whose agents send a key of their own (agent-lightning's 'dummy') sets "
+        "proxy_any_agent_key: true",
+    )
 
 
 def _other_served_model(listing: Any, model_name: str) -> str | None:

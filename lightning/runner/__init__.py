@@ -507,13 +507,14 @@ def agent_location(agent: LitAgent[Any]) -> str:
 
 
 UNUSED_KEY = "unused"
-"""The key agents get for a proxy on loopback that has no token in this process's environment: the proxy serves
-agents' calls there whatever key they send, and OpenAI's SDK refuses to start without one."""
+"""The key agents get when this process has no proxy token in its environment (OpenAI's SDK refuses to start without
+one): a proxy without a token, or one on loopback that serves any key (`TrainConfig.proxy_any_agent_key`), takes it;
+a run's proxy otherwise refuses it, naming the fix."""
 
 
 def _routed(llm: ProxyLLM, claimed: AttemptedRollout) -> LLM:
     """The run's LLM for this attempt: its route in the endpoint, and the proxy's key from this process's environment
-    ($LIGHTNING_PROXY_TOKEN, where a proxy beyond loopback needs it), never from the store."""
+    ($LIGHTNING_PROXY_TOKEN: the run's proxy needs it on every call), never from the store."""
     token = llm.api_key or os.environ.get(PROXY_TOKEN)
     routed = llm.model_copy(update={"api_key": token}).with_attempted_rollout(claimed)  # signed with the token
     routed.api_key = token or UNUSED_KEY

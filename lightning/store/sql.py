@@ -1632,7 +1632,8 @@ def _sqlite_engine(url: URL) -> Any:
     if not in_memory:
         Path(url.database).parent.mkdir(parents=True, exist_ok=True)
         # Created readable by its owner only (SQLite gives its -wal and -shm files the same mode): it holds the
-        # run's spans, prompts and resources, the proxy's token among them. An existing file keeps its mode.
+        # run's spans, prompts and resources (no token: the run's LLM resource holds none). An existing file keeps
+        # its mode.
         os.close(os.open(url.database, os.O_CREAT | os.O_RDWR, 0o600))
     engine = create_engine(
         url,
