@@ -1,14 +1,16 @@
 """No secret in the clear: a store URL whose password is a `${VAR}` reference trains for real (PostgreSQL), and the
 password (and the run's proxy token, from $LIGHTNING_PROXY_TOKEN) is then nowhere: not in Prefect's database, not on
 any process's command line, not in any log, not in MLflow, not in the store's spans or resources, not in the run's
-files. And MLflow's params mask what looks like a
-secret by its key or sits in a URL's userinfo."""
+files. The same holds for a store server's token and an endpoint's API key given by reference, trained through for
+real beside a planted proxy token. And every printed URL, MLflow's params among them, masks its credentials."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
+import stat
 import sys
 import time
 from pathlib import Path
@@ -219,14 +221,18 @@ def test_a_store_token_and_an_api_key_by_reference_are_used_and_never_shown(
 ) -> None:
     """The other secrets a run holds, each planted where a user puts it: the store server's token in the store URL
     (`http://:${VAR}@host:port`), an inference endpoint's API key (`inference.api_key_env`) and the run's proxy
-    token ($LIGHTNING_PROXY_TOKEN). The `dev` flow's rollouts go through all three (the endpoint and the store server
-    refuse calls without theirs), then none is in any output, log, file, command line or row of the store."""
+    token ($LIGHTNING_PROXY_TOKEN). A `train` run's rollouts go through all three (the endpoint, the store server and
+    the run's proxy refuse calls without theirs), then none is in its output, a log, a file of the run, MLflow's
+    database, the store's, a command line or Prefect's database (each read as bytes), nor is a route signed with the
+    proxy token; the databases are their owner's alone."""
+    import sqlite3
+
     from support.servers import free_port
     from support.store_server import store_server_on
 
     from lightning.environment import INFERENCE_API_KEY
     from lightning.models import build_tiny_model
-    from lightning.types import POLICY_MODEL_NAME
+    from lightning.types import POLICY_MODEL_NAME, route_signature
 
     store_token, api_key, proxy_token = (f"{kind}-{secrets.token_hex(8)}" for kind in ("store", "key", "proxy"))
     model = build_tiny_model(tmp_path / "model")
@@ -235,9 +241,10 @@ def test_a_store_token_and_an_api_key_by_reference_are_used_and_never_shown(
              "--served-model-name", POLICY_MODEL_NAME]  # fmt: skip
     inference = start_logged(serve, tmp_path / "inference.log", env={**os.environ, INFERENCE_API_KEY: api_key})
     config = {
-        "agent": "examples.copy_task.agent:copy_agent", "run_name": "secretive", "batch_size": 4,
+        "agent": "examples.copy_task.agent:copy_agent", "run_name": "secretive", "iterations": 1, "batch_size": 4,
         "samples_per_task": 2, "n_runners": 1, "runner_concurrency": 8, "val_data": None,
         "sampling": {"temperature": 1.0, "max_tokens": 2}, "max_prompt_length": 64, "max_response_length": 4,
+        "algorithm": {"lr": 1e-3, "micro_batch_size": 16},
         "inference": {"backend": "external", "endpoint": f"http://127.0.0.1:{port}/v1", "api_key_env": "MY_API_KEY"},
         "tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "output_dir": str(tmp_path / "runs"),
     }  # fmt: skip
@@ -249,8 +256,8 @@ def test_a_store_token_and_an_api_key_by_reference_are_used_and_never_shown(
             config["store_url"] = store.url.replace("http://", "http://:${STORE_TOK}@")
             config_path = tmp_path / "config.yaml"
             config_path.write_text(yaml.safe_dump(config))
-            log = tmp_path / "dev.log"
-            process = start_logged([sys.executable, "-m", "flows.dev", str(config_path)], log, env=env, cwd=tmp_path)
+            log = tmp_path / "train.log"  # the command's stdout and stderr
+            process = start_logged([sys.executable, "-m", "flows.train", str(config_path)], log, env=env, cwd=tmp_path)
             try:
                 while process.poll() is None:
                     for other in psutil.process_iter(["cmdline"]):
@@ -261,13 +268,20 @@ def test_a_store_token_and_an_api_key_by_reference_are_used_and_never_shown(
     finally:
         stop_process_group(inference)
     assert process.returncode == 0, tail(log)
-    assert "8 rollouts (0 failed)" in log.read_text(), tail(log)
+    assert "rollouts 8 ok, 0 failed" in log.read_text(), tail(log)
 
-    where = {"command lines": "\n".join(command_lines)}
+    where = {"command lines": "\n".join(command_lines).encode()}
     for path in [*tmp_path.rglob("*"), *Path(prefect_server.env["PREFECT_HOME"]).rglob("*")]:
         if path.is_file():
-            where[str(path)] = path.read_bytes().decode(errors="replace")
-    assert any("secretive" in text for name, text in where.items() if "store.db" in name)  # it used that store
+            where[str(path)] = path.read_bytes()
+    for database in ("store.db", "mlflow.db"):  # the run used them, and they are their owner's alone
+        assert b"secretive" in where[str(tmp_path / database)], database
+        assert stat.S_IMODE((tmp_path / database).stat().st_mode) == 0o600, database
+    with contextlib.closing(sqlite3.connect(tmp_path / "store.db")) as db:
+        attempts = db.execute("SELECT rollout_id, attempt_id FROM attempts").fetchall()
+    assert len(attempts) == 8
     planted = {"the store token": store_token, "the API key": api_key, "the proxy token": proxy_token}
-    leaks = {secret: [name for name, text in where.items() if value in text] for secret, value in planted.items()}
+    planted |= {f"the route of {a}": route_signature(proxy_token, r, a) for r, a in attempts}
+    leaks = {secret: [name for name, data in where.items() if value.encode() in data] for secret, value in
+             planted.items()}  # fmt: skip
     assert leaks == dict.fromkeys(planted, []), f"secrets found: {leaks}"
