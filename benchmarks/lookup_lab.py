@@ -163,8 +163,10 @@ def run(seed: int, args: argparse.Namespace, config: TrainerConfig, model_dir: P
         rows, pad_token_id=pad, max_prompt_length=MAX_PROMPT, max_response_length=MAX_RESPONSE
     )
     started = time.perf_counter()
-    for _ in range(args.warm_steps):
+    for step in range(args.warm_steps):
         trainer.sft_step(warm, lr=args.warm_lr)
+        if args.warm_eval_every and (step + 1) % args.warm_eval_every == 0 and step + 1 < args.warm_steps:
+            print(f"seed {seed}: warm step {step + 1}: {held_out(trainer, val)}", flush=True)
     trainer.start_rl()  # as a run does: RL starts with a fresh optimizer
     curve = [(0, held_out(trainer, val))]
     print(f"seed {seed}: warm start {curve[0][1]} ({time.perf_counter() - started:.0f} s)", flush=True)
@@ -211,6 +213,7 @@ def main() -> None:
     parser.add_argument("--warm-lr", type=float, default=RECIPE["warm_start"]["lr"])
     parser.add_argument("--warm-fraction", type=float, default=RECIPE["warm_start"]["fraction"])
     parser.add_argument("--eval-every", type=int, default=5)
+    parser.add_argument("--warm-eval-every", type=int, default=0, help="held-out every N warm-start steps")
     parser.add_argument("--show", type=int, default=0, help="print N failed held-out conversations at the end")
     parser.add_argument("--two-call-demos", type=float, default=1.0, help="share of two-call demonstrations kept")
     parser.add_argument(

@@ -106,11 +106,12 @@ async def test_a_reply_cut_off_at_max_tokens_ends_the_rollout_without_an_answer(
 @pytest.mark.slow
 def test_make_lookup_trains_joined_trajectories(tmp_path: Path) -> None:
     """`python -m flows.train examples/lookup/train.yaml --set run_name=...` (what `make lookup` runs), shrunk to one
-    iteration of 4 tasks after a 20-step warm start."""
+    iteration of 4 tasks after a 20-step warm start, with trajectory rows: a rollout's turns joined by the proxy (the
+    example's default, a row per call, is what the joining is not needed for)."""
     sets = [
         f"store_url=sqlite:///{tmp_path}/store.db", f"tracking_uri=sqlite:///{tmp_path}/mlflow.db",
         f"output_dir={tmp_path}/runs", "run_name=lookup-test", "iterations=1", "batch_size=4", "samples_per_task=4",
-        "warm_start.steps=20", "dynamic_sampling=false", "eval_every=0", "n_runners=1",
+        "warm_start.steps=20", "dynamic_sampling=false", "eval_every=0", "n_runners=1", "adapter_shape=trajectory",
     ]  # fmt: skip
     command = [sys.executable, "-m", "flows.train", CONFIG]
     for override in sets:
