@@ -47,6 +47,11 @@ def prefect_server() -> Iterator[None]:
         yield
 
 
+# The two longest tests of this module (two runs each) on a worker of their own, with a Prefect harness of their own:
+# on one worker with the rest, this module was the suite's longest chain (about 1,000 s of `make test`'s 2,200 at load).
+SECOND_WORKER = pytest.mark.xdist_group("test_flows_second_worker")
+
+
 def small_config(tmp_path: Path, **changes: Any) -> TrainConfig:
     data = {
         "run_name": "t",
@@ -178,6 +183,7 @@ async def test_train_with_runner_processes_runs_the_agents_outside_the_flow_s_pr
     assert agents and os.getpid() not in agents
 
 
+@SECOND_WORKER
 async def test_a_finished_run_resumes_for_more_iterations_without_redoing_any(tmp_path: Path) -> None:
     config = small_config(tmp_path, iterations=1)
     first = await train(config)
@@ -247,6 +253,7 @@ def final_weights(config: TrainConfig) -> dict[str, Any]:
     return load_file(str(final / "model.safetensors"))
 
 
+@SECOND_WORKER
 async def test_deterministic_runs_of_one_seed_learn_exactly_the_same(tmp_path: Path) -> None:
     """`deterministic: true`: two runs of the demo's config with one seed give the same per-iteration rewards and
     bit-identical weights, though their rollouts batch differently in the inference server (two runners, 128
