@@ -36,42 +36,36 @@ class ExecutionEvent(Protocol):
     def wait(self, timeout: float | None = None) -> bool: ...
 
 
-class ThreadingEvent:
+class _HeldEvent:
+    """An ExecutionEvent that passes each call to the event it holds (`_event`, set by the subclass)."""
+
+    _event: Any
+
+    def set(self) -> None:
+        self._event.set()
+
+    def clear(self) -> None:
+        self._event.clear()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._event.wait(timeout)
+
+
+class ThreadingEvent(_HeldEvent):
     """An ExecutionEvent for threads (and asyncio tasks) of one process: a `threading.Event`."""
 
     def __init__(self) -> None:
         self._event = threading.Event()
 
-    def set(self) -> None:
-        self._event.set()
 
-    def clear(self) -> None:
-        self._event.clear()
-
-    def is_set(self) -> bool:
-        return self._event.is_set()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        return self._event.wait(timeout)
-
-
-class MultiprocessingEvent:
+class MultiprocessingEvent(_HeldEvent):
     """An ExecutionEvent shared with child processes: a `multiprocessing.Event` (of `ctx`, else the default)."""
 
     def __init__(self, *, ctx: BaseContext | None = None) -> None:
         self._event = (ctx or multiprocessing).Event()  # type: ignore[attr-defined]
-
-    def set(self) -> None:
-        self._event.set()
-
-    def clear(self) -> None:
-        self._event.clear()
-
-    def is_set(self) -> bool:
-        return self._event.is_set()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        return self._event.wait(timeout)
 
 
 class ExecutionStrategy:
