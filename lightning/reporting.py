@@ -104,6 +104,16 @@ def progress_line(run: Run, row: dict[str, Any], done: int, elapsed: float) -> s
     )
 
 
+def warm_start_line(step: int, steps: int, metrics: dict[str, Any], elapsed: float) -> str:
+    """`warm start: step 125/375 | sft_loss 0.412 | 0.71 s/step | ETA 2m58s`: the supervised steps done, the last
+    step's loss (token-mean negative log-likelihood of the demonstrations), the rate and the rest's ETA."""
+    rate = elapsed / max(step, 1)
+    return (
+        f"warm start: step {step}/{steps} | sft_loss {metrics.get('sft_loss', float('nan')):.4f} | "
+        f"{rate:.2f} s/step | ETA {_duration(rate * (steps - step))}"
+    )
+
+
 TOOL_USE_COLLAPSE = 0.5
 """The progress line warns when the share of rollouts that call a tool falls below this fraction of its peak."""
 

@@ -27,7 +27,7 @@ from typing import Any, Literal
 from lightning import stopping
 from lightning.config import load_agent, load_entry_point
 from lightning.pipeline import drop_stale
-from lightning.reporting import busy_seconds, no_rows_reason, rollouts_failed_reason
+from lightning.reporting import busy_seconds, no_rows_reason, rollouts_failed_reason, warm_start_line
 from lightning.run import STOPPED, Run
 from lightning.runner.fleet import run_fleet_until, wait_unless_stopped
 from lightning.seeding import rollout_seed
@@ -462,9 +462,10 @@ async def checkpoint(run: Run, iteration: int, row: dict[str, Any]) -> dict[str,
     return {"checkpoint": str(path), "step": step}
 
 
-async def warm_start(run: Run) -> dict[str, Any]:
+async def warm_start(run: Run, report: Callable[[str], None] | None = None) -> dict[str, Any]:
     """SFT on demonstrations of the first `warm_start.fraction` of the training tasks, then checkpoint step 0 (what
-    iteration 0 samples from) and have the inference servers load it."""
+    iteration 0 samples from) and have the inference servers load it. `report` gets a progress line ten times over
+    the steps (`warm_start.progress_line`)."""
     from lightning.algorithm.batch import TrainingBatch
 
     config = run.config
@@ -480,9 +481,12 @@ async def warm_start(run: Run) -> dict[str, Any]:
     batch.save(path)
     metrics: dict[str, Any] = {}
     lr = config.warm_start.lr if config.warm_start.lr is not None else config.algorithm.lr
-    for step in range(config.warm_start.steps):
+    steps, started = config.warm_start.steps, time.monotonic()
+    for step in range(1, steps + 1):
         metrics = await asyncio.to_thread(run.trainer.sft_step, path, timeout=config.timeouts.ppo_step, lr=lr)
-        run.made_progress(f"warm-start step {step + 1}")
+        run.made_progress(f"warm-start step {step}")
+        if report is not None and (step % max(1, steps // 10) == 0 or step == steps):
+            report(warm_start_line(step, steps, metrics, time.monotonic() - started))
     await asyncio.to_thread(run.trainer.start_rl, timeout=config.timeouts.ppo_step)
     done = {"demonstrations": len(batch), "steps": config.warm_start.steps, **metrics}
     saved = await _publish(run, 0, {"run_name": run.name, "warm_start": done, "history": []})

@@ -279,7 +279,7 @@ async def checkpoint(run: Run, iteration: int, row: dict[str, Any]) -> dict[str,
 @stage("warm_start", _warm_start, task_run_name="warm_start", **STAGE)
 async def warm_start(run: Run) -> dict[str, Any]:
     drill(run, "warm_start", 0)
-    return await stages.warm_start(run)
+    return await stages.warm_start(run, report=get_run_logger().info)
 
 
 @stage(
