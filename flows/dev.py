@@ -1,8 +1,10 @@
 """`dev`: a dry run of one batch of rollouts and the adapter, without updates (agent-lightning's Trainer.dev).
 Checks that the agent, the dataset, the proxy and the adapter fit together before a long run, on the run's current
-weights, in a queue of its own: a `dev` beside a training of the same run never touches its rollouts. For a prompt
-optimisation config (`apo` set) the rollouts run on the seed prompt, and instead of the adapter's batch it reports
-the lowest-reward transcript, as the optimiser would be shown it.
+weights, in a queue of its own: a `dev` beside a training of the same run never touches its rollouts. Rollouts that
+leave nothing to train on (no reward, calls made with the agent's own client and so without token ids) are what a
+dry run is for finding: the report's batch says why (the `NoTrainingRows` message training would stop with) and the
+flow finishes. For a prompt optimisation config (`apo` set) the rollouts run on the seed prompt, and instead of the
+adapter's batch it reports the lowest-reward transcript, as the optimiser would be shown it.
 
     python -m flows.dev examples/copy_task/demo.yaml [--set batch_size=4]
 """
@@ -20,6 +22,7 @@ from flows.rollouts import collect_rollouts
 from lightning import apo
 from lightning.config import TrainConfig
 from lightning.diagnose import agent_errors
+from lightning.stages import NoTrainingRows
 from tasks import adapt_spans, open_run, timed
 
 
@@ -40,7 +43,10 @@ async def dev(config: TrainConfig = TrainConfig(), overrides: dict[str, Any] | N
         if config.apo is not None:  # prompt optimisation trains no weights: it reads rewards and transcripts
             worst = await apo.lowest_reward_transcripts(run, rollout_ids, 1)
         else:
-            batch = await timed(adapt_spans, run)(run, iteration, rollout_ids)
+            try:
+                batch = await timed(adapt_spans, run)(run, iteration, rollout_ids)
+            except NoTrainingRows as exc:  # the dry run's finding, not its failure: `train` raises it
+                batch = {"rows": 0, "batch_path": None, "no_training_rows": str(exc)}
     finally:
         await run.close()
     logger = get_run_logger()
@@ -52,6 +58,12 @@ async def dev(config: TrainConfig = TrainConfig(), overrides: dict[str, Any] | N
             "optimiser would see it: %s", rollouts["rollouts"], rollouts["failed"], rollouts["reward_mean"], worst,
         )  # fmt: skip
         return {"rollouts": rollouts, "lowest_reward": worst, "agent_errors": errors}
+    if not batch["rows"]:
+        logger.warning(
+            "dev: %d rollouts (%d failed), reward %.3f, and no training batch: %s",
+            rollouts["rollouts"], rollouts["failed"], rollouts["reward_mean"], batch["no_training_rows"],
+        )  # fmt: skip
+        return {"rollouts": rollouts, "batch": batch, "agent_errors": errors}
     logger.info(
         "dev: %d rollouts (%d failed), reward %.3f, %d training rows; adapter: %s",
         rollouts["rollouts"], rollouts["failed"], rollouts["reward_mean"], batch["rows"], batch["adapter"],

@@ -173,7 +173,9 @@ class Trainer:
     def dev(self, agent: LitAgent[Any], train_dataset: Any = None, *, val_dataset: Any = None) -> dict[str, Any]:
         """One batch of `train_dataset` rollouts through the `dev` flow, adapted to a training batch; nothing is
         trained. Unless batch_size or samples_per_task are given, the batch is each task once, as agent-lightning's
-        `dev` runs them. Returns the flow's report (rollouts and batch). `val_dataset` is accepted and unused."""
+        `dev` runs them. Returns the flow's report (rollouts and batch); rollouts that leave nothing to train on (calls
+        with the agent's own client, no reward) finish too, their batch of no rows saying why, where `fit` raises
+        `NoTrainingRows`. `val_dataset` is accepted and unused."""
         return _run_sync(self.dev_async(agent, train_dataset, val_dataset=val_dataset), "dev")
 
     async def fit_async(self, agent: LitAgent[Any], train_dataset: Any = None, *, val_dataset: Any = None) -> Any:

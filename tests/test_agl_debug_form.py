@@ -2,11 +2,15 @@
 tracer names (`OtelTracer`, `AgentOpsTracer`), an `InMemoryLightningStore`, `runner.run_context(agent=, store=)`,
 then `step(task, resources={...})` or `iter()`; a `Hook` reads the trace with `tracer.get_last_trace()`. Only the
 import lines would differ in agl code. An agent that calls `OpenAI()` itself, as agl's room selector does, has its
-calls stored as GenAI spans of its rollout (lightning.tracing.instrument)."""
+calls stored as GenAI spans of its rollout (lightning.tracing.instrument); apo_debug.py's trainer mode,
+`Trainer(...).dev`, reports such rollouts and why they make no training batch."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -264,3 +268,50 @@ async def test_apo_debug_s_runner_and_hook_modes_with_each_tracer_name(
     assert hook.traces == [["openai.chat", "openai.chat", "lightning.reward"]]
     tracer.shutdown()
     await store.close()
+
+
+# --- apo_debug.py's trainer mode: `Trainer(n_workers=1, initial_resources=...).dev(agent, data)` ---
+
+
+@pytest.fixture
+def prefect_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    from prefect.testing.utilities import prefect_test_harness  # here: Prefect's server code costs 4 s to import
+
+    monkeypatch.chdir(tmp_path)  # the run's store, MLflow and files go to their defaults there
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
+@pytest.mark.slow
+def test_apo_debug_s_trainer_mode_reports_its_rollouts_and_why_no_batch_could_be_built(
+    prefect_server: None, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    app = judged_endpoint()
+    with serving(app) as url:
+        monkeypatch.setenv("OPENAI_BASE_URL", f"{url}/v1")
+        monkeypatch.setenv("OPENAI_API_KEY", "sk-agent-secret")
+        prompt = PromptTemplate(template="You are a helpful assistant. {any_question}", engine="f-string")
+        trainer = agl.Trainer(n_workers=1, initial_resources={"main_prompt": prompt})
+        report = trainer.dev(sky_agent, [SKY, SKY])  # agl's Baseline only logs; ours reports, and returns
+
+    assert len(app.state.requests) == 2 * 2  # each rollout's answer and its judge, with the agent's own client
+    assert report["rollouts"]["rollouts"] == report["rollouts"]["succeeded"] == 2
+    assert report["rollouts"]["reward_mean"] == pytest.approx(0.8)
+    assert report["agent_errors"] == []
+    batch = report["batch"]
+    assert batch["rows"] == 0 and batch["batch_path"] is None
+    assert "4 LLM calls have no token ids" in batch["no_training_rows"]
+    assert "give the client the LLM resource's endpoint" in batch["no_training_rows"]
+    assert "WARNING | Flow run 'sky_agent-dev' - dev: 2 rollouts (0 failed), reward 0.800, and no training batch: " in (
+        capfd.readouterr().err
+    )  # Prefect's run logger, to the terminal
+    assert trainer.config is not None
+    assert asyncio.run(reward_values(trainer.config.store_url, f"{trainer.config.run_name}.dev")) == [0.8, 0.8]
+
+
+async def reward_values(store_url: str, queue: str) -> list[float | None]:
+    from lightning.store import SqlLightningStore
+
+    async with SqlLightningStore(store_url, watchdog_interval=None) as store:
+        rollouts = await store.query_rollouts(queue=queue)
+        return [find_final_reward(await store.query_spans(rollout.rollout_id)) for rollout in rollouts]
