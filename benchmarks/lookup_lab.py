@@ -145,8 +145,9 @@ def run(seed: int, args: argparse.Namespace, config: TrainerConfig, model_dir: P
     """One seed: the warm start, then `iterations` of roll out -> reward -> (keep groups that differ) -> update."""
     trainer = TorchTrainer(model_dir, config.model_copy(update={"seed": seed}), device=args.device)
     tokenizer, pad = trainer.tokenizer, trainer.tokenizer.pad_token_id
-    train = make_tasks(TRAIN, first_table=0, seed=0)  # the example's data (examples/lookup/data.py)
-    val = make_tasks(HELD_OUT, first_table=1_000_000, seed=1)
+    balanced = args.balanced_keys  # the example's data (examples/lookup/data.py), or its keys in shuffled rounds
+    train = make_tasks(TRAIN, first_table=0, seed=0, balanced_keys=balanced)
+    val = make_tasks(HELD_OUT, first_table=1_000_000, seed=1, balanced_keys=balanced)
     shown = train[: int(len(train) * args.warm_fraction)]
     if args.two_call_share is not None:  # RL's tasks: this share of two-call ones (the held-out mix stays)
         rest = train[len(shown) :]
@@ -163,7 +164,13 @@ def run(seed: int, args: argparse.Namespace, config: TrainerConfig, model_dir: P
         rows, pad_token_id=pad, max_prompt_length=MAX_PROMPT, max_response_length=MAX_RESPONSE
     )
     started = time.perf_counter()
+    sample = random.Random(f"warm/{seed}")
     for step in range(args.warm_steps):
+        if args.warm_batch:  # a step on a random share of the demonstrations, not all of them
+            warm = TrainingBatch.from_triplets(
+                sample.sample(rows, args.warm_batch), pad_token_id=pad, max_prompt_length=MAX_PROMPT,
+                max_response_length=MAX_RESPONSE,
+            )  # fmt: skip
         trainer.sft_step(warm, lr=args.warm_lr)
         if args.warm_eval_every and (step + 1) % args.warm_eval_every == 0 and step + 1 < args.warm_steps:
             print(f"seed {seed}: warm step {step + 1}: {held_out(trainer, val)}", flush=True)
@@ -213,6 +220,8 @@ def main() -> None:
     parser.add_argument("--warm-lr", type=float, default=RECIPE["warm_start"]["lr"])
     parser.add_argument("--warm-fraction", type=float, default=RECIPE["warm_start"]["fraction"])
     parser.add_argument("--eval-every", type=int, default=5)
+    parser.add_argument("--balanced-keys", action="store_true", help="tasks' keys in shuffled rounds of all eight")
+    parser.add_argument("--warm-batch", type=int, default=0, help="demonstrations a warm-start step (0: all)")
     parser.add_argument("--warm-eval-every", type=int, default=0, help="held-out every N warm-start steps")
     parser.add_argument("--show", type=int, default=0, help="print N failed held-out conversations at the end")
     parser.add_argument("--two-call-demos", type=float, default=1.0, help="share of two-call demonstrations kept")

@@ -87,12 +87,18 @@ async def lookup_agent(task: dict[str, Any], llm: LLM) -> float:
     return 1.0 if answer.strip() == task["value"] else 0.0
 
 
-def make_tasks(count: int, *, first_table: int = 0, seed: int = 0) -> list[dict[str, Any]]:
-    """`count` tasks, task i asking a random key of table `first_table + i` (reproducible by `seed`)."""
+def make_tasks(count: int, *, first_table: int = 0, seed: int = 0, balanced_keys: bool = False) -> list[dict[str, Any]]:
+    """`count` tasks, task i asking a random key of table `first_table + i` (reproducible by `seed`).
+    `balanced_keys`: the keys drawn in shuffled rounds of all eight, so every letter is asked equally often."""
     rng = random.Random(seed)
     tasks = []
+    keys: list[str] = []
     for number in range(first_table, first_table + count):
-        key = rng.choice(KEYS)
+        if not balanced_keys:
+            key = rng.choice(KEYS)
+        else:
+            keys = keys or rng.sample(KEYS, len(KEYS))
+            key = keys.pop()
         entries = table(number)
         entry, calls = entries[key], 1
         if entry.startswith("next "):
