@@ -144,6 +144,10 @@ def _parser() -> argparse.ArgumentParser:
         "backend serves (the first its GET /v1/models lists) (default: %(default)s)",
     )  # fmt: skip
     proxy_serve.add_argument(
+        "--access-log", action="store_true",
+        help="log one line per call (off by default: a training run's agents make thousands a minute)",
+    )  # fmt: skip
+    proxy_serve.add_argument(
         "--external-models", default=None, metavar="FILE",
         help='JSON list of {"model_name": ..., "litellm_params": {...}} answered through LiteLLM',
     )  # fmt: skip
@@ -493,7 +497,9 @@ def _proxy_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         print(
             f"lightning proxy: {proxy.url} -> {args.backend}, spans to {store!r} ({auth})", file=sys.stderr, flush=True
         )
-        uvicorn.run(proxy.app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+        # uvicorn logs its access lines at info: asking for them lowers a quieter --log-level to info.
+        level = "info" if args.access_log and args.log_level in ("warning", "error", "critical") else args.log_level
+        uvicorn.run(proxy.app, host=args.host, port=args.port, log_level=level, access_log=args.access_log)
     finally:
         asyncio.run(store.close())
     return 0

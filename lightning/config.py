@@ -74,6 +74,10 @@ class InferenceConfig(BaseModel):
     max_request_mb: float = Field(default=32, gt=0)
     """The largest request body, in MB, the run's LLM proxy and embedded inference server take: a larger one is
     answered 413 before it is read whole (a prompt too long for the model is refused before it is tokenized)."""
+    access_log: bool = False
+    """A log line per request of the run's LLM proxy and embedded inference server processes, in their logs (the
+    run's `logs/proxy.log`, `logs/inference.log`). Off: thousands of calls a minute, each line 5-6% of a server's
+    CPU (docs/benchmarks.md, "The rollout path's CPU")."""
     vllm: dict[str, Any] = Field(default_factory=dict)
     """vllm backend: fields of `lightning.inference.vllm.VllmConfig` (gpu_memory_utilization, ...)."""
     replicas: int = Field(default=1, ge=1)

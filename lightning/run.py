@@ -797,7 +797,7 @@ def _start_serving(
             log_dir=config.run_dir / "logs", stacks_dir=config.run_dir / "stacks",
             start_timeout=config.timeouts.startup, report=report,
             max_body_bytes=int(inference.max_request_mb * 2**20), proxy_token=parts.proxy_token,
-            agents_need_token=not config.proxy_any_agent_key,
+            agents_need_token=not config.proxy_any_agent_key, access_log=inference.access_log,
         )  # fmt: skip
         parts.closers.append(parts.stack.close)
         served = parts.stack.serving()

@@ -192,6 +192,7 @@ class LocalStack:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         proxy_token: str | None = None,
         agents_need_token: bool = True,
+        access_log: bool = False,
     ) -> None:
         from lightning.proxy import Backend, LLMProxy
 
@@ -226,7 +227,7 @@ class LocalStack:
                 command += ["--served-model-name", model_name, "--max-batch-size", str(max_batch_size)]
                 command += ["--device", device, "--dtype", dtype]
                 command += ["--threads", "1"] + (["--batch-invariant"] if batch_invariant else [])
-                command += ["--max-body-mb", str(max_body_bytes / 2**20)]
+                command += ["--max-body-mb", str(max_body_bytes / 2**20)] + (["--access-log"] if access_log else [])
                 env = {INFERENCE_API_KEY: self.inference_key, **diagnosis}
                 log = log_dir / "inference.log"
                 self.inference_url = self._start_process("inference server", command, env, port, log)
@@ -245,6 +246,7 @@ class LocalStack:
                 command += ["--model-name", model_name, "--port", str(port)]
                 command += [] if agents_need_token else ["--any-agent-key"]
                 command += ["--tokenizer", str(model_dir), "--max-body-mb", str(max_body_bytes / 2**20)]
+                command += ["--access-log"] if access_log else []
                 env = {
                     STORE_URL: str(store_url),
                     PROXY_TOKEN: self.proxy_token,

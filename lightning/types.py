@@ -190,6 +190,14 @@ class LLM(BaseModel):
     def get_base_url(self, *args: Any, **kwargs: Any) -> str:
         return self.endpoint
 
+    async def http_session(self) -> Any:
+        """A kept-alive `aiohttp.ClientSession` to call the endpoint with, shared by the agents on this event loop
+        and closed with it (`lightning.agent_session`): not yours to close. A session per rollout costs a new TCP
+        connection per call; give each request its own timeout."""
+        from lightning.agent_session import loop_session
+
+        return await loop_session()
+
 
 def route_signature(token: str, rollout_id: str, attempt_id: str) -> str:
     """The mark of a proxy route made from a claimed attempt: an HMAC of the ids under the proxy's token (which the

@@ -886,6 +886,43 @@ async def test_wait_for_unknown_rollout_raises_not_found(store: Any) -> None:
         await store.wait_for_rollouts(rollout_ids=["ro-doesnotexist"], timeout=0.1)
 
 
+async def test_a_phase_wait_reads_each_finished_rollout_whole_once(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A runner process waits on its phase's rollouts in slices, woken by every rollout it finishes: each finished
+    rollout is read whole once over the whole wait, not again at every poll or slice (issue 39)."""
+    from lightning import stopping
+    from lightning.runner.fleet import wait_unless_stopped
+    from lightning.store import SqlLightningStore
+    from lightning.store import sql as sql_store
+
+    store = SqlLightningStore(f"sqlite:///{tmp_path}/store.db", watchdog_interval=None)
+    reads: list[str] = []
+    decode = sql_store._rollout
+    monkeypatch.setattr(sql_store, "_rollout", lambda row: reads.append(row["rollout_id"]) or decode(row))
+    monkeypatch.setattr(stopping, "POLL_SECONDS", 0.02)  # many slices
+    try:
+        queued = [await store.enqueue_rollout(i) for i in range(30)]
+        ids = [rollout.rollout_id for rollout in queued]
+
+        claimed = [await store.dequeue_rollout(worker_id="w") for _ in range(20)]
+
+        async def finish(attempts: list[Any], pause: float) -> None:
+            for attempt in attempts:
+                await store.update_attempt(attempt.rollout_id, attempt.attempt.attempt_id, status="succeeded")
+                await asyncio.sleep(pause)
+
+        await finish(claimed[:10], 0.0)
+        reads.clear()
+        finisher = asyncio.create_task(finish(claimed[10:], 0.01))  # each one wakes the wait
+        done = await wait_unless_stopped(store, ids, timeout=0.4)
+        await finisher
+        assert len(done) == 20 and [r.rollout_id for r in done] == [i for i in ids if i in set(reads)]
+        assert sorted(reads) == sorted(set(reads)) and len(reads) == 20
+    finally:
+        await store.close()
+
+
 # --- queries ---------------------------------------------------------------------------------
 
 

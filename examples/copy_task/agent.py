@@ -26,14 +26,13 @@ async def copy_agent(task: dict[str, Any], llm: LLM) -> float:
     # One chat completion, posted as the OpenAI API's JSON with aiohttp. The OpenAI SDK works the same here
     # (examples/first_agent uses it), but on a CPU its request building (~1.2 ms a call) and httpx's client (~0.5 ms
     # more than aiohttp's) cost more than the tiny model takes to answer: they were the largest costs of the demo's
-    # rollouts (docs/benchmarks.md, "The rollout stage").
+    # rollouts (docs/benchmarks.md, "The rollout stage"). The session is the LLM resource's kept-alive one, shared
+    # by the rollouts on this event loop: a session of its own would open a connection per call.
     body = {"model": llm.model, "messages": [{"role": "user", "content": task["letters"]}], **llm.sampling_parameters}
     headers = {"Authorization": f"Bearer {llm.api_key or 'unused'}"}
     url = f"{llm.base_url.rstrip('/')}/chat/completions"
-    async with (
-        aiohttp.ClientSession(timeout=_TIMEOUT) as session,
-        session.post(url, json=body, headers=headers) as response,
-    ):
+    session = await llm.http_session()
+    async with session.post(url, json=body, headers=headers, timeout=_TIMEOUT) as response:
         response.raise_for_status()
         answer = (await response.json())["choices"][0]["message"]["content"] or ""
     return reward(answer, task["target"])

@@ -88,17 +88,18 @@ async def wait_unless_stopped(
     store: LightningStore, rollout_ids: Sequence[str], timeout: float, give_up: Callable[[], bool] | None = None
 ) -> list[Any]:
     """`store.wait_for_rollouts`, in slices of `stopping.POLL_SECONDS`, so that a stop asked for (or `give_up()`
-    turning true) ends the wait within one slice; the rollouts that finished."""
+    turning true) ends the wait within one slice; the rollouts that finished. Each slice waits only on the rollouts
+    not seen finished yet (a finished rollout stays finished while its phase waits), so none is read twice."""
     deadline = time.monotonic() + timeout
+    wanted = list(dict.fromkeys(rollout_ids))
+    finished: dict[str, Any] = {}
     while True:
         left = deadline - time.monotonic()
-        finished = await store.wait_for_rollouts(
-            rollout_ids=list(rollout_ids), timeout=max(min(left, stopping.POLL_SECONDS), 0.0)
-        )
-        if len(finished) >= len(set(rollout_ids)) or left <= 0 or stopping.stop_requested():
-            return finished
-        if give_up is not None and give_up():
-            return finished
+        pending = [rollout_id for rollout_id in wanted if rollout_id not in finished]
+        found = await store.wait_for_rollouts(rollout_ids=pending, timeout=max(min(left, stopping.POLL_SECONDS), 0.0))
+        finished.update((rollout.rollout_id, rollout) for rollout in found)
+        if len(finished) >= len(wanted) or left <= 0 or stopping.stop_requested() or (give_up and give_up()):
+            return [finished[rollout_id] for rollout_id in wanted if rollout_id in finished]
 
 
 class _Progress(Hook):
