@@ -270,6 +270,12 @@ def no_rows_reason(
             f"{report.calls_without_token_ids} LLM calls have no token ids (a call the agent made with its own client, "
             "not through the run's proxy, is recorded without them: give the client the LLM resource's endpoint)"
         )
+    if report.failed_calls:
+        causes.append(
+            f"{report.failed_calls} LLM calls through the run's proxy were answered with an error, so have no tokens "
+            "(the adapter's problems name the HTTP status; the agent saw the error's message: a prompt or max_tokens "
+            "beyond the model's context is the usual one)"
+        )
     if "'prompt_too_long': 0" not in batch_error and "prompt_too_long" in batch_error:
         causes.append(
             f"prompts longer than max_prompt_length {run.config.max_prompt_length} (raise it, or shorten them)"

@@ -75,7 +75,8 @@ _REFUSED = {
 class Trainer:
     """`Trainer(n_runners=2, algorithm={"lr": 1e-4}, iterations=3, batch_size=8).fit(agent, train, val_dataset=val)`.
 
-    Keywords: agent-lightning's `n_runners` (`n_workers`), `algorithm` (a `TrainerConfig` or a dict of its fields;
+    Keywords: agent-lightning's `n_runners` (`n_workers`: as agl's runners, each runs one rollout at a time unless
+    `runner_concurrency` is given), `algorithm` (a `TrainerConfig` or a dict of its fields;
     or agl's `VERL(config)`, `APO(client, ...)`, an `Algorithm` / `@algo` function: lightning.agl_algorithms),
     `store` (a store URL, or an HttpLightningStore), `initial_resources` (named LLMs and prompt templates: the LLM
     to train is the endpoint rollouts use, as inference backend `external`; the rest reach every rollout as they
@@ -126,6 +127,10 @@ class Trainer:
         self.strategy = as_strategy(strategy, self._fields.get("n_runners")) if strategy is not None else None
         if self.strategy is not None:
             self._fields.update(self.strategy.trainer_fields())
+        if "n_runners" in self._fields and "runner_concurrency" not in self._fields | self._base:
+            # agl's runner runs one rollout at a time, so its `n_runners` is how many run at once. Ours would run
+            # runner_concurrency (32) each: 320 for calc_x's n_runners=10, each rollout starting its own MCP server.
+            self._fields["runner_concurrency"] = 1
         self.tracer = _tracer(tracer)
         self.adapter = _adapter(adapter)
         """agl's `trainer.adapter`: the adapter given (a dict: TracerTraceToTriplet of its options), else agl's

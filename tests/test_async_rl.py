@@ -100,7 +100,9 @@ async def test_rollouts_more_than_k_versions_old_are_dropped_and_every_decision_
 
 def test_an_iteration_whose_rollouts_were_all_too_stale_says_so_and_what_to_change() -> None:
     run = SimpleNamespace(config=SimpleNamespace(algorithm=SimpleNamespace(max_staleness=1), max_prompt_length=64))
-    report = SimpleNamespace(rollouts_without_reward=0, rollouts_without_llm_calls=0, calls_without_token_ids=0)
+    report = SimpleNamespace(
+        rollouts_without_reward=0, rollouts_without_llm_calls=0, calls_without_token_ids=0, failed_calls=0
+    )
     staleness = {"stale_used": 0, "stale_corrected": 0, "stale_dropped": 8, "staleness_mean": 2.5, "staleness_max": 3}
     reason = reporting.no_rows_reason(run, 7, 8, report, "no rows", staleness)  # type: ignore[arg-type]
     assert reason.startswith(

@@ -77,6 +77,10 @@ class AdaptReport(BaseModel):
     llm_calls: int = 0
     """LLM calls considered: after the reward-code, wrapper and agent rules."""
     calls_without_token_ids: int = 0
+    """Answered calls recorded without token ids: the agent's own client, not the run's proxy."""
+    failed_calls: int = 0
+    """Calls the run's proxy answered with an error (HTTP 4xx/5xx: too long for the model's context, ...): no
+    tokens to train on, and not a client problem."""
     calls_in_reward_code_skipped: int = 0
     calls_filtered_by_agent: int = 0
     wrapper_llm_spans_skipped: int = 0
@@ -267,7 +271,11 @@ def _adapt_attempt(
     usable: list[tuple[LlmCall, _Tokens]] = []
     for call in calls:
         tokens = _token_ids(call.span)
-        if tokens is None:
+        status = call.span.attributes.get(semconv.LLM_HTTP_STATUS)
+        if tokens is None and isinstance(status, int) and status >= 400:
+            report.failed_calls += 1
+            report.problem(f"{where}: LLM call span {call.span.span_id} was answered HTTP {status} by the run's proxy")
+        elif tokens is None:
             report.calls_without_token_ids += 1
             report.problem(f"{where}: LLM call span {call.span.span_id} ({call.span.name!r}) has no readable token ids")
         else:
