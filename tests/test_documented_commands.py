@@ -44,6 +44,7 @@ TESTED: dict[str, list[str]] = {
     "lightning mlflow ui --backend-store-uri": ["test_cli.py::test_mlflow_ui_serves_a_run_store_offline"],
     "lightning proxy serve": ["test_proxy.py::test_the_proxy_command_answers_the_name_it_advertises"],
     "lightning proxy serve --any-agent-key": ["test_proxy.py::test_the_proxy_command_answers_the_name_it_advertises"],
+    "lightning proxy serve --access-log": ["test_access_log.py::test_proxy_serve_access_log"],
     "lightning inference serve": ["test_inference_server.py::test_the_lightning_command_serves_inference_too"],
     "lightning store serve --db": ["test_server.py::test_cli_serves_a_store_that_answers_health"],
     "lightning store serve --watchdog-interval": [
