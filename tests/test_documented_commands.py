@@ -50,6 +50,7 @@ TESTED: dict[str, list[str]] = {
     "lightning store serve --watchdog-interval": [
         "test_agl_wire.py::test_store_serve_watchdog_interval_marks_a_silent_attempt_unresponsive"],
     "lightning store serve": ["test_server.py::test_cli_serves_a_store_that_answers_health"],
+    "lightning store serve --port": ["test_server.py::test_cli_serves_a_store_that_answers_health"],
     "lightning store serve --access-log": ["test_server.py::test_cli_serves_a_store_that_answers_health"],
     "lightning store serve --db --host --port --token": ["test_server.py::test_cli_serves_a_store_that_answers_health"],
     "lightning store serve --host --port": ["test_server.py::test_cli_serves_a_store_that_answers_health",
