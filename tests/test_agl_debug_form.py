@@ -284,7 +284,7 @@ def prefect_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[
 
 @pytest.mark.slow
 def test_apo_debug_s_trainer_mode_reports_its_rollouts_and_why_no_batch_could_be_built(
-    prefect_server: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    prefect_server: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     app = judged_endpoint()
     with serving(app) as url:
@@ -302,12 +302,27 @@ def test_apo_debug_s_trainer_mode_reports_its_rollouts_and_why_no_batch_could_be
     assert batch["rows"] == 0 and batch["batch_path"] is None
     assert "4 LLM calls have no token ids" in batch["no_training_rows"]
     assert "give the client the LLM resource's endpoint" in batch["no_training_rows"]
-    # Prefect's run logger says it (read from the log records: Prefect's console handler keeps the stderr of the
-    # moment it was made, which under pytest may be an earlier test's capture, not this test's file descriptor 2)
-    warnings = [r.getMessage() for r in caplog.records if r.name == "prefect.flow_runs" and r.levelname == "WARNING"]
-    assert any(w.startswith("dev: 2 rollouts (0 failed), reward 0.800, and no training batch: ") for w in warnings)
+    # Prefect's run logger said it: in the flow run's logs on the Prefect server, as its UI shows them
+    run_log = asyncio.run(flow_run_log_lines("sky_agent-dev"))
+    assert any(line.startswith("dev: 2 rollouts (0 failed), reward 0.800, and no training batch: ") for line in run_log)
     assert trainer.config is not None
     assert asyncio.run(reward_values(trainer.config.store_url, f"{trainer.config.run_name}.dev")) == [0.8, 0.8]
+
+
+async def flow_run_log_lines(name: str) -> list[str]:
+    """The messages of the flow runs named `name`, read back from the Prefect server (after sending what is queued:
+    Prefect ships run logs in batches, in the background). Not capfd or caplog: Prefect's console handler keeps the
+    stderr of the moment it was made (under pytest, maybe an earlier test's capture), and its logging set-up
+    replaces the root logger's handlers (caplog's among them)."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogHandler
+
+    await APILogHandler.aflush()
+    async with get_client() as client:
+        runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[name])))
+        logs = await client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id for run in runs])))
+    return [log.message for log in logs]
 
 
 async def reward_values(store_url: str, queue: str) -> list[float | None]:
