@@ -216,6 +216,7 @@ def main() -> None:
     parser.add_argument("--oversample", type=int, default=1, help="dynamic sampling: roll out K times the tasks")
     parser.add_argument("--hidden", type=int, default=TINY.hidden_size, help="the tiny model's hidden size")
     parser.add_argument("--layers", type=int, default=TINY.num_layers, help="the tiny model's layers")
+    parser.add_argument("--init-std", type=float, default=TINY.init_std, help="the tiny model's initial weights' std")
     parser.add_argument("--warm-steps", type=int, default=RECIPE["warm_start"]["steps"])
     parser.add_argument("--warm-lr", type=float, default=RECIPE["warm_start"]["lr"])
     parser.add_argument("--warm-fraction", type=float, default=RECIPE["warm_start"]["fraction"])
@@ -246,7 +247,7 @@ def main() -> None:
     fields = recipe_lab.with_overrides({**RECIPE["algorithm"], **run_sets}, args.set)
     config = TrainerConfig(**fields)
     with tempfile.TemporaryDirectory() as tmp:
-        size: dict[str, Any] = {"hidden_size": args.hidden, "num_layers": args.layers}
+        size: dict[str, Any] = {"hidden_size": args.hidden, "num_layers": args.layers, "init_std": args.init_std}
         if not args.default_tokenizer:
             size["extra_corpus"] = TINY.tokenizer_corpus
         results = [

@@ -212,6 +212,9 @@ class TinyModel(BaseModel):
     """Width of the model (its MLP is four times as wide)."""
     num_layers: int = Field(default=2, ge=1)
     """Transformer layers."""
+    init_std: float = Field(default=0.2, gt=0)
+    """Standard deviation of the random initial weights. The default is wide, so an untrained model's replies vary;
+    0.02 (Llama's) learns a task from scratch more evenly across seeds (docs/benchmarks.md, "Multi-turn")."""
     tokenizer_corpus: list[str] = Field(default_factory=list)
     """Text the tokenizer learns merges from besides its own corpus (e.g. an agent's tool-call format), so that text
     takes fewer tokens; the default tokenizer when empty."""

@@ -760,7 +760,7 @@ def prepare_model(config: TrainConfig) -> Path:
         building = Path(tempfile.mkdtemp(prefix=".model-", dir=config.run_dir))
         tiny = config.tiny_model
         build_tiny_model(building, seed=config.seed, hidden_size=tiny.hidden_size, num_layers=tiny.num_layers,
-                         extra_corpus=tiny.tokenizer_corpus)  # fmt: skip
+                         extra_corpus=tiny.tokenizer_corpus, init_std=tiny.init_std)  # fmt: skip
         try:
             building.rename(path)
         except OSError:  # the other process won; its model is the same (same seed)

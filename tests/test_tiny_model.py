@@ -159,12 +159,14 @@ def test_a_run_builds_the_tiny_model_its_config_asks_for(tmp_path: Path) -> None
     call = '<tool_call>{"name": "lookup", "arguments": {"key": "m"}}</tool_call>'
     config = load_config({
         "agent": "examples.lookup.agent:lookup_agent", "output_dir": str(tmp_path),
-        "tiny_model": {"hidden_size": 32, "num_layers": 1, "tokenizer_corpus": [call] * 3},
+        "tiny_model": {"hidden_size": 32, "num_layers": 1, "tokenizer_corpus": [call] * 3, "init_std": 0.02},
     })  # fmt: skip
     config.run_dir.mkdir(parents=True)
     path = prepare_model(config)
     built = AutoConfig.from_pretrained(path)
-    assert (built.hidden_size, built.num_hidden_layers) == (32, 1)
+    assert (built.hidden_size, built.num_hidden_layers, built.initializer_range) == (32, 1, 0.02)
+    weights = AutoModelForCausalLM.from_pretrained(path).model.embed_tokens.weight
+    assert 0.015 < weights.std().item() < 0.025  # drawn with that spread (the default, 0.2, is ten times as wide)
     assert len(AutoTokenizer.from_pretrained(path).encode(call)) < 30  # 44 with the default tokenizer
     with pytest.raises(ValueError, match="tiny_model.hidden_sizes"):
         load_config({"tiny_model": {"hidden_sizes": 32}})

@@ -105,6 +105,7 @@ def build_tiny_model(
     max_positions: int = 512,
     vocab_size: int = 384,
     extra_corpus: Sequence[str] = (),
+    init_std: float = 0.2,
 ) -> Path:
     """Write a random-init Llama model and its tokenizer to `path` as a Hugging Face directory; returns the path.
 
@@ -129,9 +130,9 @@ def build_tiny_model(
         bos_token_id=eos_id,
         eos_token_id=[im_end_id, eos_id],
         pad_token_id=eos_id,
-        # Larger than Llama's 0.02 so a random model's next-token distribution is not flat: greedy and
+        # By default larger than Llama's 0.02 so a random model's next-token distribution is not flat: greedy and
         # sampled outputs then differ in ways tests can see.
-        initializer_range=0.2,
+        initializer_range=init_std,
         torch_dtype="float32",
     )
     # A private generator state: building a model must not change the caller's random stream.
