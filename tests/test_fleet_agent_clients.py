@@ -1,16 +1,28 @@
-"""An agent that makes its own `AsyncOpenAI()` client in each rollout and drops it (agent-lightning's apo examples
-do: `apo_rollout` and its judge), run by a runner task's fleet on a real SQLite store. A dropped client that only
-the cyclic garbage collector frees (the SDK's objects hold reference cycles) is closed on the fleet's own loop
-when the fleet ends: freed later, on another loop (the flow's), its closing would fail with "Event loop is closed",
-which asyncio logs as an error ("Task exception was never retrieved") in a run that went well."""
+"""Agents that make their own OpenAI clients, as agent-lightning's apo examples do, in runner threads.
+
+- An agent that makes an `AsyncOpenAI()` in each rollout and drops it (`apo_rollout` and its judge), run by a runner
+  task's fleet on a real SQLite store: a dropped client that only the cyclic garbage collector frees (the SDK's
+  objects hold reference cycles) is closed on the fleet's own loop when the fleet ends. Freed later, on another loop
+  (the flow's), its closing would fail with "Event loop is closed", which asyncio logs as an error ("Task exception
+  was never retrieved") in a run that went well.
+- An agent's first use of the SDK (`client.chat`, which imports the SDK's resources) in one runner thread while
+  another arms the tracer's OpenAI instrumentation (which imports the modules it wraps) raised _DeadlockError in
+  the agent (agl's room_selector_apo.py with n_runners=8 lost an attempt to it): checked in fresh interpreters,
+  where the SDK's resources are not imported yet.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 from openai import AsyncOpenAI
 from support.scripted_agl import scripted_chat_app
 from support.servers import serving
@@ -22,6 +34,8 @@ from lightning.tracing import find_final_reward
 from lightning.types import RolloutConfig
 
 QUEUE = "own-clients"
+ROOT = Path(__file__).parents[1]
+RACE = ROOT / "tests" / "support" / "openai_import_race.py"
 
 
 @rollout
@@ -62,3 +76,16 @@ async def test_an_agent_s_dropped_clients_are_closed_on_the_fleet_s_loop(tmp_pat
         assert loop_errors == []
     finally:
         await store.close()
+
+
+@pytest.mark.slow
+def test_a_first_use_of_the_sdk_while_another_thread_arms_the_instrumentation_does_not_deadlock() -> None:
+    # Before the fix, about half of such interpreters had a thread fail with _DeadlockError; six are run.
+    for _ in range(6):
+        done = subprocess.run(
+            [sys.executable, str(RACE)], capture_output=True, text=True, timeout=120, cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)}, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        outcome = json.loads(done.stdout.strip().splitlines()[-1])
+        assert outcome == {"errors": [], "instrumented": True}, outcome
