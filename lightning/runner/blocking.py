@@ -30,6 +30,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import contextvars
+import gc
 import logging
 import math
 import secrets
@@ -267,6 +268,21 @@ def _exception_span(held: Held, reason: str, stack: str) -> Span:
     )  # fmt: skip
 
 
+async def _finalize_garbage(timeout: float = 5.0) -> None:
+    """Free the garbage that only the cyclic collector frees while this loop still runs, and wait (at most `timeout`
+    seconds) for what its finalizers start. An agent's dropped `AsyncOpenAI()` client (agl's apo examples make one per
+    rollout) schedules its closing on the running loop when freed: freed later on another loop (the flow's), closing
+    its connections of this closed loop fails, and asyncio logs "Task exception was never retrieved" as an error."""
+    before = asyncio.all_tasks()
+    gc.collect()
+    started = asyncio.all_tasks() - before
+    if started:
+        _, pending = await asyncio.wait(started, timeout=timeout)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+
 class WatchedLoop:
     """`coroutine` run on an event loop of a thread of its own, watched by a LoopWatchdog, so that the caller's loop
     stays free: to see a stop, a deadline, or the loop given up (`lost`). `done` holds the coroutine's outcome."""
@@ -279,8 +295,11 @@ class WatchedLoop:
         self._loop = asyncio.new_event_loop()
 
         async def main() -> Any:
-            with self.watchdog:
-                return await coroutine
+            try:
+                with self.watchdog:
+                    return await coroutine
+            finally:  # unwatched (a full collection may take a second), and before `done` is set
+                await _finalize_garbage()
 
         # The caller's context goes along (a Prefect task's logger), as asyncio.to_thread passes it.
         self._task = self._loop.create_task(main(), context=contextvars.copy_context())
@@ -317,6 +336,7 @@ class WatchedLoop:
                     task.cancel()
                 loop.run_until_complete(asyncio.gather(*leftovers, return_exceptions=True))
                 loop.run_until_complete(loop.shutdown_asyncgens())  # a store client's connections on this loop
+                loop.run_until_complete(_finalize_garbage())  # what the cancelled leftovers dropped
             finally:
                 executor.shutdown(wait=False, cancel_futures=True)
                 asyncio.set_event_loop(None)

@@ -23,7 +23,7 @@ API_BASE = "gen_ai.openai.api_base"
 HEADER_ATTRIBUTES = ("gen_ai.headers", "llm.headers")
 """Request headers the instrumentation records when the agent passes some: they may hold credentials."""
 
-_lock = threading.Lock()
+_lock = threading.RLock()
 _armed = False
 _provider: TracerProvider | None = None
 
@@ -38,9 +38,11 @@ def instrument_openai(processor: SpanProcessor, span_limits: SpanLimits) -> None
         if _armed:
             return
         _armed = True
-    import wrapt
+        import wrapt
 
-    wrapt.register_post_import_hook(lambda _module: _instrument(processor, span_limits), "openai")
+        # Under the lock: where the SDK is imported already, the hook runs here and now, and the other runner
+        # threads that call this wait for it, so that their agents' first calls are recorded too.
+        wrapt.register_post_import_hook(lambda _module: _instrument(processor, span_limits), "openai")
 
 
 def _instrument(processor: SpanProcessor, span_limits: SpanLimits) -> None:
@@ -56,6 +58,12 @@ def _instrument(processor: SpanProcessor, span_limits: SpanLimits) -> None:
         )
         _provider.add_span_processor(processor)
         try:
+            # The SDK imports its resources on a client's first use (`client.chat`: `openai.resources` first, then
+            # its submodules), the instrumentation each submodule it wraps directly (`openai.resources.chat.
+            # completions` first, then its parents). Both at once in two threads (an agent's first call in one
+            # runner thread while another arms the tracer) take the modules' import locks in opposite orders:
+            # Python raises _DeadlockError in the agent. Importing them here, from the top, first, rules that out.
+            import openai.resources  # noqa: F401
             from opentelemetry.instrumentation.openai import OpenAIInstrumentor
 
             # No trace context propagation: it would add a `traceparent` header to the agent's requests.
