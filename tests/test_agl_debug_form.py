@@ -134,7 +134,8 @@ async def test_calls_with_the_agent_s_own_client_are_stored_as_genai_spans_that_
     assert len(app.state.requests) == 3
 
     spans = await store.query_spans(finished.rollout_id)
-    assert [span.name for span in spans] == ["openai.chat", "openai.chat", "lightning.reward"]  # not the call outside
+    # the two calls of the rollout, not the call outside it
+    assert [span.name for span in spans] == ["openai.chat.completion", "openai.chat.completion", "lightning.reward"]
     assert find_final_reward(spans) == 1.0
     first = spans[0].attributes
     assert (first["gen_ai.operation.name"], first["gen_ai.request.model"], first["gen_ai.usage.input_tokens"]) == (
@@ -173,9 +174,9 @@ async def test_a_call_to_the_rollout_s_llm_proxy_is_left_to_the_proxy_s_own_span
             client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": ROOM_REQUEST}])
         async with tracer.trace_context(direct.rollout_id, direct.attempt.attempt_id):
             client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": ROOM_REQUEST}])
-    assert [span.name for span in tracer.get_last_trace()] == ["openai.chat"]
+    assert [span.name for span in tracer.get_last_trace()] == ["openai.chat.completion"]
     assert await store.query_spans(proxied.rollout_id) == []
-    assert [span.name for span in await store.query_spans(direct.rollout_id)] == ["openai.chat"]
+    assert [span.name for span in await store.query_spans(direct.rollout_id)] == ["openai.chat.completion"]
     tracer.shutdown()
     await store.close()
 
@@ -208,7 +209,7 @@ async def test_agl_s_calc_x_debug_form_with_the_top_level_names() -> None:
             second = await runner.step({"question": "16 * 16", "result": "256"}, resources={"main_llm": resource})
     for finished in (first, second):
         spans = await store.query_spans(finished.rollout_id)
-        assert [span.name for span in spans] == ["openai.chat", "openai.chat", "lightning.reward"]
+        assert [span.name for span in spans] == ["openai.chat.completion", "openai.chat.completion", "lightning.reward"]
         assert spans[0].attributes["gen_ai.request.temperature"] == 1.0
         assert agl.find_final_reward(spans) == 1.0
     await store.close()
@@ -263,9 +264,9 @@ async def test_apo_debug_s_runner_and_hook_modes_with_each_tracer_name(
     assert app.state.requests[0]["messages"][0]["content"] == f"You are a helpful assistant. {SKY}"
     for done in (finished, again):
         spans = await store.query_spans(done.rollout_id)
-        assert [span.name for span in spans] == ["openai.chat", "openai.chat", "lightning.reward"]
+        assert [span.name for span in spans] == ["openai.chat.completion", "openai.chat.completion", "lightning.reward"]
         assert find_final_reward(spans) == 0.8
-    assert hook.traces == [["openai.chat", "openai.chat", "lightning.reward"]]
+    assert hook.traces == [["openai.chat.completion", "openai.chat.completion", "lightning.reward"]]
     tracer.shutdown()
     await store.close()
 

@@ -72,7 +72,7 @@ async def test_an_agent_s_dropped_clients_are_closed_on_the_fleet_s_loop(tmp_pat
         for rollout_id in ids:
             spans = await store.query_spans(rollout_id)
             assert find_final_reward(spans) == 1.0
-            assert any(span.name == "openai.chat" for span in spans), [span.name for span in spans]
+            assert any(span.name == "openai.chat.completion" for span in spans), [span.name for span in spans]
         assert loop_errors == []
     finally:
         await store.close()

@@ -600,15 +600,21 @@ class _ToTraceContext(SpanProcessor):
         if urlsplit(str((span.attributes or {}).get(API_BASE, ""))).netloc in scope.proxied:
             scope.processor.discard(span)
         else:
-            scope.processor.on_end(_without_headers(span))
+            scope.processor.on_end(_as_recorded(span))
 
 
-def _without_headers(span: ReadableSpan) -> ReadableSpan:
+AGL_SPAN_NAMES = {"openai.chat": "openai.chat.completion"}
+"""The instrumentation's span names that agent-lightning's tracer (AgentOps) names otherwise, as agl's scripts look
+for them (`"chat.completion" in span.name`)."""
+
+
+def _as_recorded(span: ReadableSpan) -> ReadableSpan:
+    """The span as the store gets it: without request headers (they may hold credentials), named as agl names it."""
     attributes = span.attributes or {}
-    if not any(name in attributes for name in HEADER_ATTRIBUTES):
+    if not any(name in attributes for name in HEADER_ATTRIBUTES) and span.name not in AGL_SPAN_NAMES:
         return span
     return ReadableSpan(
-        name=span.name,
+        name=AGL_SPAN_NAMES.get(span.name, span.name),
         context=span.context,
         parent=span.parent,
         resource=span.resource,
