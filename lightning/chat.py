@@ -28,6 +28,36 @@ PREFIX_CHARS_PER_TOKEN = 8
 4; a prefix this long that stays within the context is rare, and the next is 4 times longer)."""
 
 
+class TextCodec:
+    """`encode(text)` and `decode(ids)` as a transformers tokenizer gives them (`tokenizer.encode(text,
+    add_special_tokens=False)`, `tokenizer.decode(ids, skip_special_tokens=True)`), through the Rust tokenizer behind
+    a fast one directly: transformers' wrapper costs as much again a call, and the inference server encodes every
+    prompt and decodes every row at every token (`benchmarks/rollout_cpu.py`). A slow tokenizer, or a fast one whose
+    decode tidies spaces afterwards (`clean_up_tokenization_spaces`), goes through the wrapper. One codec to a
+    tokenizer, used from one thread at a time: a Rust tokenizer used from two at once can fail ("Already borrowed")."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        backend = tokenizer.backend_tokenizer if getattr(tokenizer, "is_fast", False) else None
+        if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", False):
+            backend = None
+        if backend is not None:  # as the wrapper sets them for a call without truncation or padding
+            backend.no_truncation()
+            backend.no_padding()
+            backend.encode_special_tokens = bool(getattr(tokenizer, "split_special_tokens", False))
+        self.backend = backend
+
+    def encode(self, text: str) -> list[int]:
+        if self.backend is None:
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        if self.backend is None:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.backend.decode(ids, skip_special_tokens=True)
+
+
 def longest_token_chars(tokenizer: Any) -> int:
     """The longest token's text as the vocabulary spells it, which is never shorter than the text it stands for: a
     text of n characters is at least n / this many tokens."""

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.cache_utils import DynamicLayer
 
-from lightning.chat import longest_token_chars
+from lightning.chat import TextCodec, longest_token_chars
 from lightning.checkpoint import adapter_base_model, is_adapter_dir
 from lightning.devices import dtype_name, resolve_device, serving_dtype
 from lightning.inference.lora import AdapterSlot, adapter_factors
@@ -163,7 +163,9 @@ class InferenceEngine:
         # Two tokenizers: the server encodes on the event loop thread while the engine thread decodes, and a Rust
         # tokenizer used from two threads at once can fail with "Already borrowed".
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self._detokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.codec = TextCodec(self.tokenizer)
+        """Encodes prompts on the server's event loop thread (`lightning.chat.TextCodec`)."""
+        self._decoder = TextCodec(AutoTokenizer.from_pretrained(model_path))
         self.model = self._load_model(adapter_base_model(model_path) if is_adapter_dir(model_path) else model_path)
         if is_adapter_dir(model_path):
             factors = adapter_factors(model_path)
@@ -485,10 +487,10 @@ class InferenceEngine:
         params = row.params
         if token in self.eos_token_ids or token in params.stop_token_ids:
             row.finish_reason = "stop"
-            row.text = self._detokenizer.decode(row.token_ids[:-1], skip_special_tokens=True)
+            row.text = self._decoder.decode(row.token_ids[:-1])
             return
         # Decoding the whole list (not token by token) keeps multi-byte characters and merges right.
-        row.text = self._detokenizer.decode(row.token_ids, skip_special_tokens=True)
+        row.text = self._decoder.decode(row.token_ids)
         found = [i for i in (row.text.find(stop) for stop in params.stop) if i >= 0]
         if found:
             row.finish_reason = "stop"

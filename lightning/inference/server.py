@@ -348,7 +348,7 @@ def chat_prompt_token_ids(engine: InferenceEngine, body: ChatCompletionRequest) 
     except Exception as exc:  # the template is user data (jinja); its errors are the request's fault
         raise OpenAIError(400, f"messages: the chat template could not render them: {exc}", "messages") from exc
     check_fits_before_tokenizing(engine, text, "messages")
-    return engine.tokenizer.encode(text, add_special_tokens=False)
+    return engine.codec.encode(text)
 
 
 def check_fits_before_tokenizing(engine: InferenceEngine, text: str, param: str) -> None:
@@ -363,7 +363,7 @@ def check_fits_before_tokenizing(engine: InferenceEngine, text: str, param: str)
 def completion_prompt_token_ids(engine: InferenceEngine, prompt: str | list[int], field: str = "prompt") -> list[int]:
     if isinstance(prompt, str):
         check_fits_before_tokenizing(engine, prompt, field)
-        ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
+        ids = engine.codec.encode(prompt)
     else:
         vocab_size = len(engine.tokenizer)
         bad = [token for token in prompt if not 0 <= token < vocab_size]
