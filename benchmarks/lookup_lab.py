@@ -43,7 +43,7 @@ from examples.lookup.data import HELD_OUT, TRAIN  # noqa: E402
 from lightning.algorithm.batch import TrainingBatch  # noqa: E402
 from lightning.algorithm.trainer import TorchTrainer, TrainerConfig  # noqa: E402
 from lightning.chat import NotAContinuation, continue_conversation, render_ids  # noqa: E402
-from lightning.config import TinyModel  # noqa: E402
+from lightning.config import TinyModel, WarmStart  # noqa: E402
 from lightning.inference.tools import split_tool_calls  # noqa: E402
 from lightning.models import build_tiny_model  # noqa: E402
 from lightning.types import Triplet  # noqa: E402
@@ -165,13 +165,14 @@ def run(seed: int, args: argparse.Namespace, config: TrainerConfig, model_dir: P
     )
     started = time.perf_counter()
     sample = random.Random(f"warm/{seed}")
+    schedule = WarmStart(**{**RECIPE["warm_start"], "steps": args.warm_steps, "lr_schedule": args.warm_schedule})
     for step in range(args.warm_steps):
         if args.warm_batch:  # a step on a random share of the demonstrations, not all of them
             warm = TrainingBatch.from_triplets(
                 sample.sample(rows, args.warm_batch), pad_token_id=pad, max_prompt_length=MAX_PROMPT,
                 max_response_length=MAX_RESPONSE,
             )  # fmt: skip
-        trainer.sft_step(warm, lr=args.warm_lr)
+        trainer.sft_step(warm, lr=schedule.step_lr(step, args.warm_lr))
         if args.warm_eval_every and (step + 1) % args.warm_eval_every == 0 and step + 1 < args.warm_steps:
             print(f"seed {seed}: warm step {step + 1}: {held_out(trainer, val)}", flush=True)
     trainer.start_rl()  # as a run does: RL starts with a fresh optimizer
@@ -222,6 +223,9 @@ def main() -> None:
     parser.add_argument("--warm-fraction", type=float, default=RECIPE["warm_start"]["fraction"])
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--balanced-keys", action="store_true", help="tasks' keys in shuffled rounds of all eight")
+    parser.add_argument(
+        "--warm-schedule", default=RECIPE["warm_start"].get("lr_schedule", "constant"), choices=["constant", "cosine"]
+    )
     parser.add_argument("--warm-batch", type=int, default=0, help="demonstrations a warm-start step (0: all)")
     parser.add_argument("--warm-eval-every", type=int, default=0, help="held-out every N warm-start steps")
     parser.add_argument("--show", type=int, default=0, help="print N failed held-out conversations at the end")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import json
+import math
 import re
 from collections.abc import Callable, Collection
 from pathlib import Path
@@ -194,6 +195,15 @@ class WarmStart(BaseModel):
     """Supervised steps, each over all the demonstrations. RL then starts with a fresh optimizer and schedule."""
     lr: float | None = Field(default=None, gt=0)
     """Learning rate of the supervised steps (None: `algorithm.lr`)."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """constant: `lr` at every step; cosine: from `lr` down to 0 over the steps (a skill learned suddenly at a high
+    rate then settles instead of being shaken by it: docs/benchmarks.md, "Multi-turn")."""
+
+    def step_lr(self, step: int, lr: float) -> float:
+        """The learning rate of supervised step `step` (0 for the first) at peak rate `lr`."""
+        if self.lr_schedule == "constant":
+            return lr
+        return lr * 0.5 * (1.0 + math.cos(math.pi * step / self.steps))
 
     @field_validator("demonstrations")
     @classmethod

@@ -483,7 +483,8 @@ async def warm_start(run: Run, report: Callable[[str], None] | None = None) -> d
     lr = config.warm_start.lr if config.warm_start.lr is not None else config.algorithm.lr
     steps, started = config.warm_start.steps, time.monotonic()
     for step in range(1, steps + 1):
-        metrics = await asyncio.to_thread(run.trainer.sft_step, path, timeout=config.timeouts.ppo_step, lr=lr)
+        step_lr = config.warm_start.step_lr(step - 1, lr)
+        metrics = await asyncio.to_thread(run.trainer.sft_step, path, timeout=config.timeouts.ppo_step, lr=step_lr)
         run.made_progress(f"warm-start step {step}")
         if report is not None and (step % max(1, steps // 10) == 0 or step == steps):
             report(warm_start_line(step, steps, metrics, time.monotonic() - started))

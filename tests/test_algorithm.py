@@ -30,6 +30,7 @@ from lightning.algorithm.losses import (
 )
 from lightning.algorithm.trainer import TorchTrainer, TrainerConfig, loss_normalizers, lr_multiplier
 from lightning.checkpoint import capture_rng_state, restore_rng_state
+from lightning.config import WarmStart
 from lightning.types import Triplet
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py, as tiny_dir
@@ -223,6 +224,13 @@ def test_lr_multiplier_warmup_then_constant_or_cosine() -> None:
     assert [lr_multiplier(s, **constant) for s in (0, 2, 4, 99)] == [0.0, 0.5, 1.0, 1.0]
     cosine = {"warmup_steps": 0, "schedule": "cosine", "total_steps": 10, "min_lr_ratio": 0.1}
     assert [round(lr_multiplier(s, **cosine), 6) for s in (0, 5, 10, 20)] == [1.0, 0.55, 0.1, 0.1]
+
+
+def test_warm_start_lr_constant_or_cosine_to_zero_over_its_steps() -> None:
+    warm = WarmStart(demonstrations="examples.copy_task.agent:demonstrations", steps=10)
+    assert {warm.step_lr(s, 0.01) for s in range(10)} == {0.01}
+    cosine = warm.model_copy(update={"lr_schedule": "cosine"})
+    assert [round(cosine.step_lr(s, 0.01), 6) for s in (0, 5, 9)] == [0.01, 0.005, 0.000245]
 
 
 # --- TrainingBatch ----------------------------------------------------------------------------
