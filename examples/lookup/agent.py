@@ -68,22 +68,22 @@ async def lookup_agent(task: dict[str, Any], llm: LLM) -> float:
     url = f"{llm.base_url.rstrip('/')}/chat/completions"
     entries = table(task["table"])
     answer = ""
-    async with aiohttp.ClientSession(timeout=_TIMEOUT) as session:
-        for _ in range(MAX_TURNS):
-            body = {"model": llm.model, "messages": messages, "tools": [LOOKUP_TOOL], **llm.sampling_parameters}
-            async with session.post(url, json=body, headers=headers) as response:
-                response.raise_for_status()
-                choice = (await response.json())["choices"][0]
-            message = choice["message"]
-            if choice.get("finish_reason") == "length":
-                break  # cut off at max_tokens: a reply that ran on is no answer, and a cut tool call no call
-            if not message.get("tool_calls"):
-                answer = message.get("content") or ""
-                break
-            messages.append(message)
-            for call in message["tool_calls"]:
-                result = run_tool(entries, call["function"]["name"], call["function"]["arguments"])
-                messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+    session = await llm.http_session()  # kept alive across rollouts: no new connection a call
+    for _ in range(MAX_TURNS):
+        body = {"model": llm.model, "messages": messages, "tools": [LOOKUP_TOOL], **llm.sampling_parameters}
+        async with session.post(url, json=body, headers=headers, timeout=_TIMEOUT) as response:
+            response.raise_for_status()
+            choice = (await response.json())["choices"][0]
+        message = choice["message"]
+        if choice.get("finish_reason") == "length":
+            break  # cut off at max_tokens: a reply that ran on is no answer, and a cut tool call no call
+        if not message.get("tool_calls"):
+            answer = message.get("content") or ""
+            break
+        messages.append(message)
+        for call in message["tool_calls"]:
+            result = run_tool(entries, call["function"]["name"], call["function"]["arguments"])
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
     return 1.0 if answer.strip() == task["value"] else 0.0
 
 
