@@ -172,7 +172,10 @@ def run(seed: int, args: argparse.Namespace, config: TrainerConfig, model_dir: P
                 sample.sample(rows, args.warm_batch), pad_token_id=pad, max_prompt_length=MAX_PROMPT,
                 max_response_length=MAX_RESPONSE,
             )  # fmt: skip
-        trainer.sft_step(warm, lr=schedule.step_lr(step, args.warm_lr))
+        loss = trainer.sft_step(warm, lr=schedule.step_lr(step, args.warm_lr))["sft_loss"]
+        if args.warm_stop_at_loss is not None and loss <= args.warm_stop_at_loss:
+            print(f"seed {seed}: the demonstrations are fit at warm step {step + 1} (sft_loss {loss:.4f})", flush=True)
+            break
         if args.warm_eval_every and (step + 1) % args.warm_eval_every == 0 and step + 1 < args.warm_steps:
             print(f"seed {seed}: warm step {step + 1}: {held_out(trainer, val)}", flush=True)
     trainer.start_rl()  # as a run does: RL starts with a fresh optimizer
@@ -226,6 +229,10 @@ def main() -> None:
     parser.add_argument(
         "--warm-schedule", default=RECIPE["warm_start"].get("lr_schedule", "constant"), choices=["constant", "cosine"]
     )
+    parser.add_argument(
+        "--warm-stop-at-loss", type=float, default=RECIPE["warm_start"].get("stop_at_loss"),
+        help="end the warm start at the first step with sft_loss this low or lower",
+    )  # fmt: skip
     parser.add_argument("--warm-batch", type=int, default=0, help="demonstrations a warm-start step (0: all)")
     parser.add_argument("--warm-eval-every", type=int, default=0, help="held-out every N warm-start steps")
     parser.add_argument("--show", type=int, default=0, help="print N failed held-out conversations at the end")

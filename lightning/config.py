@@ -199,6 +199,11 @@ class WarmStart(BaseModel):
     """constant: `lr` at every step; cosine: from `lr` down to 0 over the steps (a skill learned suddenly at a high
     rate then settles instead of being shaken by it: docs/benchmarks.md, "Multi-turn")."""
 
+    stop_at_loss: float | None = Field(default=None, gt=0)
+    """End the warm start at the first step whose sft_loss is this low or lower (the demonstrations are fit), with
+    `steps` the most it takes: a skill learned suddenly is learned after a number of steps that depends on the seed
+    (docs/benchmarks.md, "Multi-turn"). None: all `steps`."""
+
     def step_lr(self, step: int, lr: float) -> float:
         """The learning rate of supervised step `step` (0 for the first) at peak rate `lr`."""
         if self.lr_schedule == "constant":

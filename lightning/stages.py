@@ -481,15 +481,19 @@ async def warm_start(run: Run, report: Callable[[str], None] | None = None) -> d
     batch.save(path)
     metrics: dict[str, Any] = {}
     lr = config.warm_start.lr if config.warm_start.lr is not None else config.algorithm.lr
-    steps, started = config.warm_start.steps, time.monotonic()
+    steps, started, step = config.warm_start.steps, time.monotonic(), 0
     for step in range(1, steps + 1):
         step_lr = config.warm_start.step_lr(step - 1, lr)
         metrics = await asyncio.to_thread(run.trainer.sft_step, path, timeout=config.timeouts.ppo_step, lr=step_lr)
         run.made_progress(f"warm-start step {step}")
-        if report is not None and (step % max(1, steps // 10) == 0 or step == steps):
-            report(warm_start_line(step, steps, metrics, time.monotonic() - started))
+        fit = config.warm_start.stop_at_loss is not None and metrics["sft_loss"] <= config.warm_start.stop_at_loss
+        if report is not None and (step % max(1, steps // 10) == 0 or step == steps or fit):
+            line = warm_start_line(step, steps, metrics, time.monotonic() - started)
+            report(f"{line} | the demonstrations are fit (stop_at_loss), stopping" if fit else line)
+        if fit:
+            break
     await asyncio.to_thread(run.trainer.start_rl, timeout=config.timeouts.ppo_step)
-    done = {"demonstrations": len(batch), "steps": config.warm_start.steps, **metrics}
+    done = {"demonstrations": len(batch), "steps": step, **metrics}
     saved = await _publish(run, 0, {"run_name": run.name, "warm_start": done, "history": []})
     if run.tracker is not None:
         await asyncio.to_thread(run.tracker.log_metrics, {"warm_start": metrics}, 0)

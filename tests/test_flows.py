@@ -241,6 +241,22 @@ async def test_a_warm_start_runs_once_before_iteration_zero_and_is_reported(tmp_
     assert again["reward_initial"] == summary["reward_initial"]
 
 
+async def test_a_warm_start_ends_once_its_demonstrations_are_fit(tmp_path: Path) -> None:
+    """`warm_start.stop_at_loss`: the first step at or below it is the last (here the first step, at a loss no
+    model is above), recorded as the steps taken, and the progress line says why it stopped."""
+    warm = {"demonstrations": "examples.copy_task.agent:demonstrations", "fraction": 0.05, "steps": 50}
+    config = small_config(tmp_path, iterations=1, warm_start={**warm, "stop_at_loss": 1000.0}, run_name="fit")
+    await train(config)
+    warmed = load_checkpoint(config.run_dir / "checkpoints" / "step-000000").meta["warm_start"]
+    assert warmed["steps"] == 1 and warmed["sft_loss"] <= 1000.0
+    async with get_client() as client:
+        runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["fit"])))
+        latest = max(runs, key=lambda run: run.created)
+        logs = await client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[latest.id])))
+    lines = [log.message for log in logs if log.message.startswith("warm start: step")]
+    assert len(lines) == 1 and lines[0].startswith("warm start: step 1/50 |") and lines[0].endswith("stopping")
+
+
 def demo_config(tmp_path: Path, **changes: Any) -> TrainConfig:
     """The demo's config (examples/copy_task/demo.yaml), short: 2 iterations of 8 tasks x 4 samples, 3 warm-start
     steps; results under tmp_path."""
