@@ -113,6 +113,7 @@ def test_make_lookup_trains_joined_trajectories(tmp_path: Path) -> None:
         f"output_dir={tmp_path}/runs", "run_name=lookup-test", "iterations=1", "batch_size=4", "samples_per_task=4",
         "warm_start.steps=20", "dynamic_sampling=false", "eval_every=0", "n_runners=1", "adapter_shape=trajectory",
         "tiny_model.init_std=0.2",  # the wide default: after 20 steps it calls the tool (the example's 0.02, by 125)
+        "trainer_threads=1",  # the example's 2 threads stall at OpenMP barriers beside the other tests' processes
     ]  # fmt: skip
     command = [sys.executable, "-m", "flows.train", CONFIG]
     for override in sets:
