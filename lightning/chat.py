@@ -31,10 +31,11 @@ PREFIX_CHARS_PER_TOKEN = 8
 class TextCodec:
     """`encode(text)` and `decode(ids)` as a transformers tokenizer gives them (`tokenizer.encode(text,
     add_special_tokens=False)`, `tokenizer.decode(ids, skip_special_tokens=True)`), through the Rust tokenizer behind
-    a fast one directly: transformers' wrapper costs as much again a call, and the inference server encodes every
-    prompt and decodes every row at every token (`benchmarks/rollout_cpu.py`). A slow tokenizer, or a fast one whose
-    decode tidies spaces afterwards (`clean_up_tokenization_spaces`), goes through the wrapper. One codec to a
-    tokenizer, used from one thread at a time: a Rust tokenizer used from two at once can fail ("Already borrowed")."""
+    a fast one directly: the inference server decodes every row at every generated token, and the wrapper made a
+    24-token decode 2.6 times as costly (docs/benchmarks.md, "The rollout path's CPU"; encoding costs about the same).
+    A slow tokenizer, or a fast one whose decode tidies spaces afterwards (`clean_up_tokenization_spaces`), goes
+    through the wrapper. One codec to a tokenizer, used from one thread at a time: a Rust tokenizer used from two at
+    once can fail ("Already borrowed")."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer

@@ -198,7 +198,6 @@ class WarmStart(BaseModel):
     lr_schedule: Literal["constant", "cosine"] = "constant"
     """constant: `lr` at every step; cosine: from `lr` down to 0 over the steps (a skill learned suddenly at a high
     rate then settles instead of being shaken by it: docs/benchmarks.md, "Multi-turn")."""
-
     stop_at_loss: float | None = Field(default=None, gt=0)
     """End the warm start at the first step whose sft_loss is this low or lower (the demonstrations are fit), with
     `steps` the most it takes: a skill learned suddenly is learned after a number of steps that depends on the seed
