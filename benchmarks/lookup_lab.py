@@ -220,6 +220,7 @@ def main() -> None:
     parser.add_argument("--oversample", type=int, default=1, help="dynamic sampling: roll out K times the tasks")
     parser.add_argument("--hidden", type=int, default=TINY.hidden_size, help="the tiny model's hidden size")
     parser.add_argument("--layers", type=int, default=TINY.num_layers, help="the tiny model's layers")
+    parser.add_argument("--heads", type=int, default=2, help="the tiny model's attention heads")
     parser.add_argument("--init-std", type=float, default=TINY.init_std, help="the tiny model's initial weights' std")
     parser.add_argument("--warm-steps", type=int, default=RECIPE["warm_start"]["steps"])
     parser.add_argument("--warm-lr", type=float, default=RECIPE["warm_start"]["lr"])
@@ -258,7 +259,8 @@ def main() -> None:
     fields = recipe_lab.with_overrides({**RECIPE["algorithm"], **run_sets}, args.set)
     config = TrainerConfig(**fields)
     with tempfile.TemporaryDirectory() as tmp:
-        size: dict[str, Any] = {"hidden_size": args.hidden, "num_layers": args.layers, "init_std": args.init_std}
+        size: dict[str, Any] = {"hidden_size": args.hidden, "num_layers": args.layers, "init_std": args.init_std,
+                                "num_heads": args.heads}
         if not args.default_tokenizer:
             size["extra_corpus"] = TINY.tokenizer_corpus
         results = [

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import logging
 import os
@@ -33,7 +32,7 @@ from lightning.errors import ConfigError
 from lightning.lifeline import exit_with_parent
 from lightning.metrics import DEFAULT_TRACKING_URI, LOCAL_UI_HOST, LOCAL_UI_PORT, MlflowTracker
 from lightning.mismatch import compare_spans, format_report, read_spans
-from lightning.serving import is_loopback
+from lightning.serving import freeze_startup_objects, is_loopback
 from lightning.store import StoreError, open_store
 from lightning.store.sql import DEFAULT_URL, SqlLightningStore
 from lightning.types import POLICY_MODEL_NAME
@@ -499,19 +498,11 @@ def _proxy_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         )
         # uvicorn logs its access lines at info: asking for them lowers a quieter --log-level to info.
         level = "info" if args.access_log and args.log_level in ("warning", "error", "critical") else args.log_level
+        freeze_startup_objects()
         uvicorn.run(proxy.app, host=args.host, port=args.port, log_level=level, access_log=args.access_log)
     finally:
         asyncio.run(store.close())
     return 0
-
-
-def _freeze_startup_objects() -> None:
-    """Keep what imports and startup made out of the garbage collector's passes. A server imports FastAPI,
-    SQLAlchemy, pydantic and OpenTelemetry: a full pass over all that, which any request allocating a few
-    thousand objects (a batch of 100 rollouts) sets off now and then, cost more than the request itself
-    (measured: 0.39 s of 0.47 s spent building a batch's models went to it)."""
-    gc.collect()
-    gc.freeze()
 
 
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -527,7 +518,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         auth = "bearer token required" if token else "no token"
         print(f"lightning store: {store!r} on http://{args.host}:{args.port} ({auth})", file=sys.stderr, flush=True)
         app = create_app(store, token=token, max_body_bytes=int(args.max_body_mb * 1024 * 1024))
-        _freeze_startup_objects()
+        freeze_startup_objects()
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log)
     finally:
         asyncio.run(store.close())

@@ -5,6 +5,7 @@ bearer-token check itself."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
 import ipaddress
 import socket
@@ -17,6 +18,17 @@ T = TypeVar("T")
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 """The largest request body a server of ours takes by default (the store's, the proxy's, the inference server's)."""
+
+
+def freeze_startup_objects() -> None:
+    """Keep what imports and start-up made out of the garbage collector's passes, in a long-lived process (a
+    server, a runner process). A server imports FastAPI, SQLAlchemy, pydantic and OpenTelemetry (the inference
+    server torch besides): a full pass over all that, which any request allocating a few thousand objects sets off
+    now and then, cost more than the request itself (measured in the store's server: 0.39 s of 0.47 s spent building
+    a batch's models). A runner process's fleet ends with a full pass (`lightning.runner.blocking`): 55-67 ms over
+    the 87,000 objects of its imports, twice a phase, until frozen."""
+    gc.collect()
+    gc.freeze()
 
 
 def is_loopback(host: str) -> bool:

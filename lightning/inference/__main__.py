@@ -11,7 +11,7 @@ from lightning.diagnose import dump_stacks_on_signal
 from lightning.environment import INFERENCE_API_KEY
 from lightning.inference.server import create_inference_app
 from lightning.lifeline import exit_with_parent
-from lightning.serving import is_loopback
+from lightning.serving import freeze_startup_objects, is_loopback
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = app.state.engine
     _say(f"serving {engine.model_path} on {engine.device} in {dtype_name(engine.dtype)}")
     _say(f"starting the HTTP server on http://{args.host}:{args.port}")
+    freeze_startup_objects()  # torch, transformers and the model's modules: never scanned again
     uvicorn.run(
         app, host=args.host, port=args.port, log_level="info", access_log=args.access_log,
         timeout_keep_alive=int(args.keep_alive),

@@ -235,6 +235,7 @@ def _serve(conn: Connection, fleet: FleetSpec, parent: int, stacks_dir: str | No
     its parent, and stops its fleet on SIGTERM (the parent's stop)."""
     from lightning.diagnose import dump_stacks_on_signal
     from lightning.lifeline import exit_with_parent
+    from lightning.serving import freeze_startup_objects
 
     os.setpgid(0, 0)  # Ctrl-C in a terminal reaches the flow's process, which stops the children itself
     exit_with_parent(parent)
@@ -246,6 +247,7 @@ def _serve(conn: Connection, fleet: FleetSpec, parent: int, stacks_dir: str | No
     except Exception as exc:
         pipes.send(conn, pipes.error_reply(exc))
         return
+    freeze_startup_objects()  # each fleet ends with a full collection: over what it made, not the imports
     pipes.send(conn, {"ready": True})
     for request in pipes.requests(conn):
         try:
