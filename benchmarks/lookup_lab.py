@@ -259,8 +259,12 @@ def main() -> None:
     fields = recipe_lab.with_overrides({**RECIPE["algorithm"], **run_sets}, args.set)
     config = TrainerConfig(**fields)
     with tempfile.TemporaryDirectory() as tmp:
-        size: dict[str, Any] = {"hidden_size": args.hidden, "num_layers": args.layers, "init_std": args.init_std,
-                                "num_heads": args.heads}
+        size: dict[str, Any] = {
+            "hidden_size": args.hidden,
+            "num_layers": args.layers,
+            "init_std": args.init_std,
+            "num_heads": args.heads,
+        }
         if not args.default_tokenizer:
             size["extra_corpus"] = TINY.tokenizer_corpus
         results = [

@@ -192,7 +192,11 @@ class WarmStart(BaseModel):
     fraction: float = Field(default=0.3, gt=0, le=1)
     """Share of the training tasks demonstrated (the first ones of the dataset)."""
     steps: int = Field(default=15, ge=1)
-    """Supervised steps, each over all the demonstrations. RL then starts with a fresh optimizer and schedule."""
+    """Supervised steps (each over `batch_size` demonstrations). RL then starts with a fresh optimizer and schedule."""
+    batch_size: int | None = Field(default=None, ge=1)
+    """Demonstrations a step, drawn at random (seeded by `seed`) from all of them; None: all of them every step.
+    Smaller batches make more, cheaper steps: the lookup example's copying is learned in about as many steps at 32
+    demonstrations a step as at 128, for a quarter of the compute (docs/benchmarks.md, "Multi-turn")."""
     lr: float | None = Field(default=None, gt=0)
     """Learning rate of the supervised steps (None: `algorithm.lr`)."""
     lr_schedule: Literal["constant", "cosine"] = "constant"

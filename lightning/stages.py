@@ -482,9 +482,14 @@ async def warm_start(run: Run, report: Callable[[str], None] | None = None) -> d
     metrics: dict[str, Any] = {}
     lr = config.warm_start.lr if config.warm_start.lr is not None else config.algorithm.lr
     steps, started, step = config.warm_start.steps, time.monotonic(), 0
+    size = config.warm_start.batch_size
+    draw = random.Random(f"warm/{config.seed}")  # the same draws as benchmarks/lookup_lab.py's --warm-batch
     for step in range(1, steps + 1):
         step_lr = config.warm_start.step_lr(step - 1, lr)
-        metrics = await asyncio.to_thread(run.trainer.sft_step, path, timeout=config.timeouts.ppo_step, lr=step_lr)
+        rows = draw.sample(range(len(batch)), size) if size is not None and size < len(batch) else None
+        metrics = await asyncio.to_thread(
+            run.trainer.sft_step, path, timeout=config.timeouts.ppo_step, lr=step_lr, rows=rows
+        )
         run.made_progress(f"warm-start step {step}")
         fit = config.warm_start.stop_at_loss is not None and metrics["sft_loss"] <= config.warm_start.stop_at_loss
         if report is not None and (step % max(1, steps // 10) == 0 or step == steps or fit):
@@ -493,7 +498,7 @@ async def warm_start(run: Run, report: Callable[[str], None] | None = None) -> d
         if fit:
             break
     await asyncio.to_thread(run.trainer.start_rl, timeout=config.timeouts.ppo_step)
-    done = {"demonstrations": len(batch), "steps": step, **metrics}
+    done = {"demonstrations": len(batch), "rows_a_step": min(size or len(batch), len(batch)), "steps": step, **metrics}
     saved = await _publish(run, 0, {"run_name": run.name, "warm_start": done, "history": []})
     if run.tracker is not None:
         await asyncio.to_thread(run.tracker.log_metrics, {"warm_start": metrics}, 0)

@@ -212,12 +212,14 @@ async def test_a_finished_run_resumes_for_more_iterations_without_redoing_any(tm
 
 
 async def test_a_warm_start_runs_once_before_iteration_zero_and_is_reported(tmp_path: Path) -> None:
-    warm = {"demonstrations": "examples.copy_task.agent:demonstrations", "fraction": 0.05, "steps": 3}
+    """Here each step on 4 of the demonstrations, drawn at random (`warm_start.batch_size`)."""
+    warm = {"demonstrations": "examples.copy_task.agent:demonstrations", "fraction": 0.05, "steps": 3, "batch_size": 4}
     config = small_config(tmp_path, iterations=1, warm_start=warm)
     summary = await train(config)
 
     warmed = load_checkpoint(config.run_dir / "checkpoints" / "step-000000").meta["warm_start"]
     assert warmed["steps"] == 3 and warmed["demonstrations"] == int(copy_data.TRAIN * 0.05)
+    assert warmed["rows_a_step"] == 4
     assert sorted(await val_rollouts(config)) == [-1, 0, 1]  # initial model, after the warm start, after training
     mlflow = MlflowClient(config.tracking_uri)
     run_id = summary["mlflow_run_id"]

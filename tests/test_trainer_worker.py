@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from lightning.algorithm.batch import TrainingBatch
-from lightning.algorithm.trainer import TrainerConfig
+from lightning.algorithm.trainer import TorchTrainer, TrainerConfig
 from lightning.algorithm.worker import TrainerCrashed, TrainerError, TrainerTimeout, TrainerWorker
 from lightning.models import build_tiny_model
 from lightning.types import Triplet
@@ -127,3 +127,16 @@ def test_the_trainer_takes_half_the_cores_on_a_cpu_so_its_threads_do_not_stall_b
     from lightning.algorithm.worker import default_threads
 
     assert [default_threads(cores, cuda=False) for cores in (1, 2, 3, 16)] == [1, 1, 1, 8]
+
+
+@pytest.mark.slow
+def test_a_supervised_step_on_some_rows_of_the_batch_file(tiny_dir: Path, batches: list[Path], tmp_path: Path) -> None:
+    """`sft_step(rows=...)`: the step learns from those rows of the file only (a warm start's `batch_size`), as a
+    trainer given just those rows does."""
+    rows = [3, 1]
+    batch = TrainingBatch.load(batches[0])
+    expected = TorchTrainer(tiny_dir, CONFIG, reference=tiny_dir).sft_step(batch.select(rows), lr=1e-2)["sft_loss"]
+    every_row = TorchTrainer(tiny_dir, CONFIG, reference=tiny_dir).sft_step(batch, lr=1e-2)["sft_loss"]
+    with worker(tiny_dir, tmp_path / "ckpt") as trainer:
+        assert trainer.sft_step(batches[0], timeout=60, lr=1e-2, rows=rows)["sft_loss"] == pytest.approx(expected)
+    assert expected != pytest.approx(every_row)

@@ -103,9 +103,12 @@ class TrainerWorker:
         """One PPO/GRPO update on the batch file; its metrics."""
         return self._call({"op": "step", "batch_path": str(batch_path)}, timeout)
 
-    def sft_step(self, batch_path: str | Path, *, timeout: float, lr: float | None = None) -> dict[str, float]:
-        """One supervised update on the batch file at `lr` (None: the schedule's); its metrics."""
-        return self._call({"op": "sft_step", "batch_path": str(batch_path), "lr": lr}, timeout)
+    def sft_step(
+        self, batch_path: str | Path, *, timeout: float, lr: float | None = None, rows: list[int] | None = None
+    ) -> dict[str, float]:
+        """One supervised update on the batch file (its `rows` only, when given) at `lr` (None: the schedule's);
+        its metrics."""
+        return self._call({"op": "sft_step", "batch_path": str(batch_path), "lr": lr, "rows": rows}, timeout)
 
     def start_rl(self, *, timeout: float = 60) -> None:
         """After a warm start: a fresh optimizer and LR schedule (RL starts from step 0) and the KL reference
@@ -295,7 +298,10 @@ class _Session:
             self.pending = True
             return metrics
         if op == "sft_step":
-            metrics = self.trainer.sft_step(TrainingBatch.load(request["batch_path"]), request.get("lr"))
+            batch = TrainingBatch.load(request["batch_path"])
+            if request.get("rows") is not None:
+                batch = batch.select(request["rows"])
+            metrics = self.trainer.sft_step(batch, request.get("lr"))
             self.pending = True
             return metrics
         if op == "start_rl":
