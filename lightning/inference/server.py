@@ -4,23 +4,24 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from lightning.chat import PromptTooLong, check_fits
 from lightning.checkpoint import CheckpointError
 from lightning.devices import dtype_name
 from lightning.inference.engine import InferenceEngine, Output, SamplingParams, TokenLogprob
 from lightning.inference.tools import ToolCall, ToolCallParser, split_tool_calls
-from lightning.serving import DEFAULT_MAX_BODY_BYTES, BearerAuth, BodyLimit
+from lightning.serving import DEFAULT_MAX_BODY_BYTES, BearerAuth, BodyLimit, HotRoutes
 
 BODY_SETTING = "inference.max_request_mb of the run's config (--max-body-mb of `lightning inference serve`)"
 """What sets the largest request body the server takes (413 beyond), named in its 413s."""
@@ -106,6 +107,36 @@ class ReloadRequest(BaseModel):
 # ---- the app --------------------------------------------------------------------------------------------------------
 
 
+def _invalid(errors: Sequence[Any]) -> OpenAIError:
+    """A request body that is not JSON or not the request's schema, as one 400 naming each field and its fault."""
+    messages, params = [], []
+    for error in errors:
+        loc = [str(part) for part in error["loc"] if part != "body"]
+        param = ".".join(loc) or "body"
+        params.append(param)
+        if error["type"] == "json_invalid":
+            messages.append("the request body is not valid JSON")
+        else:
+            messages.append(f"{param}: {error['msg']}")
+    return OpenAIError(400, "; ".join(messages), params[0] if params else None)
+
+
+async def _body(schema: type[BaseModel], request: Request) -> Any:
+    """The request's JSON body as `schema`, as FastAPI reads a body parameter (parsed, then validated)."""
+    raw = await request.body()
+    try:
+        return schema.model_validate(json.loads(raw))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise OpenAIError(400, "the request body is not valid JSON", "body") from None
+    except ValidationError as exc:
+        raise _invalid(exc.errors()) from None
+
+
+def _answer(result: Any) -> Response:
+    """A route's result as the response FastAPI would make of it: a Response as it is, a dict as JSON."""
+    return result if isinstance(result, Response) else JSONResponse(result)
+
+
 def _wrong_api_key() -> JSONResponse:
     return OpenAIError(
         401, "missing or wrong API key: send 'Authorization: Bearer <key>'", None, "AuthenticationError"
@@ -153,17 +184,25 @@ def create_inference_app(
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        messages, params = [], []
-        for error in exc.errors():
-            loc = [str(part) for part in error["loc"] if part != "body"]
-            param = ".".join(loc) or "body"
-            params.append(param)
-            if error["type"] == "json_invalid":
-                messages.append("the request body is not valid JSON")
-            else:
-                messages.append(f"{param}: {error['msg']}")
-        return OpenAIError(400, "; ".join(messages), params[0] if params else None).response()
+        return _invalid(exc.errors()).response()
 
+    # The generation routes, answered past FastAPI's routing and encoding (their routes below stay, for /docs).
+    async def chat_route(request: Request, _: re.Match[str]) -> Response:
+        return _answer(await chat(await _body(ChatCompletionRequest, request), None))
+
+    async def tokens_route(request: Request, _: re.Match[str]) -> Response:
+        body = await _body(ChatCompletionWithTokensRequest, request)
+        return _answer(await chat(body, completion_prompt_token_ids(engine, body.tokens, "tokens")))
+
+    async def completions_route(request: Request, _: re.Match[str]) -> Response:
+        return _answer(await completions(await _body(CompletionRequest, request)))
+
+    hot = [
+        (re.compile("/v1/chat/completions"), chat_route),
+        (re.compile("/v1/chat/completions/tokens"), tokens_route),
+        (re.compile("/v1/completions"), completions_route),
+    ]
+    app.add_middleware(HotRoutes, routes=hot, errors={OpenAIError: OpenAIError.response})
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes, refusal=_too_large, setting=BODY_SETTING)
     if api_key is not None:
         app.add_middleware(BearerAuth, token=api_key, refusal=_wrong_api_key, open_paths=("/health",))

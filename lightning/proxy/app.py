@@ -35,7 +35,7 @@ from lightning.proxy.continuation import Continuation, Conversations
 from lightning.proxy.external import ExternalModel, complete, make_router
 from lightning.proxy.writer import SpanWriter
 from lightning.seeding import turn_seed
-from lightning.serving import DEFAULT_MAX_BODY_BYTES, BearerAuth, BodyLimit, ThreadedServer, is_loopback
+from lightning.serving import DEFAULT_MAX_BODY_BYTES, BearerAuth, BodyLimit, HotRoutes, ThreadedServer, is_loopback
 from lightning.store.base import LightningStore
 from lightning.types import (
     LLM,
@@ -251,6 +251,13 @@ class LLMProxy:
         app = FastAPI(title="lightning LLM proxy", docs_url="/docs", redoc_url=None)
         proxy = self
 
+        # The LLM calls, answered past FastAPI's routing (the routes below stay, for /docs), guarded as the rest.
+        hot = [
+            (ROUTED, lambda request, m: proxy._handle(request, m["path"], m["rollout"], m["attempt"])),
+            (SIGNED, lambda request, m: proxy._handle(request, m["path"], m["rollout"], m["attempt"], m["signature"])),
+            (PLAIN, lambda request, m: proxy._handle(request, m["path"], *_attempt_headers(request))),
+        ]
+        app.add_middleware(HotRoutes, routes=hot, errors={ProxyError: _proxy_error})
         too_large = lambda message: error_response(413, message)  # noqa: E731
         app.add_middleware(BodyLimit, max_bytes=self.max_body_bytes, refusal=too_large, setting=BODY_SETTING)
         if self.token is not None:
@@ -272,9 +279,7 @@ class LLMProxy:
 
         @app.post("/v1/{path:path}")
         async def plain(path: str, request: Request) -> Response:
-            rollout_id = request.headers.get("x-rollout-id")
-            attempt_id = request.headers.get("x-attempt-id")
-            return await proxy._handle(request, path, rollout_id, attempt_id)
+            return await proxy._handle(request, path, *_attempt_headers(request))
 
         @app.get("/v1/models")
         @app.get("/rollout/{rollout_id}/attempt/{attempt_id}/v1/models")
@@ -318,7 +323,7 @@ class LLMProxy:
 
         @app.exception_handler(ProxyError)
         async def proxy_error(request: Request, exc: ProxyError) -> JSONResponse:
-            return error_response(exc.status, exc.message, exc.param)
+            return _proxy_error(exc)
 
         return app
 
@@ -779,6 +784,21 @@ class LLMProxy:
         if self._client is not None:
             await self._client.close()
             self._client = None
+
+
+_ATTEMPT = r"/rollout/(?P<rollout>[^/]+)/attempt/(?P<attempt>[^/]+)"
+ROUTED = re.compile(_ATTEMPT + r"/v1/(?P<path>.*)")
+SIGNED = re.compile(_ATTEMPT + r"/signed/(?P<signature>[^/]+)/v1/(?P<path>.*)")
+PLAIN = re.compile(r"/v1/(?P<path>.*)")
+"""The POST routes of LLM calls: an attempt's (in the path, signed or not) and a plain one (the attempt in headers)."""
+
+
+def _attempt_headers(request: Request) -> tuple[str | None, str | None]:
+    return request.headers.get("x-rollout-id"), request.headers.get("x-attempt-id")
+
+
+def _proxy_error(exc: ProxyError) -> JSONResponse:
+    return error_response(exc.status, exc.message, exc.param)
 
 
 def _unauthorised() -> JSONResponse:
