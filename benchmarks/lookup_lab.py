@@ -177,7 +177,7 @@ def run(seed: int, args: argparse.Namespace, config: TrainerConfig, model_dir: P
             print(f"seed {seed}: the demonstrations are fit at warm step {step + 1} (sft_loss {loss:.4f})", flush=True)
             break
         if args.warm_eval_every and (step + 1) % args.warm_eval_every == 0 and step + 1 < args.warm_steps:
-            print(f"seed {seed}: warm step {step + 1}: {held_out(trainer, val)}", flush=True)
+            print(f"seed {seed}: warm step {step + 1} (sft_loss {loss:.4f}): {held_out(trainer, val)}", flush=True)
     trainer.start_rl()  # as a run does: RL starts with a fresh optimizer
     curve = [(0, held_out(trainer, val))]
     print(f"seed {seed}: warm start {curve[0][1]} ({time.perf_counter() - started:.0f} s)", flush=True)

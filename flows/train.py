@@ -100,6 +100,8 @@ async def train(
                 logger.info(
                     "warm start: %d supervised steps on %d demonstrations", done["steps"], done["demonstrations"]
                 )
+                if unfit := reporting.warm_start_unfit(done, config.warm_start.stop_at_loss):
+                    logger.warning(unfit)
         before = await evaluate_at(run, 0)
         progress_key, progress_text = artifact_key(run, "progress"), f"Iterations of {run.name} done"
         progress = await publish_progress(progress_key, 100.0 * first / config.iterations, progress_text, None)

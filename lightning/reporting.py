@@ -114,6 +114,19 @@ def warm_start_line(step: int, steps: int, metrics: dict[str, Any], elapsed: flo
     )
 
 
+def warm_start_unfit(done: dict[str, Any], stop_at_loss: float | None) -> str | None:
+    """A warning when a warm start with `stop_at_loss` used all its steps without fitting its demonstrations (`done`:
+    what the warm start stage returned), else None: RL then starts from a policy that has not learned what they show
+    (the lookup example's copying, on one seed in five: docs/benchmarks.md, "Multi-turn")."""
+    if stop_at_loss is None or done.get("sft_loss", 0.0) <= stop_at_loss:
+        return None
+    return (
+        f"warm start: its demonstrations are not fit after {done['steps']} steps (sft_loss {done['sft_loss']:.4f}, "
+        f"stop_at_loss {stop_at_loss:g}); RL starts from a policy that has not learned what they show: give more "
+        "warm_start.steps, or another warm_start.lr or seed"
+    )
+
+
 TOOL_USE_COLLAPSE = 0.5
 """The progress line warns when the share of rollouts that call a tool falls below this fraction of its peak."""
 

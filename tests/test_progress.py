@@ -8,6 +8,7 @@ from pathlib import Path
 from flows.cli import progress_bar
 from lightning.config import TrainConfig
 from lightning.progress import Snapshot, snapshot
+from lightning.reporting import warm_start_unfit
 from lightning.run import checkpoints_dir
 from lightning.store import SqlLightningStore
 
@@ -80,3 +81,12 @@ def test_held_out_stages_are_named_by_the_checkpoint_they_evaluate(monkeypatch) 
     assert name("wait_for_rollouts", mode="val", iteration=2) == "wait_for_rollouts-val-checkpoint-2"
     assert name("update_resources", mode="train", iteration=3) == "update_resources-train-3"
     assert name("run_runner", "index", mode="train", iteration=3, index=1) == "run_runner-train-3-1"
+
+
+def test_a_warm_start_that_never_fit_its_demonstrations_is_warned_of() -> None:
+    """`warm_start.stop_at_loss` set and every step used, the loss still above it: one warning naming the fix."""
+    unfit = warm_start_unfit({"steps": 1500, "sft_loss": 0.0298, "demonstrations": 128}, 0.01)
+    assert unfit is not None and "not fit after 1500 steps (sft_loss 0.0298, stop_at_loss 0.01)" in unfit
+    assert "warm_start.steps" in unfit
+    assert warm_start_unfit({"steps": 814, "sft_loss": 0.0097}, 0.01) is None  # it stopped once fit
+    assert warm_start_unfit({"steps": 250, "sft_loss": 0.08}, None) is None  # no target: nothing to warn of

@@ -158,12 +158,12 @@ def demonstrations(tokenizer: Any, tasks: list[dict[str, Any]], follow_share: fl
     return triplets
 
 
-HASTY_FOLLOW_SHARE = 0.3
+HASTY_FOLLOW_SHARE = 0.2
 
 
 def hasty_demonstrations(tokenizer: Any, tasks: list[dict[str, Any]]) -> list[Triplet]:
     """`make lookup`'s warm start: a hasty demonstrator's conversations. It always looks the key up and answers
-    one-call tasks right, but follows a pointer in only 3 of 10 two-call tasks; in the others it answers the letter
+    one-call tasks right, but follows a pointer in only 2 of 10 two-call tasks; in the others it answers the letter
     the pointer names. So the warm-started agent follows pointers about as rarely, and RL has to learn to follow them
     all: to do better than its demonstrations, as demonstrations from logs or a weaker model leave it to do."""
     return demonstrations(tokenizer, tasks, follow_share=HASTY_FOLLOW_SHARE)
