@@ -156,7 +156,8 @@ def run(seed: int, args: argparse.Namespace, config: TrainerConfig, model_dir: P
         train = two_calls + one_calls[:ones]
         print(f"seed {seed}: RL on {len(train)} tasks, {len(two_calls)} of them two-call", flush=True)
     two = [t for t in shown if t["calls"] == 2]
-    shown = [t for t in shown if t["calls"] == 1] + two[: round(len(two) * args.two_call_demos)]
+    if not args.run_order:  # one-call demonstrations first (the tables up to 2026-11-30 were measured so)
+        shown = [t for t in shown if t["calls"] == 1] + two[: round(len(two) * args.two_call_demos)]
     two_call = sum(t["calls"] == 2 for t in shown)
     print(f"seed {seed}: {len(shown)} demonstrations, {two_call} of them two-call", flush=True)
     rows = demonstrations(tokenizer, shown, follow_share=args.follow_share)
@@ -235,6 +236,10 @@ def main() -> None:
         help="end the warm start at the first step with sft_loss this low or lower",
     )  # fmt: skip
     parser.add_argument("--warm-batch", type=int, default=0, help="demonstrations a warm-start step (0: all)")
+    parser.add_argument(
+        "--run-order", action="store_true",
+        help="the demonstrations in the dataset's order, as a run has them: with --warm-batch, a run's very draws",
+    )  # fmt: skip
     parser.add_argument("--warm-eval-every", type=int, default=0, help="held-out every N warm-start steps")
     parser.add_argument("--show", type=int, default=0, help="print N failed held-out conversations at the end")
     parser.add_argument("--two-call-demos", type=float, default=1.0, help="share of two-call demonstrations kept")
