@@ -248,8 +248,11 @@ def main() -> None:
                 continue
             command = [*command, "--json", str(args.out / f"{name}.json")]
             results[name] = run_part(name, min(limit, left), command, env, log)
-        update = json.loads((args.out / "update.json").read_text()) if (args.out / "update.json").exists() else {}
-        summary = [f"# GPU check, {time.strftime('%Y-%m-%d %H:%M')}", "", f"Device: {update.get('device', '?')}", ""]
+        written = {name: json.loads((args.out / f"{name}.json").read_text()) for name in ("update", "serving")
+                   if (args.out / f"{name}.json").exists()}  # fmt: skip
+        update = written.get("update", {})
+        device = next((part["device"] for part in written.values() if "device" in part), "?")
+        summary = [f"# GPU check, {time.strftime('%Y-%m-%d %H:%M')}", "", f"Device: {device}", ""]
         for name, result in results.items():
             summary += [f"## {name}: {result['status']} ({result.get('seconds', 0)} s)", "", *result["table"], ""]
         summary += [f"## targets ({TARGETS})", "", *targets(update), ""]
