@@ -486,3 +486,41 @@ async def test_agl_routes_answer_unknown_rollout_ids_with_nothing_as_agl_does(sq
     assert (none.status_code, none.json()) == (200, []) and 0.1 <= waited < 2, (none.text, waited)
     assert mixed.status_code == 200 and [r["rollout_id"] for r in mixed.json()] == [known.rollout_id], mixed.text
     assert ours.status_code == 404, ours.text
+
+
+FASTAPI_TELEMETRY_SCRIPT = """
+import asyncio, sys
+from fastapi.testclient import TestClient
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+exported = InMemorySpanExporter()
+provider = TracerProvider()
+provider.add_span_processor(SimpleSpanProcessor(exported))
+trace.set_tracer_provider(provider)  # what a library in the user's process may do
+
+from lightning.proxy.app import LLMProxy
+from lightning.store.server import create_app
+from lightning.store.sql import SqlLightningStore
+
+store = SqlLightningStore(sys.argv[1], watchdog_interval=None)
+apps = {"store": create_app(store), "proxy": LLMProxy(store, ["http://127.0.0.1:9/v1"]).app}
+for name, app in apps.items():
+    with TestClient(app) as client:
+        assert client.get("/health").status_code == 200, name
+asyncio.run(store.close())
+print(len(exported.get_finished_spans()))
+"""
+
+
+def test_servers_export_no_request_spans_of_fastapi_to_a_global_provider(tmp_path: Path) -> None:
+    """FastAPI (0.150 and later) traces every request to the global tracer provider unless told not to: our servers'
+    request paths carry route signatures, and each lookup of the providers cost 6% of the proxy's CPU."""
+    done = subprocess.run(
+        [sys.executable, "-c", FASTAPI_TELEMETRY_SCRIPT, f"sqlite:///{tmp_path / 'store.db'}"],
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1],
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "0"

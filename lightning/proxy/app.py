@@ -35,7 +35,15 @@ from lightning.proxy.continuation import Continuation, Conversations
 from lightning.proxy.external import ExternalModel, complete, make_router
 from lightning.proxy.writer import SpanWriter
 from lightning.seeding import turn_seed
-from lightning.serving import DEFAULT_MAX_BODY_BYTES, BearerAuth, BodyLimit, HotRoutes, ThreadedServer, is_loopback
+from lightning.serving import (
+    DEFAULT_MAX_BODY_BYTES,
+    BearerAuth,
+    BodyLimit,
+    HotRoutes,
+    ThreadedServer,
+    is_loopback,
+    without_fastapi_telemetry,
+)
 from lightning.store.base import LightningStore
 from lightning.types import (
     LLM,
@@ -248,7 +256,7 @@ class LLMProxy:
     # --- The app --------------------------------------------------------------------------------
 
     def _build_app(self) -> FastAPI:
-        app = FastAPI(title="lightning LLM proxy", docs_url="/docs", redoc_url=None)
+        app = FastAPI(title="lightning LLM proxy", docs_url="/docs", redoc_url=None, **without_fastapi_telemetry())
         proxy = self
 
         # The LLM calls, answered past FastAPI's routing (the routes below stay, for /docs), guarded as the rest.

@@ -22,6 +22,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import operator
 import os
 import re
@@ -116,6 +117,10 @@ _ROLLOUT_WITH_LATEST_ATTEMPT = select(
 ).select_from(rollouts.outerjoin(attempts, attempts.c.attempt_id == rollouts.c.latest_attempt_id))
 
 
+WAIT_COALESCE_SECONDS = 0.02
+"""The shortest time between two polls of `wait_for_rollouts` (each finish through this store object wakes it)."""
+
+
 class _Signal:
     """Wakes coroutines, in any thread's event loop, that wait for a change made through this store
     object (another process's changes are seen by polling)."""
@@ -138,8 +143,16 @@ class _Signal:
     def notify(self) -> None:
         with self._lock:
             waiters = list(self._waiters)
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
         for loop, wake in waiters:
-            if not loop.is_closed():
+            if wake.is_set() or loop.is_closed():
+                continue  # (already woken: a runner process's fleet finishes rollouts faster than its wait polls)
+            if loop is here:
+                wake.set()  # no hand-over through the loop's self-pipe (a write syscall) for a waiter on this loop
+            else:
                 loop.call_soon_threadsafe(wake.set)
 
 
@@ -399,8 +412,14 @@ class SqlLightningStore(LightningStore):
             if missing:
                 raise NotFoundError(f"wait_for_rollouts: unknown rollout ids {missing}")
             delay = 0.01
+            polled = -math.inf
             while pending:
+                # Woken again within WAIT_COALESCE_SECONDS of the last poll: wait out the rest, so that a burst of
+                # finishes (a runner process's fleet ends a rollout every few ms) is read in one poll, not one each.
+                if (early := polled + WAIT_COALESCE_SECONDS - time.monotonic()) > 0:
+                    await asyncio.sleep(early)
                 wake.clear()
+                polled = time.monotonic()
                 found = await self._run(_op_finished_rollouts, pending, write=False)
                 finished.update(found)
                 for rid in found:
