@@ -1453,3 +1453,45 @@ async def test_query_latest_spans_reads_many_rollouts_latest_attempts_at_once(st
     assert list(found) == [waiting.rollout_id, one.rollout_id]  # the order asked; the unknown id left out
     assert found[waiting.rollout_id] == []
     assert [s.name for s in found[one.rollout_id]] == ["one-a", "one-b"]  # the latest attempt only, in order
+
+
+async def test_concurrent_sqlite_writes_share_a_commit_and_fail_alone(tmp_path: Any) -> None:
+    """Writes that queue up while the store's SQLite thread is busy run in one transaction, each in a savepoint of
+    its own: one that fails midway leaves nothing behind and gets its own error; the others are committed (issue 39).
+    """
+    from lightning.store import SqlLightningStore
+
+    url = f"sqlite:///{tmp_path}/store.db"
+    store = SqlLightningStore(url, watchdog_interval=None)
+    groups: list[int] = []
+    group = store._group
+
+    def counting(jobs: list[Any]) -> None:
+        groups.append(len(jobs))
+        group(jobs)
+
+    store._group = counting  # type: ignore[method-assign]
+    try:
+        held = await started(store)
+        rollout_id, attempt_id = held.rollout_id, held.attempt.attempt_id
+        # The first span is of a known attempt and numbered first; the second names no rollout: the whole request
+        # fails, and the first span's number and row must not survive it.
+        failing = [make_span(rollout_id, attempt_id, 0), make_span("ro-missing", "at-missing", 0)]
+        outcomes = await asyncio.gather(
+            *(store.enqueue_rollout({"i": i}) for i in range(8)),
+            store.add_many_spans(failing, number=True),
+            store.add_many_spans([make_span(rollout_id, attempt_id, 0, name="kept")], number=True),
+            return_exceptions=True,
+        )
+    finally:
+        await store.close()
+    assert isinstance(outcomes[8], NotFoundError), outcomes[8]
+    assert not any(isinstance(outcome, BaseException) for i, outcome in enumerate(outcomes) if i != 8), outcomes
+    assert max(groups) > 1, groups  # some of them did share a transaction
+
+    async with SqlLightningStore(url, watchdog_interval=None) as reopened:  # what is on disk
+        spans = await reopened.query_spans(rollout_id)
+        assert [(span.name, span.sequence_id) for span in spans] == [("kept", 1)]
+        assert await reopened.get_next_span_sequence_id(rollout_id, attempt_id) == 2
+        queued = await reopened.query_rollouts(status_in=["queuing"])
+        assert sorted(rollout.input["i"] for rollout in queued) == list(range(8))
