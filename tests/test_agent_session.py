@@ -1,15 +1,20 @@
 """The LLM resource's kept-alive session (`LLM.http_session()`): one per event loop, closed with it, and the demo
-agent's calls reuse its connection instead of opening one a rollout (issue 39)."""
+agent's calls reuse its connection instead of opening one a rollout (issue 39); a process's next rollout
+phase keeps them."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
 from examples.copy_task.agent import copy_agent
+from lightning.agent import rollout
+from lightning.runner.fleet import run_fleet_until
+from lightning.store import SqlLightningStore
 from lightning.types import LLM
 
 ANSWER = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "d"}, "finish_reason": "stop"}]}
@@ -59,4 +64,51 @@ async def test_the_demo_agent_keeps_its_connection_across_rollouts() -> None:
         assert rewards == [0.0] * 5
         assert len(peers) == 5 and len(set(peers)) == 1, json.dumps(peers)
     finally:
+        await runner.cleanup()
+
+
+@rollout
+async def session_agent(task: dict[str, Any]) -> float:
+    """Calls its endpoint on the LLM's kept-alive session, as the demo agent does."""
+    session = await LLM(endpoint=task["endpoint"], model="m").http_session()
+    async with session.post(f"{task['endpoint']}/chat/completions", json={"messages": []}) as response:
+        await response.read()
+    return 1.0
+
+
+async def test_a_process_s_next_rollout_phase_reuses_the_agents_connections(tmp_path: Path) -> None:
+    """Each rollout phase's fleet runs on an event loop of its own thread; the loop is kept for the process's next
+    phase, and with it the agents' session and its open connections (a new loop per phase reopened them all)."""
+    peers: list[Any] = []
+
+    async def chat(request: web.Request) -> web.Response:
+        peers.append(request.transport.get_extra_info("peername") if request.transport else None)
+        await asyncio.sleep(0.05)  # the fleet's agents call at once: one connection each
+        return web.json_response(ANSWER)
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    store = SqlLightningStore(f"sqlite:///{tmp_path}/store.db")
+    try:
+        phases = []
+        for _ in range(2):
+            task = {"endpoint": f"http://127.0.0.1:{port}/v1"}
+            queued = await store.enqueue_many_rollouts([{"input": task, "queue": "kept"} for _ in range(8)])
+            ids = [rollout.rollout_id for rollout in queued]
+            done = await run_fleet_until(
+                session_agent, store, ids, queue="kept", concurrency=4, index=0, timeout=60, blocked_after=30,
+                on_rollout_end=lambda: None,
+            )  # fmt: skip
+            assert done["finished"] == 8
+            phases.append(set(peers))
+            peers.clear()
+        first, second = phases
+        assert 1 <= len(first) <= 4 and second <= first, json.dumps([sorted(map(str, p)) for p in phases])
+    finally:
+        await store.close()
         await runner.cleanup()

@@ -86,10 +86,12 @@ async def fleet(store: Any, ids: list[str], *, blocked_after: float, timeout: fl
 
 
 async def fleet_threads_ended() -> None:
-    """The fleets left behind end once their agents' blocking calls return (before the store closes)."""
-    for thread in threading.enumerate():
-        if thread.name.startswith(f"{QUEUE}-fleet"):
-            await asyncio.to_thread(thread.join, 20)
+    """The fleets left behind end once their agents' blocking calls return (before the store closes): their threads
+    end, or go back to the process's idle loops under another name."""
+    deadline = time.monotonic() + 20
+    while any(thread.name.startswith(f"{QUEUE}-fleet") for thread in threading.enumerate()):
+        assert time.monotonic() < deadline, "a fleet left behind did not end within 20 s of its block"
+        await asyncio.sleep(0.1)
 
 
 async def exception_of(store: Any, rollout_id: str, attempt_id: str) -> dict[str, Any]:

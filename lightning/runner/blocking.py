@@ -27,6 +27,7 @@ the failure from the watchdog's thread, rather than waiting for the loop, is wha
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import contextlib
 import contextvars
@@ -283,27 +284,98 @@ async def _finalize_garbage(timeout: float = 5.0) -> None:
         await asyncio.gather(*pending, return_exceptions=True)
 
 
+KEEP_IDLE_LOOPS = 8
+"""How many idle fleet loops a process keeps for its next phases (more are ended as their phase ends)."""
+IDLE_THREAD_NAME = "lightning-idle-loop"
+
+
+class _LoopThread:
+    """An event loop running on a daemon thread of its own until stopped. A fleet's loop is kept between rollout
+    phases (`take` and `give_back`), and with it what agents keep on it: the LLM's kept-alive session
+    (`LLM.http_session()`) and a store client's connections, which a new loop per phase reopened every phase (128
+    connections a runner, a third of an agent's HTTP cost on the demo: issue 39)."""
+
+    _idle: list[_LoopThread] = []
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._run, name=IDLE_THREAD_NAME, daemon=True)
+        self.thread.start()
+
+    @classmethod
+    def take(cls, name: str) -> _LoopThread:
+        """An idle kept loop, or a new one; its thread named `name` while in use."""
+        with cls._lock:
+            home = cls._idle.pop() if cls._idle else None
+        home = home or cls()
+        home.thread.name = name
+        return home
+
+    def give_back(self) -> None:
+        """Kept for a next phase (or ended, when KEEP_IDLE_LOOPS are kept already). On the loop's thread."""
+        self.thread.name = IDLE_THREAD_NAME
+        with self._lock:
+            if len(self._idle) < KEEP_IDLE_LOOPS:
+                self._idle.append(self)
+                return
+        self.loop.stop()
+
+    @classmethod
+    def end_idle(cls, timeout: float = 2.0) -> None:
+        """End the kept loops (at the process's exit): their sessions close with their async generators."""
+        with cls._lock:
+            idle, cls._idle = cls._idle, []
+        for home in idle:
+            with contextlib.suppress(RuntimeError):  # closed meanwhile
+                home.loop.call_soon_threadsafe(home.loop.stop)
+        for home in idle:
+            home.thread.join(timeout)
+
+    def _run(self) -> None:
+        loop = self.loop
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_forever()
+        finally:
+            try:
+                loop.run_until_complete(_cancel_leftovers())
+                loop.run_until_complete(loop.shutdown_asyncgens())  # the sessions kept on this loop
+                loop.run_until_complete(_finalize_garbage())  # what the cancelled leftovers dropped
+            finally:
+                asyncio.set_event_loop(None)
+                loop.close()
+
+
+atexit.register(_LoopThread.end_idle)
+
+
+async def _cancel_leftovers() -> None:
+    """Cancel the loop's other tasks (what agents started and left running) and wait for them to end."""
+    leftovers = [task for task in asyncio.all_tasks() if task is not asyncio.current_task() and not task.done()]
+    for task in leftovers:
+        task.cancel()
+    await asyncio.gather(*leftovers, return_exceptions=True)
+
+
 class WatchedLoop:
     """`coroutine` run on an event loop of a thread of its own, watched by a LoopWatchdog, so that the caller's loop
-    stays free: to see a stop, a deadline, or the loop given up (`lost`). `done` holds the coroutine's outcome."""
+    stays free: to see a stop, a deadline, or the loop given up (`lost`). `done` holds the coroutine's outcome.
+
+    The loop is kept for the process's next WatchedLoop once the coroutine has ended and the tasks it left are
+    cancelled (`_LoopThread`); a loop given up is ended instead, if it ever frees."""
 
     def __init__(
         self, coroutine: Coroutine[Any, Any, Any], store: LightningStore, *, blocked_after: float, name: str
     ) -> None:
         self.done: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self.watchdog = LoopWatchdog(store, blocked_after=blocked_after, name=name)
-        self._loop = asyncio.new_event_loop()
-
-        async def main() -> Any:
-            try:
-                with self.watchdog:
-                    return await coroutine
-            finally:  # unwatched (a full collection may take a second), and before `done` is set
-                await _finalize_garbage()
-
+        self._name = name
+        self._home = _LoopThread.take(name)
+        self._loop = self._home.loop
+        self._task: asyncio.Task[Any] | None = None
         # The caller's context goes along (a Prefect task's logger), as asyncio.to_thread passes it.
-        self._task = self._loop.create_task(main(), context=contextvars.copy_context())
-        threading.Thread(target=self._run, name=name, daemon=True).start()
+        self._loop.call_soon_threadsafe(self._start, coroutine, context=contextvars.copy_context())
 
     @property
     def lost(self) -> str | None:
@@ -316,28 +388,45 @@ class WatchedLoop:
         """Cancel the coroutine (once the loop runs: at once unless an agent blocks it)."""
         if not self.done.done():
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                self._loop.call_soon_threadsafe(self._task.cancel)
+                self._loop.call_soon_threadsafe(self._cancel)
 
-    def _run(self) -> None:
-        loop = self._loop
-        asyncio.set_event_loop(loop)
-        # Not asyncio.run: it would wait for the default executor's threads, and a sync agent's thread that never
-        # returns (its attempt timed out and abandoned) would keep the fleet from ending.
-        executor = concurrent.futures.ThreadPoolExecutor(thread_name_prefix=threading.current_thread().name)
-        loop.set_default_executor(executor)
-        try:
-            self.done.set_result(loop.run_until_complete(self._task))
-        except BaseException as exc:
-            self.done.set_exception(exc)
-        finally:
+    def _cancel(self) -> None:
+        if self._task is not None:  # `_start` was called before: the loop runs its callbacks in order
+            self._task.cancel()
+
+    def _start(self, coroutine: Coroutine[Any, Any, Any]) -> None:
+        # Not the loop's default executor of the last phase: a sync agent's thread that never returns (its attempt
+        # timed out and abandoned) stays with the phase that started it.
+        executor = concurrent.futures.ThreadPoolExecutor(thread_name_prefix=self._name)
+        self._loop.set_default_executor(executor)
+
+        async def main() -> Any:
             try:
-                leftovers = [task for task in asyncio.all_tasks(loop) if not task.done()]
-                for task in leftovers:
-                    task.cancel()
-                loop.run_until_complete(asyncio.gather(*leftovers, return_exceptions=True))
-                loop.run_until_complete(loop.shutdown_asyncgens())  # a store client's connections on this loop
-                loop.run_until_complete(_finalize_garbage())  # what the cancelled leftovers dropped
+                with self.watchdog:
+                    return await coroutine
+            finally:  # unwatched (a full collection may take a second), and before `done` is set
+                await _finalize_garbage()
+
+        self._task = self._loop.create_task(main())
+        self._task.add_done_callback(lambda task: self._ended(task, executor))
+
+    def _ended(self, task: asyncio.Task[Any], executor: concurrent.futures.ThreadPoolExecutor) -> None:
+        if task.cancelled():
+            self.done.set_exception(asyncio.CancelledError())
+        elif task.exception() is not None:
+            self.done.set_exception(task.exception())  # type: ignore[arg-type]
+        else:
+            self.done.set_result(task.result())
+
+        async def tidy() -> None:
+            try:
+                await _cancel_leftovers()
+                await _finalize_garbage()  # what the cancelled leftovers dropped
             finally:
                 executor.shutdown(wait=False, cancel_futures=True)
-                asyncio.set_event_loop(None)
-                loop.close()
+                if self.lost is None:
+                    self._home.give_back()
+                else:
+                    self._loop.stop()
+
+        self._loop.create_task(tidy())
