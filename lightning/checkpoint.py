@@ -149,7 +149,12 @@ def save_checkpoint(
     tmp.mkdir()
     try:
         with no_progress_bars():
-            model.save_pretrained(tmp)
+            if peft_config is not None:
+                # Only the adapters: with lm_head among the targets peft would also save the frozen head whole (as
+                # "embedding layers"), which the servers already hold.
+                model.save_pretrained(tmp, save_embedding_layers=False)
+            else:
+                model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
         make_tokenizer_config_portable(tmp / "tokenizer_config.json")
         state_dir = tmp / TRAINER_STATE

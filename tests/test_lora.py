@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import safetensors.torch
 import torch
 from pydantic import ValidationError
 from support.servers import serving
@@ -190,16 +191,22 @@ def forward_logprobs(model: Any, prompt: list[int], tokens: list[int]) -> tuple[
     return steps.argmax(-1).tolist(), [float(steps[i, token]) for i, token in enumerate(tokens)]
 
 
-def test_a_published_adapter_is_served_as_the_merged_model_computes(tiny_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("head", [False, True], ids=["default-targets", "with-lm_head"])
+def test_a_published_adapter_is_served_as_the_merged_model_computes(tiny_dir: Path, tmp_path: Path, head: bool) -> None:
     from lightning.inference import create_inference_app
 
     root = tmp_path / "checkpoints"
-    trainer = TorchTrainer(tiny_dir, TrainerConfig(**BASE), device="cpu")
+    targets = [*LoraConfig().target_modules, "lm_head"] if head else LoraConfig().target_modules
+    trainer = TorchTrainer(
+        tiny_dir, TrainerConfig(**{**BASE, "lora": {**LORA, "target_modules": targets}}), device="cpu"
+    )
     paths = []
     for seed in range(4):
         trainer.step(batch_of(seed))
         if seed in (1, 3):
             paths.append(save_checkpoint(root, seed + 1, trainer.model, trainer.tokenizer, trainer_state={}))
+    saved = safetensors.torch.load_file(str(paths[0] / "adapter_model.safetensors"))
+    assert saved and all(".lora_A." in key or ".lora_B." in key for key in saved), sorted(saved)[:4]  # no frozen head
     prompt = batch_of(9)["input_ids"][0, -4:].tolist()
     base = load_policy(tiny_dir)[0].eval()
 
@@ -289,6 +296,24 @@ def test_verl_gets_the_lora_options_it_has(tmp_path: Path) -> None:
     assert any(o.startswith("actor_rollout_ref.model.target_modules=[q_proj,k_proj") for o in overrides)
     with pytest.raises(ValueError, match="algorithm.lora.dropout: verl's LoRA has no dropout"):
         verl_overrides("m", TrainerConfig(lora={"dropout": 0.1}), VerlOptions(), rows_per_step=8, total_steps=1)
+
+
+def test_an_adapted_embedding_is_refused_naming_the_field(tiny_dir: Path, tmp_path: Path) -> None:
+    """The servers merge (or vLLM loads) adapters of linear layers: an adapted embedding would be left out of what
+    they serve, so the trainer refuses it at the start, not at the first publish."""
+    config = TrainerConfig(**{**BASE, "lora": {**LORA, "target_modules": ["q_proj", "embed_tokens"]}})
+    with pytest.raises(ValueError, match=r"lora.target_modules: \['embed_tokens'\] are embedding layers"):
+        TorchTrainer(tiny_dir, config, device="cpu")
+    # One made by peft directly is refused by the servers rather than served without its embedding.
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    from lightning.inference.lora import adapter_factors
+
+    adapted = get_peft_model(load_policy(tiny_dir)[0], PeftLoraConfig(r=4, target_modules=["q_proj", "embed_tokens"]))
+    adapted.save_pretrained(tmp_path / "adapter")
+    with pytest.raises(ValueError, match=r"only adapters on linear layers are served here, not \['base_model"):
+        adapter_factors(tmp_path / "adapter")
 
 
 def test_lora_on_vllm_replicas_is_taken_and_what_they_cannot_serve_is_refused(tmp_path: Path) -> None:

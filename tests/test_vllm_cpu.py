@@ -173,15 +173,17 @@ def test_after_a_reload_vllm_serves_the_new_weights(server: Any, models: tuple[P
         server.reload_weights(models[0], version="0")
 
 
-def lora_checkpoint(base: Path, root: Path, step: int) -> Path:
+def lora_checkpoint(base: Path, root: Path, step: int, head: bool = False) -> Path:
     """Checkpoint `step` as a LoRA run's trainer writes it (the trainer's peft wrapping, `save_checkpoint`), rank 4, its
-    B matrices drawn at random (seeded by `step`) so that the adapter changes every answer."""
+    B matrices drawn at random (seeded by `step`) so that the adapter changes every answer; with `head`, the output
+    head (lm_head) adapted too."""
     from lightning.algorithm.config import LoraConfig
     from lightning.algorithm.trainer import add_lora, load_policy
     from lightning.checkpoint import save_checkpoint
 
     model, tokenizer = load_policy(base)
-    wrapped = add_lora(model, LoraConfig(rank=4, alpha=8), base)
+    targets = [*LoraConfig().target_modules, "lm_head"] if head else LoraConfig().target_modules
+    wrapped = add_lora(model, LoraConfig(rank=4, alpha=8, target_modules=targets), base)
     generator = torch.Generator().manual_seed(step)
     with torch.no_grad():
         for name, parameter in wrapped.named_parameters():
@@ -190,8 +192,9 @@ def lora_checkpoint(base: Path, root: Path, step: int) -> Path:
     return save_checkpoint(root, step, wrapped, tokenizer, trainer_state={}, keep_last=None)
 
 
+@pytest.mark.parametrize("head", [False, True], ids=["default-targets", "with-lm_head"])
 async def test_a_lora_adapter_published_to_vllm_answers_through_the_proxy_and_its_span_names_it(
-    server: Any, models: tuple[Path, Path], tmp_path: Path
+    server: Any, models: tuple[Path, Path], tmp_path: Path, head: bool
 ) -> None:
     """Adapters of steps 1 and 2 published as a LoRA run publishes them (`Run.load_weights`): vLLM serves each under
     its own name, the proxy sends the policy's calls there, and each call's log-probs are the base with that adapter
@@ -206,7 +209,7 @@ async def test_a_lora_adapter_published_to_vllm_answers_through_the_proxy_and_it
     base = AutoModelForCausalLM.from_pretrained(models[0], dtype=torch.float32)
     try:
         for step in (1, 2):
-            adapter = lora_checkpoint(models[0], tmp_path / "checkpoints", step)
+            adapter = lora_checkpoint(models[0], tmp_path / "checkpoints", step, head)
 
             def route(name: str, step: int = step) -> None:
                 proxy.resume_sync(step, name)

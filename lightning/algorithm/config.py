@@ -34,7 +34,9 @@ class LoraConfig(BaseModel):
     pass sees ratio 1 exactly)."""
     target_modules: list[str] = Field(default_factory=lambda: list(DEFAULT_LORA_TARGETS), min_length=1)
     """Names (last part) of the linear layers that get adapters: by default the attention and MLP projections of
-    Llama, Qwen and Mistral models; `all-linear` alone: every linear layer but the output head."""
+    Llama, Qwen and Mistral models; `all-linear` alone: every linear layer but the output head. Add `lm_head` to adapt
+    the output head too (served by the embedded server and vLLM; on the demo it made LoRA learn more surely:
+    docs/benchmarks.md). Embedding layers are refused: the servers apply adapters of linear layers only."""
 
 
 class TrainerConfig(BaseModel):

@@ -528,6 +528,7 @@ def add_lora(model: torch.nn.Module, lora: LoraConfig, base_dir: Path | None = N
     config names `base_dir` (absolute) as its base model, so a saved adapter says where its base is."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
+    from peft.tuners.lora import Embedding
 
     targets: str | list[str] = "all-linear" if lora.target_modules == ["all-linear"] else list(lora.target_modules)
     peft_config = PeftLoraConfig(
@@ -538,6 +539,15 @@ def add_lora(model: torch.nn.Module, lora: LoraConfig, base_dir: Path | None = N
         wrapped = get_peft_model(model, peft_config)
     except ValueError as exc:  # peft's "Target modules {...} not found in the base model"
         raise ValueError(f"lora.target_modules: {exc}") from exc
+    # The inference servers merge (or vLLM loads) adapters of linear layers: an adapted embedding would not be served.
+    embeddings = sorted(
+        {name.rsplit(".", 1)[-1] for name, module in wrapped.named_modules() if isinstance(module, Embedding)}
+    )
+    if embeddings:
+        raise ValueError(
+            f"lora.target_modules: {embeddings} are embedding layers; the inference servers apply adapters of linear "
+            "layers only (the output head, lm_head, is one)"
+        )
     if base_dir is not None:
         wrapped.peft_config["default"].base_model_name_or_path = str(base_dir.resolve())
     return wrapped

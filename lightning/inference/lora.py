@@ -36,6 +36,14 @@ def adapter_factors(adapter_dir: str | Path) -> dict[str, tuple[torch.Tensor, to
         raise ValueError(f"adapter {adapter_dir}: only plain LoRA adapters are served here (it sets {unsupported})")
     scaling = lora_scaling(config)
     weights = load_file(str(adapter_dir / ADAPTER_WEIGHTS))
+    # An adapted embedding (lora_embedding_A/B: `embed_tokens` in target_modules) or DoRA's magnitudes would be left
+    # out of the merge without a word: refused, with what to target instead.
+    other = sorted(key for key in weights if "lora_" in key and not key.endswith((".lora_A.weight", ".lora_B.weight")))
+    if other:
+        raise ValueError(
+            f"adapter {adapter_dir}: only adapters on linear layers are served here, not {other[:2]} "
+            "(leave embedding layers out of algorithm.lora.target_modules)"
+        )
     factors = {}
     for key, lora_a in weights.items():
         if not key.endswith(".lora_A.weight"):
