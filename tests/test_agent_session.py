@@ -5,7 +5,9 @@ phase keeps them."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,21 @@ from lightning.store import SqlLightningStore
 from lightning.types import LLM
 
 ANSWER = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "d"}, "finish_reason": "stop"}]}
+
+
+@contextlib.asynccontextmanager
+async def chat_server(chat: Any) -> AsyncIterator[int]:
+    """An aiohttp app on 127.0.0.1 answering POST /v1/chat/completions with `chat`; its port."""
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    finally:
+        await runner.cleanup()
 
 
 def test_one_session_per_event_loop_closed_with_it() -> None:
@@ -51,20 +68,11 @@ async def test_the_demo_agent_keeps_its_connection_across_rollouts() -> None:
         assert body["messages"][0]["content"] == "bdfg"
         return web.json_response(ANSWER)
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
+    async with chat_server(chat) as port:
         llm = LLM(endpoint=f"http://127.0.0.1:{port}/v1", model="m", sampling_parameters={"max_tokens": 2})
         rewards = [await copy_agent({"letters": "bdfg", "target": "g"}, llm) for _ in range(5)]
         assert rewards == [0.0] * 5
         assert len(peers) == 5 and len(set(peers)) == 1, json.dumps(peers)
-    finally:
-        await runner.cleanup()
 
 
 @rollout
@@ -86,29 +94,22 @@ async def test_a_process_s_next_rollout_phase_reuses_the_agents_connections(tmp_
         await asyncio.sleep(0.05)  # the fleet's agents call at once: one connection each
         return web.json_response(ANSWER)
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     store = SqlLightningStore(f"sqlite:///{tmp_path}/store.db")
     try:
-        phases = []
-        for _ in range(2):
-            task = {"endpoint": f"http://127.0.0.1:{port}/v1"}
-            queued = await store.enqueue_many_rollouts([{"input": task, "queue": "kept"} for _ in range(8)])
-            ids = [rollout.rollout_id for rollout in queued]
-            done = await run_fleet_until(
-                session_agent, store, ids, queue="kept", concurrency=4, index=0, timeout=60, blocked_after=30,
-                on_rollout_end=lambda: None,
-            )  # fmt: skip
-            assert done["finished"] == 8
-            phases.append(set(peers))
-            peers.clear()
-        first, second = phases
-        assert 1 <= len(first) <= 4 and second <= first, json.dumps([sorted(map(str, p)) for p in phases])
+        async with chat_server(chat) as port:
+            phases = []
+            for _ in range(2):
+                task = {"endpoint": f"http://127.0.0.1:{port}/v1"}
+                queued = await store.enqueue_many_rollouts([{"input": task, "queue": "kept"} for _ in range(8)])
+                ids = [rollout.rollout_id for rollout in queued]
+                done = await run_fleet_until(
+                    session_agent, store, ids, queue="kept", concurrency=4, index=0, timeout=60, blocked_after=30,
+                    on_rollout_end=lambda: None,
+                )  # fmt: skip
+                assert done["finished"] == 8
+                phases.append(set(peers))
+                peers.clear()
+            first, second = phases
+            assert 1 <= len(first) <= 4 and second <= first, json.dumps([sorted(map(str, p)) for p in phases])
     finally:
         await store.close()
-        await runner.cleanup()
