@@ -292,8 +292,8 @@ IDLE_THREAD_NAME = "lightning-idle-loop"
 class _LoopThread:
     """An event loop running on a daemon thread of its own until stopped. A fleet's loop is kept between rollout
     phases (`take` and `give_back`), and with it what agents keep on it: the LLM's kept-alive session
-    (`LLM.http_session()`) and a store client's connections, which a new loop per phase reopened every phase (128
-    connections a runner, a third of an agent's HTTP cost on the demo: issue 39)."""
+    (`LLM.http_session()`) and a store client's connections, which a new loop per phase opened again every phase
+    (128 a runner process on the demo; measured, the CPU that saves is within the noise there: docs/benchmarks.md)."""
 
     _idle: list[_LoopThread] = []
     _lock = threading.Lock()
