@@ -3,8 +3,10 @@
 inference server's batch), its one sampling round of `batch_size x (1 + max_sampling_rounds)` tasks (the batch and
 dynamic sampling's refill ahead: 768 rollouts) without dynamic sampling's variable refills, on an open `Run`
 without Prefect: `stages.collect_rollouts` (the rollout phase), then `adapt_spans`, `ppo_step` and `checkpoint`
-(the rest of the iteration). Each process's CPU is read from /proc before and after each part: the run's process
-(the store, the stages), the runner processes, the LLM proxy, the embedded inference server, the trainer.
+(the rest of the iteration) on `batch_size x samples_per_task` of them (256), as many as the demo's dynamic sampling
+keeps for its update (`--trained` changes it). Each process's CPU is read from /proc before and after each part: the
+run's process (the store, the stages), the runner processes, the LLM proxy, the embedded inference server, the
+trainer.
 
 The floor, in the same run, with as many requests as a phase has rollouts and as many in flight as the demo's
 runners: an aiohttp client with one kept-alive session posting a chat request to a minimal uvicorn app (plain ASGI,
@@ -115,7 +117,7 @@ async def measure_run(args: argparse.Namespace, workdir: Path) -> tuple[Any, dic
             rollout_ids, rollouts = await stages.collect_rollouts(run, iteration, "train")
             elapsed = time.perf_counter() - started
             collected = process_cpu(run)
-            batch = await stages.adapt_spans(run, iteration, rollout_ids)
+            batch = await stages.adapt_spans(run, iteration, rollout_ids[: args.trained])
             metrics = await stages.ppo_step(run, iteration, batch["batch_path"])
             row = reporting.iteration_row(iteration, rollouts, batch, metrics, elapsed)
             await stages.checkpoint(run, iteration, row)
@@ -306,6 +308,10 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=6, help="iterations measured")
     parser.add_argument("--warmup", type=int, default=2, help="iterations run first, not measured")
     parser.add_argument("--rollouts", type=int, default=None, help="a phase's rollouts (default: the demo's round)")
+    parser.add_argument(
+        "--trained", type=int, default=None,
+        help="rollouts a phase the update takes (default: the demo's batch, what its dynamic sampling keeps)",
+    )  # fmt: skip
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override")
     parser.add_argument("--no-floor", action="store_true", help="the product path alone")
     parser.add_argument("--serve-answer", type=int, help=argparse.SUPPRESS)
@@ -323,6 +329,8 @@ def main() -> None:
     demo = read_config_file(args.config)
     if args.rollouts is None:
         args.rollouts = demo["batch_size"] * (1 + demo.get("max_sampling_rounds", 1)) * demo.get("samples_per_task", 1)
+    if args.trained is None:
+        args.trained = min(args.rollouts, demo["batch_size"] * demo.get("samples_per_task", 1))
     load = MachineLoad()
     workdir = Path(tempfile.mkdtemp(prefix="rollout-cpu-"))
     config, phase, whole, seconds = asyncio.run(measure_run(args, workdir))
@@ -335,7 +343,8 @@ def main() -> None:
 
     print(
         f"\n{args.iterations} iterations of {args.rollouts} rollouts ({config.batch_size} tasks x "
-        f"{config.samples_per_task}; {config.n_runners} runner tasks of {config.runner_concurrency}, task_runner "
+        f"{config.samples_per_task}, the update on {args.trained}; {config.n_runners} runner tasks of "
+        f"{config.runner_concurrency}, task_runner "
         f"{config.task_runner}; max_tokens {config.sampling.get('max_tokens')}), rollout phase median "
         f"{statistics.median(seconds) * 1000:.0f} ms; {os.cpu_count()} cores"
     )
