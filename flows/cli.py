@@ -123,7 +123,8 @@ def run_flow_cli(flow: Any, argv: list[str] | None, description: str | None) -> 
         lock = owner.acquire(config.run_dir, config.run_name) if flow.name == "train" else None
         if _names_secret_blocks(config):
             asyncio.run(export_secret_blocks(config))  # from the Prefect server that holds them
-        preflight.check(config, optimiser=flow.name == "optimize_prompt")  # seconds, before anything starts
+        # Seconds, before anything starts; `evaluate` runs the held-out tasks alone.
+        preflight.check(config, optimiser=flow.name == "optimize_prompt", training=flow.name != "evaluate")
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         _release(lock)

@@ -380,10 +380,12 @@ class TrainConfig(BaseModel):
     agent: str | None = None
     """The agent, as `module:function` (a @rollout function) or `module:Class` (a LitAgent subclass). Required to
     run: no agent is assumed (the demo's is `examples.copy_task.agent:copy_agent`)."""
-    train_data: str = "examples.copy_task.data:train_tasks"
-    """Training tasks: a .jsonl or .parquet file (one task per row), or `module:function` returning a list."""
-    val_data: str | None = "examples.copy_task.data:val_tasks"
-    """Held-out tasks, same forms; evaluated before training, every `eval_every` iterations and at the end."""
+    train_data: str | None = None
+    """Training tasks: a .jsonl or .parquet file (one task per row), or `module:function` returning a list. Required
+    to run: no dataset is assumed (the demo's is `examples.copy_task.data:train_tasks`)."""
+    val_data: str | None = None
+    """Held-out tasks, same forms; evaluated before training, every `eval_every` iterations and at the end. None: no
+    held-out evaluation."""
     model: str = "tiny"
     """A Hugging Face model directory, or `tiny` (a tiny random-init model built locally, seeded by `seed`)."""
     tiny_model: TinyModel = Field(default_factory=TinyModel)
@@ -761,6 +763,16 @@ def load_entry_point(spec: str, field: str) -> Any:
             raise ConfigError(f"{field}: module {module_name!r} has no attribute {attr!r}")
         target = getattr(target, part)
     return target
+
+
+def missing_data(field: str) -> str:
+    """The error for a run without `train_data` (or a stage that needs `val_data` without it): the field and its
+    forms."""
+    kind = "training" if field == "train_data" else "held-out"
+    return (
+        f"{field}: not set; give the {kind} tasks as a .jsonl or .parquet file (one task per row) or as "
+        f"module:function returning a list, e.g. `{field}: examples/first_agent/{field.split('_')[0]}.jsonl`"
+    )
 
 
 def load_tasks(spec: str, field: str = "train_data") -> list[Any]:

@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from lightning.config import TrainConfig, load_agent, load_entry_point, load_tasks
+from lightning.config import TrainConfig, load_agent, load_entry_point, load_tasks, missing_data
 from lightning.credentials import MissingSecret, expand, redact
 from lightning.devices import resolve_device
 from lightning.errors import ConfigError
@@ -20,9 +20,10 @@ from lightning.store import open_store
 STORE_TIMEOUT = 5.0
 
 
-def problems(config: TrainConfig, optimiser: bool = False) -> list[str]:
+def problems(config: TrainConfig, optimiser: bool = False, training: bool = True) -> list[str]:
     """One line per thing that would stop `config`'s run; empty when it can start. `optimiser`: the run optimises
-    its prompt (`optimize_prompt`), so the optimiser's key must be set too."""
+    its prompt (`optimize_prompt`), so the optimiser's key must be set too. `training`: the run trains (or runs its
+    training tasks: `dev`), so `train_data` must be set; `evaluate` needs only `val_data`."""
     found: list[str] = []
     inference = config.inference
     if inference.api_key_env and inference.endpoint and not os.environ.get(inference.api_key_env):
@@ -34,6 +35,8 @@ def problems(config: TrainConfig, optimiser: bool = False) -> list[str]:
         found.append(
             f"apo.api_key_env: the environment variable {config.apo.api_key_env} (the optimiser's key) is not set"
         )
+    if training and config.train_data is None:
+        found.append(missing_data("train_data"))
     for field in ("train_data", "val_data"):
         spec = getattr(config, field)
         if spec is not None:
@@ -65,22 +68,22 @@ def _devices(config: TrainConfig) -> list[tuple[str, str]]:
     return [(field, setting) for field, setting in devices if setting != "auto"]
 
 
-_passed: tuple[str, bool] | None = None
-"""The config this process last found ready (as JSON), and whether with the optimiser's key."""
+_passed: tuple[str, bool, bool] | None = None
+"""The config this process last found ready (as JSON), whether with the optimiser's key, and whether to train."""
 
 
-def check(config: TrainConfig, optimiser: bool = False) -> None:
+def check(config: TrainConfig, optimiser: bool = False, training: bool = True) -> None:
     """Raise ConfigError listing every problem (one line each) if there is any. Once per config in a process: the
     command checks it before Prefect starts (`flows.cli`, `Trainer.fit`), and `Run.open`, where deployments and
     scripts are checked, then finds it done."""
     global _passed
     key = config.model_dump_json()
-    if _passed is not None and _passed[0] == key and (_passed[1] or not optimiser):
+    if _passed is not None and _passed[0] == key and (_passed[1] or not optimiser) and (_passed[2] or not training):
         return
-    found = problems(config, optimiser)
+    found = problems(config, optimiser, training)
     if found:
         raise ConfigError("the run cannot start:\n" + "\n".join(f"  {line}" for line in found))
-    _passed = (key, optimiser)
+    _passed = (key, optimiser, training)
 
 
 def _check(found: list[str], field: str, attempt: Any) -> None:

@@ -35,10 +35,11 @@ import httpx
 from pydantic import BaseModel, PrivateAttr
 
 from lightning import owner, stopping
-from lightning.config import TrainConfig, load_tasks
+from lightning.config import TrainConfig, load_tasks, missing_data
 from lightning.credentials import claim_proxy_token
 from lightning.diagnose import collect_stacks, dump_stacks_on_signal
 from lightning.environment import VLLM_PYTHON
+from lightning.errors import ConfigError
 from lightning.store import lifecycle
 from lightning.store.base import LightningStore
 from lightning.types import ProxyLLM
@@ -242,7 +243,7 @@ class Run(BaseModel):
         if field_name not in parts.datasets:
             spec = getattr(self.config, field_name)
             if spec is None:
-                raise ValueError(f"{field_name} is not set in the run's config")
+                raise ConfigError(missing_data(field_name))
             parts.datasets[field_name] = load_tasks(spec, field_name)
         return parts.datasets[field_name]
 
@@ -453,7 +454,7 @@ class Run(BaseModel):
                 "checkpoint.register_model registers the final model in MLflow, and this run is opened with "
                 "track=False (no MLflow run); set checkpoint.register_model to null, or open it tracked"
             )
-        await asyncio.to_thread(preflight.check, config)
+        await asyncio.to_thread(preflight.check, config, training=train)
         config.run_dir.mkdir(parents=True, exist_ok=True)
         # One run, one owner: a second training of this run_name is refused here while the first lives (a command that
         # took the lock already holds it: `lightning.owner`).

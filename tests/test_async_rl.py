@@ -218,6 +218,7 @@ async def test_three_iterations_with_max_staleness_1_overlap_and_count_staleness
 
     config = load_config({
         "agent": "examples.copy_task.agent:copy_agent",
+        "train_data": "examples.copy_task.data:train_tasks", "val_data": "examples.copy_task.data:val_tasks",
         "run_name": "a", "iterations": 3, "batch_size": 4, "samples_per_task": 4, "n_runners": 1,
         "runner_concurrency": 16, "sampling": {"temperature": 1.0, "max_tokens": 2},
         "eval_sampling": {"temperature": 0.0, "max_tokens": 2}, "max_prompt_length": 64, "max_response_length": 4,

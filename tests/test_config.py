@@ -124,7 +124,7 @@ def test_config_check_names_a_device_that_is_not_there(tmp_path: Path) -> None:
 
     config = load_config(
         {"algorithm": {"device": "cuda"}, "inference": {"device": "cuda:0"}, "store_url": f"sqlite:///{tmp_path}/s.db"}
-        | {"agent": "examples.copy_task.agent:copy_agent"}
+        | {"agent": "examples.copy_task.agent:copy_agent", "train_data": "examples.copy_task.data:train_tasks"}
     )
     found = preflight.problems(config)
     assert [line.split(":")[0] for line in found] == ["algorithm.device", "inference.device"]
@@ -137,6 +137,21 @@ def test_config_check_names_a_device_that_is_not_there(tmp_path: Path) -> None:
         )
         == found[:1]
     )  # fmt: skip  (a server not ours: no device)
+
+
+def test_no_dataset_is_assumed_and_evaluating_needs_only_the_held_out_tasks(tmp_path: Path) -> None:
+    from lightning import preflight
+
+    config = load_config(
+        {"agent": "examples.copy_task.agent:copy_agent", "store_url": f"sqlite:///{tmp_path}/s.db"}
+        | {"val_data": "examples.copy_task.data:val_tasks"}
+    )
+    assert config.train_data is None and TrainConfig().val_data is None
+    assert preflight.problems(config) == [
+        "train_data: not set; give the training tasks as a .jsonl or .parquet file (one task per row) or as "
+        "module:function returning a list, e.g. `train_data: examples/first_agent/train.jsonl`"
+    ]
+    assert preflight.problems(config, training=False) == []  # what flows.evaluate and Run.open(train=False) check
 
 
 def test_datasets_from_jsonl_parquet_and_entry_points(tmp_path: Path) -> None:
@@ -229,6 +244,8 @@ def test_the_cli_prints_defaults_and_checks_files(tmp_path: Path) -> None:
         ({"store_url": "postgresql://u:${NO_SUCH_VARIABLE}@h/db"}, "store_url: ${NO_SUCH_VARIABLE} names the"),
         # No agent is assumed: a config without one used to train the copy task's and fail a minute later.
         ({"agent": None}, "agent: not set; name the agent to train"),
+        # Nor a dataset: a config without train_data used to train on the copy task's tasks without a word.
+        ({"train_data": None}, "train_data: not set; give the training tasks as a .jsonl or .parquet file"),
         # Sampling parameters are checked by name and type before anything starts (they used to fail in the agent).
         ({"sampling": {"temperature": "hot"}}, "sampling.temperature: Input should be a valid number (got 'hot')"),
         ({"eval_sampling": {"max_token": 4}}, "eval_sampling.max_token: unknown key; did you mean max_tokens?"),
@@ -238,7 +255,7 @@ def test_a_run_that_cannot_start_says_why_before_anything_starts(
     tmp_path: Path, change: dict[str, str], said: str
 ) -> None:
     config = {"run_name": "bad", "output_dir": str(tmp_path / "runs"), "store_url": f"sqlite:///{tmp_path}/s.db"}
-    config["agent"] = "examples.copy_task.agent:copy_agent"
+    config |= {"agent": "examples.copy_task.agent:copy_agent", "train_data": "examples.copy_task.data:train_tasks"}
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump({key: value for key, value in {**config, **change}.items() if value is not None}))
     commands = [

@@ -59,6 +59,7 @@ def small_config(tmp_path: Path) -> dict[str, Any]:
     are mostly 0, which leaves GRPO nothing to learn from); one trainer thread makes updates bit-exact."""
     return {
         "agent": "examples.copy_task.agent:copy_agent",
+        "train_data": "examples.copy_task.data:train_tasks", "val_data": "examples.copy_task.data:val_tasks",
         "run_name": "retried", "iterations": 2, "batch_size": 8, "samples_per_task": 4, "n_runners": 2,
         "runner_concurrency": 16, "sampling": {"temperature": 1.0, "max_tokens": 2},
         "eval_sampling": {"temperature": 0.0, "max_tokens": 2}, "max_prompt_length": 64, "max_response_length": 4,

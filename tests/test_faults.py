@@ -55,6 +55,7 @@ def fault_config(tmp_path: Path, name: str) -> dict[str, Any]:
     val.write_text("".join(json.dumps({"letters": c * 4, "target": c}) + "\n" for c in "bdfgjkmp"))
     return {
         "agent": "examples.copy_task.agent:copy_agent",
+        "train_data": "examples.copy_task.data:train_tasks",
         "run_name": name, "iterations": ITERATIONS, "batch_size": BATCH, "samples_per_task": SAMPLES,
         "n_runners": 1, "runner_concurrency": 2, "val_data": str(val),
         "sampling": {"temperature": 1.0, "max_tokens": 2}, "eval_sampling": {"temperature": 0.0, "max_tokens": 2},

@@ -56,6 +56,8 @@ def small_config(tmp_path: Path, **changes: Any) -> TrainConfig:
     data = {
         "run_name": "t",
         "agent": "examples.copy_task.agent:copy_agent",
+        "train_data": "examples.copy_task.data:train_tasks",
+        "val_data": "examples.copy_task.data:val_tasks",
         "iterations": 2,
         "batch_size": 8,
         "samples_per_task": 4,

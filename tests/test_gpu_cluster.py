@@ -56,6 +56,7 @@ def run_train(tmp_path: Path, model_dir: Path, backend: str) -> dict[str, Any]:
         {
             "run_name": f"gpu-{backend}",
             "agent": "examples.copy_task.agent:copy_agent",
+            "train_data": "examples.copy_task.data:train_tasks", "val_data": "examples.copy_task.data:val_tasks",
             "model": str(model_dir),
             "iterations": 3,
             "batch_size": 32,

@@ -82,6 +82,7 @@ async def test_a_run_s_traces_tags_config_and_model_in_a_real_mlflow_server(
     val.write_text("".join(json.dumps(task) + "\n" for task in val_tasks()[:4]))
     config = load_config({
         "agent": "examples.copy_task.agent:copy_agent",
+        "train_data": "examples.copy_task.data:train_tasks",
         "run_name": "traced", "iterations": 1, "batch_size": 4, "samples_per_task": 2, "n_runners": 1,
         "runner_concurrency": 8, "val_data": str(val), "sampling": {"temperature": 1.0, "max_tokens": 2},
         "eval_sampling": {"temperature": 0.0, "max_tokens": 2}, "max_prompt_length": 64, "max_response_length": 4,

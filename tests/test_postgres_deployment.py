@@ -71,6 +71,7 @@ def small_config(tmp_path: Path, store_url: str) -> dict[str, Any]:
     """As tests/test_flows.py's, one iteration, the store on the store server."""
     return {
         "agent": "examples.copy_task.agent:copy_agent",
+        "train_data": "examples.copy_task.data:train_tasks", "val_data": "examples.copy_task.data:val_tasks",
         "run_name": RUN_NAME, "iterations": ITERATIONS, "batch_size": BATCH_SIZE, "samples_per_task": SAMPLES_PER_TASK,
         "n_runners": 2, "runner_concurrency": 16, "sampling": {"temperature": 1.0, "max_tokens": 2},
         "eval_sampling": {"temperature": 0.0, "max_tokens": 2}, "max_prompt_length": 64, "max_response_length": 4,

@@ -43,6 +43,7 @@ def small_config(tmp_path: Path, **changes: Any) -> TrainConfig:
     data = {
         "run_name": "ray",
         "agent": "examples.copy_task.agent:copy_agent",
+        "train_data": "examples.copy_task.data:train_tasks",
         "iterations": 1,
         "batch_size": 8,
         "samples_per_task": 4,

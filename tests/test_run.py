@@ -32,6 +32,8 @@ def small_config(tmp_path: Path, **changes: Any) -> TrainConfig:
     data = {
         "run_name": "r",
         "agent": "examples.copy_task.agent:copy_agent",
+        "train_data": "examples.copy_task.data:train_tasks",
+        "val_data": "examples.copy_task.data:val_tasks",
         "batch_size": 4,
         "samples_per_task": 2,
         "n_runners": 1,

@@ -98,6 +98,7 @@ def test_a_password_named_by_reference_is_used_and_never_shown(
     store_url = f"{scheme}://{user_host}"  # trust auth: the password is sent, and accepted
     config = {
         "agent": "examples.copy_task.agent:copy_agent",
+        "train_data": "examples.copy_task.data:train_tasks",
         "run_name": "secretive", "iterations": 1, "batch_size": 4, "samples_per_task": 2, "n_runners": 1,
         "runner_concurrency": 8, "val_data": None, "sampling": {"temperature": 1.0, "max_tokens": 2},
         "max_prompt_length": 64, "max_response_length": 4, "algorithm": {"lr": 1e-3, "micro_batch_size": 16},
@@ -241,7 +242,8 @@ def test_a_store_token_and_an_api_key_by_reference_are_used_and_never_shown(
              "--served-model-name", POLICY_MODEL_NAME]  # fmt: skip
     inference = start_logged(serve, tmp_path / "inference.log", env={**os.environ, INFERENCE_API_KEY: api_key})
     config = {
-        "agent": "examples.copy_task.agent:copy_agent", "run_name": "secretive", "iterations": 1, "batch_size": 4,
+        "agent": "examples.copy_task.agent:copy_agent", "train_data": "examples.copy_task.data:train_tasks",
+        "run_name": "secretive", "iterations": 1, "batch_size": 4,
         "samples_per_task": 2, "n_runners": 1, "runner_concurrency": 8, "val_data": None,
         "sampling": {"temperature": 1.0, "max_tokens": 2}, "max_prompt_length": 64, "max_response_length": 4,
         "algorithm": {"lr": 1e-3, "micro_batch_size": 16},

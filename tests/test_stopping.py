@@ -98,7 +98,7 @@ async def test_a_deployment_run_of_a_live_run_name_is_refused_before_anything_st
     """`Run.open` (what a deployment's flow run calls) takes the same lock."""
     config = load_config(
         {"run_name": "run", "agent": "examples.copy_task.agent:copy_agent", "output_dir": str(tmp_path)}
-        | {"store_url": f"sqlite:///{tmp_path}/s.db"}
+        | {"train_data": "examples.copy_task.data:train_tasks", "store_url": f"sqlite:///{tmp_path}/s.db"}
     )
     started = time.monotonic()
     with pytest.raises(owner.RunLocked, match=f"pid {holder.pid}"):

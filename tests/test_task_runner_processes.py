@@ -24,6 +24,7 @@ pytestmark = pytest.mark.slow
 def processes_config(tmp_path: Path, **changes: object) -> TrainConfig:
     data = {
         "run_name": "procs", "agent": "support.agents:pid_copy_agent", "task_runner": "processes",
+        "train_data": "examples.copy_task.data:train_tasks", "val_data": "examples.copy_task.data:val_tasks",
         "batch_size": 8, "samples_per_task": 4, "n_runners": 2, "runner_concurrency": 4,
         "sampling": {"temperature": 1.0, "max_tokens": 2}, "max_prompt_length": 64, "max_response_length": 4,
         "checkpoint": {"log_to_mlflow": False}, "store_url": f"sqlite:///{tmp_path}/store.db",

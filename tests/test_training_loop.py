@@ -24,6 +24,7 @@ async def test_two_iterations_update_the_policy_log_to_mlflow_and_reload_the_ser
     config = load_config(
         {
             "agent": "examples.copy_task.agent:copy_agent",
+            "train_data": "examples.copy_task.data:train_tasks", "val_data": "examples.copy_task.data:val_tasks",
             "run_name": "two-iterations", "iterations": 2, "batch_size": 8, "samples_per_task": 4, "n_runners": 1,
             "runner_concurrency": 32, "sampling": {"temperature": 1.0, "max_tokens": 4}, "max_prompt_length": 64,
             "max_response_length": 8, "algorithm": {"lr": 1e-3, "kl_coef": 0.0, "micro_batch_size": 32},

@@ -52,6 +52,7 @@ async def test_vllm_replicas_sleep_through_the_ppo_step_and_wake_on_the_new_chec
         {
             "run_name": "sync",
             "agent": "examples.copy_task.agent:copy_agent",
+            "train_data": "examples.copy_task.data:train_tasks", "val_data": "examples.copy_task.data:val_tasks",
             "inference": {
                 "backend": "vllm", "replicas": 2, "gpus_per_replica": 1, "weight_sync": "sleep",
                 "vllm": {"executable": str(executable), "startup_timeout": 60, "request_timeout": 30,
@@ -116,6 +117,7 @@ async def test_a_lora_run_publishes_each_adapter_to_its_vllm_replicas_and_the_pr
     config = load_config(
         {
             "run_name": "lora-sync", "agent": "examples.copy_task.agent:copy_agent",
+            "train_data": "examples.copy_task.data:train_tasks", "val_data": "examples.copy_task.data:val_tasks",
             "inference": {
                 "backend": "vllm", "replicas": 2, "weight_sync": "sleep",
                 "vllm": {"executable": str(fake_vllm(tmp_path)), "startup_timeout": 60, "request_timeout": 30,
