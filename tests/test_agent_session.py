@@ -75,18 +75,30 @@ async def test_the_demo_agent_keeps_its_connection_across_rollouts() -> None:
         assert len(peers) == 5 and len(set(peers)) == 1, json.dumps(peers)
 
 
+async def _slow_to_cancel() -> None:
+    try:
+        await asyncio.sleep(60)
+    except asyncio.CancelledError:
+        await asyncio.sleep(0.3)  # a flush on the way out
+        raise
+
+
 @rollout
 async def session_agent(task: dict[str, Any]) -> float:
-    """Calls its endpoint on the LLM's kept-alive session, as the demo agent does."""
+    """Calls its endpoint on the LLM's kept-alive session, as the demo agent does, and leaves a task running that
+    takes a while to end when cancelled (a client's background flush)."""
     session = await LLM(endpoint=task["endpoint"], model="m").http_session()
     async with session.post(f"{task['endpoint']}/chat/completions", json={"messages": []}) as response:
         await response.read()
+    asyncio.get_running_loop().create_task(_slow_to_cancel())
     return 1.0
 
 
 async def test_a_process_s_next_rollout_phase_reuses_the_agents_connections(tmp_path: Path) -> None:
     """Each rollout phase's fleet runs on an event loop of its own thread; the loop is kept for the process's next
-    phase, and with it the agents' session and its open connections (a new loop per phase reopened them all)."""
+    phase, and with it the agents' session and its open connections (a new loop per phase reopened them all). The
+    phase ends once its loop is tidied and kept: the agents' leftover tasks here take 0.3 s to end, and a phase that
+    ended before its loop was kept had the next one start on a new loop."""
     peers: list[Any] = []
 
     async def chat(request: web.Request) -> web.Response:

@@ -350,12 +350,19 @@ class _LoopThread:
 atexit.register(_LoopThread.end_idle)
 
 
-async def _cancel_leftovers() -> None:
-    """Cancel the loop's other tasks (what agents started and left running) and wait for them to end."""
+async def _cancel_leftovers(timeout: float | None = None) -> tuple[int, int]:
+    """Cancel the loop's other tasks (what agents started and left running) and wait for them to end, at most
+    `timeout` seconds: how many there were, and how many still run (a task may catch its cancellation and go on)."""
     leftovers = [task for task in asyncio.all_tasks() if task is not asyncio.current_task() and not task.done()]
     for task in leftovers:
         task.cancel()
-    await asyncio.gather(*leftovers, return_exceptions=True)
+    if not leftovers:
+        return 0, 0
+    ended, running = await asyncio.wait(leftovers, timeout=timeout)
+    for task in ended:
+        if not task.cancelled():
+            task.exception()  # retrieved: an agent's leftover that failed is not "never retrieved" noise
+    return len(leftovers), len(running)
 
 
 class WatchedLoop:
@@ -411,22 +418,28 @@ class WatchedLoop:
         self._task.add_done_callback(lambda task: self._ended(task, executor))
 
     def _ended(self, task: asyncio.Task[Any], executor: concurrent.futures.ThreadPoolExecutor) -> None:
-        if task.cancelled():
-            self.done.set_exception(asyncio.CancelledError())
-        elif task.exception() is not None:
-            self.done.set_exception(task.exception())  # type: ignore[arg-type]
-        else:
-            self.done.set_result(task.result())
+        """The loop tidied and kept (or ended), then the coroutine's outcome in `done`: in that order, so that the
+        caller's next phase finds the loop kept (it found none while a loaded machine had not tidied it yet). The
+        tidying waits at most `blocked_after` for the tasks the agents left; a loop still running one is ended."""
 
         async def tidy() -> None:
+            tidied = False
             try:
-                await _cancel_leftovers()
-                await _finalize_garbage()  # what the cancelled leftovers dropped
+                left, running = await _cancel_leftovers(timeout=self.watchdog.blocked_after)
+                if left:
+                    await _finalize_garbage()  # what the cancelled leftovers dropped
+                tidied = not running
             finally:
                 executor.shutdown(wait=False, cancel_futures=True)
-                if self.lost is None:
+                if self.lost is None and tidied:
                     self._home.give_back()
                 else:
                     self._loop.stop()
+                if task.cancelled():
+                    self.done.set_exception(asyncio.CancelledError())
+                elif task.exception() is not None:
+                    self.done.set_exception(task.exception())  # type: ignore[arg-type]
+                else:
+                    self.done.set_result(task.result())
 
         self._loop.create_task(tidy())
