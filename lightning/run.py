@@ -40,6 +40,7 @@ from lightning.credentials import claim_proxy_token
 from lightning.diagnose import collect_stacks, dump_stacks_on_signal
 from lightning.environment import VLLM_PYTHON
 from lightning.errors import ConfigError
+from lightning.serving import tls_context
 from lightning.store import lifecycle
 from lightning.store.base import LightningStore
 from lightning.types import ProxyLLM
@@ -287,7 +288,10 @@ class Run(BaseModel):
             own_proxy = not config.proxy_endpoint
             if own_proxy:
                 await asyncio.to_thread(self.proxy_admin, "pause", None, config.timeouts.checkpoint)
-            async with httpx.AsyncClient(timeout=config.timeouts.checkpoint, headers=parts.inference_headers) as http:
+            client = httpx.AsyncClient(
+                timeout=config.timeouts.checkpoint, headers=parts.inference_headers, verify=tls_context()
+            )
+            async with client as http:
                 for server in self.endpoints.inference_urls:
                     try:
                         response = await http.post(f"{server}/admin/reload", json={"path": str(path), "version": step})
@@ -412,7 +416,7 @@ class Run(BaseModel):
         headers = {"authorization": f"Bearer {token}"} if token else {}
         url = f"{self.endpoints.proxy_url}/admin/{action}"
         try:
-            response = httpx.post(url, json=body or {}, headers=headers, timeout=timeout + 5)
+            response = httpx.post(url, json=body or {}, headers=headers, timeout=timeout + 5, verify=tls_context())
             response.raise_for_status()
         except httpx.HTTPError as exc:
             raise ServingError(f"the run's LLM proxy at {self.endpoints.proxy_url}: {action} failed: {exc!r}") from exc

@@ -25,7 +25,7 @@ import httpx
 from lightning import stopping
 from lightning.environment import BACKEND_API_KEY, INFERENCE_API_KEY, PROXY_TOKEN, STACKS_DIR, STORE_URL
 from lightning.lifeline import child_env
-from lightning.serving import DEFAULT_MAX_BODY_BYTES, ThreadedServer, free_port
+from lightning.serving import DEFAULT_MAX_BODY_BYTES, ThreadedServer, free_port, tls_context
 from lightning.store.base import LightningStore
 from lightning.types import POLICY_MODEL_NAME
 
@@ -283,7 +283,9 @@ class LocalStack:
 
     def serving(self) -> dict[str, Any]:
         """What the inference server serves: its weights' version and directory, device and dtype."""
-        response = httpx.get(f"{self.inference_url}/admin/version", headers=self.inference_headers, timeout=30)
+        response = httpx.get(
+            f"{self.inference_url}/admin/version", headers=self.inference_headers, timeout=30, verify=tls_context()
+        )
         response.raise_for_status()
         return response.json()
 
