@@ -40,7 +40,8 @@ def freeze_startup_objects() -> None:
     server torch besides): a full pass over all that, which any request allocating a few thousand objects sets off
     now and then, cost more than the request itself (measured in the store's server: 0.39 s of 0.47 s spent building
     a batch's models). A runner process's fleet ends with a full pass (`lightning.runner.blocking`): 55-67 ms over
-    the 87,000 objects of its imports, twice a phase, until frozen."""
+    the 87,000 objects of its imports, twice a phase, until frozen. (An open run freezes its process's objects
+    until it closes: `Run.open`.)"""
     gc.collect()
     gc.freeze()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import pickle
 import re
 from collections.abc import AsyncIterator
@@ -91,11 +92,13 @@ async def test_a_run_opened_without_mlflow_trains_and_checkpoints(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """track=False: no MLflow run (a GPU machine without MLflow installed, a benchmark); the iteration's row goes to
-    the checkpoint's history alone. The run's log says in which device and dtype the inference server serves."""
+    the checkpoint's history alone. The run's log says in which device and dtype the inference server serves. While
+    it is open, what its process held is out of the collector's full passes; closed, it is the collector's again."""
     config = small_config(tmp_path, algorithm={"lr": 1e-3, "kl_coef": 0.0}, max_response_length=4)
     with caplog.at_level("INFO", logger="lightning.run"):
         run = await Run.open(config, track=False)
     try:
+        assert gc.get_freeze_count() > 0
         assert run.tracker is None
         assert f"serves {run.model_dir} on cpu in float32" in caplog.text
         ids, summary = await stages.collect_rollouts(run, 0)
@@ -106,6 +109,7 @@ async def test_a_run_opened_without_mlflow_trains_and_checkpoints(
         history = list(run.history)
     finally:
         await run.close()
+    assert gc.get_freeze_count() == 0
     assert saved["step"] == 1 and [entry["iteration"] for entry in history] == [0]
     assert not (tmp_path / "mlflow.db").exists()
     with pytest.raises(ValueError, match="checkpoint.register_model registers the final model in MLflow"):
