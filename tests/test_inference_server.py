@@ -598,3 +598,30 @@ def test_the_server_process_keeps_idle_connections_and_logs_no_line_per_call(mod
     finally:
         stop_process_group(process)
     assert '"GET /v1/models' not in log.read_text(), tail(log)
+
+
+def test_a_chat_prompt_asked_again_is_rendered_once_and_each_caller_gets_its_own_ids(
+    engine: Any, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GRPO asks for each task's prompt several times: the server renders the chat template once per distinct
+    prompt (messages, tools, add_generation_prompt), for the last `size` of them."""
+    from lightning.inference import server as server_module
+    from lightning.inference.server import ChatCompletionRequest, PromptIds
+
+    rendered: list[Any] = []
+    render = server_module.chat_prompt_token_ids
+    monkeypatch.setattr(server_module, "chat_prompt_token_ids", lambda *args: rendered.append(args[1]) or render(*args))
+    prompt_ids = PromptIds(engine, size=2)
+
+    def ask(content: str, **fields: Any) -> list[int]:
+        return prompt_ids(ChatCompletionRequest(messages=[{"role": "user", "content": content}], **fields))
+
+    first = ask("bdfg")
+    assert first == chat_prompt_ids(tokenizer, [{"role": "user", "content": "bdfg"}])
+    first.append(0)  # the caller's own list: the kept ids stay as they were
+    assert ask("bdfg") == chat_prompt_ids(tokenizer, [{"role": "user", "content": "bdfg"}]) and len(rendered) == 1
+    assert ask("bdfg", tools=TOOLS) == chat_prompt_ids(tokenizer, [{"role": "user", "content": "bdfg"}], tools=TOOLS)
+    assert len(rendered) == 2  # the tools are part of the prompt
+    ask("kmpb")  # a third distinct prompt: the least recently asked (plain "bdfg") is dropped
+    ask("bdfg")
+    assert len(rendered) == 4

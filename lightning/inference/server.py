@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import json
@@ -179,6 +180,7 @@ def create_inference_app(
         model_path, device=device, dtype=dtype, max_batch_size=max_batch_size, batch_invariant=batch_invariant
     )
     model_name = served_model_name or Path(model_path).resolve().name
+    prompt_ids_of = PromptIds(engine)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -275,7 +277,7 @@ def create_inference_app(
         check_tool_choice(body.tool_choice)
         check_response_format(body.response_format)
         if prompt_ids is None:
-            prompt_ids = chat_prompt_token_ids(engine, body)
+            prompt_ids = prompt_ids_of(body)
         max_tokens = body.max_completion_tokens or body.max_tokens
         params = sampling_params(
             engine, body, prompt_ids, max_tokens, (body.top_logprobs or 0) if body.logprobs else None
@@ -387,10 +389,47 @@ def tool_calls_finish_reason(finish_reason: str | None) -> str | None:
 # ---- prompts and sampling parameters --------------------------------------------------------------------------------
 
 
-def chat_prompt_token_ids(engine: InferenceEngine, body: ChatCompletionRequest) -> list[int]:
+PROMPT_CACHE_SIZE = 4096
+"""How many distinct chat prompts' token ids a server keeps (`PromptIds`)."""
+
+
+class PromptIds:
+    """Chat requests' prompt token ids, kept for the last `size` distinct prompts (messages, tools and
+    add_generation_prompt, as JSON): GRPO samples each task's prompt several times (8 on the demo), and rendering the
+    chat template (jinja) and tokenizing were 15% of the server's CPU in a profile (issue 39). The tokenizer is the
+    engine's for its whole life (a reload swaps the weights alone)."""
+
+    def __init__(self, engine: InferenceEngine, size: int = PROMPT_CACHE_SIZE) -> None:
+        self.engine = engine
+        self.size = size
+        self._ids: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
+
+    def __call__(self, body: ChatCompletionRequest) -> list[int]:
+        messages = chat_messages(body)
+        key = json.dumps([messages, body.tools, body.add_generation_prompt], separators=(",", ":"), default=str)
+        ids = self._ids.get(key)
+        if ids is None:
+            ids = self._ids[key] = chat_prompt_token_ids(self.engine, body, messages)
+            if len(self._ids) > self.size:
+                self._ids.popitem(last=False)
+        else:
+            self._ids.move_to_end(key)
+        return list(ids)  # the caller's own: a response and the engine hold on to it
+
+
+def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The request's messages as the chat template takes them (every message with a content, None if not given)."""
     messages = [message.model_dump(exclude_unset=True) for message in body.messages]
     for message in messages:
         message.setdefault("content", None)
+    return messages
+
+
+def chat_prompt_token_ids(
+    engine: InferenceEngine, body: ChatCompletionRequest, messages: list[dict[str, Any]] | None = None
+) -> list[int]:
+    """The chat template rendered on the request's messages (`chat_messages`) and tokenized."""
+    messages = chat_messages(body) if messages is None else messages
     try:
         text = engine.tokenizer.apply_chat_template(
             messages, tools=body.tools, add_generation_prompt=body.add_generation_prompt, tokenize=False
