@@ -399,9 +399,12 @@ class Run(BaseModel):
             await asyncio.sleep(0.5)
 
     def restarts(self) -> int:
-        """Restarts of the run's serving parts so far (this process)."""
-        supervisor = self._open_parts().supervisor
-        return 0 if supervisor is None else supervisor.restarts
+        """Restarts of the run's serving parts so far (this process), each counted as it begins: an iteration in
+        which a part died records it, though the part (a vLLM replica takes a minute or more) may still be starting
+        again when the iteration's row is written."""
+        parts = self._open_parts()
+        stack = [] if parts.stack is None else parts.stack.processes
+        return sum(child.restarts for child in stack) + sum(server.restarts for server in parts.vllm)
 
     def _served(self) -> dict[str, Any]:
         """What the run's proxy records on every span and routes the policy's calls to (`proxy_admin("resume", ...)`):
@@ -593,7 +596,6 @@ class Supervisor:
         self.run = run
         self.max_restarts = max_restarts
         self.interval = interval
-        self.restarts = 0
         self.failure: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="run-supervisor", daemon=True)
@@ -649,12 +651,10 @@ class Supervisor:
                     self.max_restarts,
                 )  # fmt: skip
                 child.restart()
-                self.restarts += 1
                 if child.name == "LLM proxy":  # a new proxy starts paused at version 0
                     self.run.proxy_admin("resume", self.run._served())
         for server in parts.vllm:
             if not (self._stop.is_set() or stopping.stop_requested()) and server.restart_if_dead():
-                self.restarts += 1
                 logger.warning("vLLM at %s exited; restarted it (restart %d)", server.base_url, server.restarts)
 
 
