@@ -237,8 +237,9 @@ def cpu_load(busy: int = 2, seconds: float = LOADED_RUN_TIMEOUT) -> Iterator[Non
     processes make up what the load average lacks (none inside the full suite, whose other workers keep the load at
     5-6 on two cores: there the burners only took CPU from the other tests). Each ends by itself after `seconds`, and
     is killed at the end of the block."""
-    processes = max(0, busy - int(os.getloadavg()[0]))
-    print(f"load {os.getloadavg()[0]:.1f}: {processes} CPU burner(s) beside the run")
+    load = os.getloadavg()[0]
+    processes = max(0, busy - int(load))
+    print(f"load {load:.1f}: {processes} CPU burner(s) beside the run")
     burners = [subprocess.Popen([sys.executable, "-c", BURN, str(seconds)]) for _ in range(processes)]
     try:
         yield
