@@ -15,6 +15,8 @@ fails or is cut off leaves what it printed, and the next one runs.
   loop     benchmarks/trainer_bench.py: our whole loop without MLflow (4 runner processes), the same with
            max_staleness 1, then TRL's GRPOTrainer, all on the GPU
   mixed    update_bench.py again on a batch of mixed lengths: padded rows against packed ones
+  rollout  benchmarks/rollout_cpu.py with 4 runner processes: the rollout phase's CPU by process, and each one's
+           cores busy (the process nearest one core bounds the phase); not in the default parts
 
 The project's own requirements beyond torch and transformers (pydantic, SQLModel, FastAPI, TRL, ...) may be missing
 there and there is no network: `make gpu-wheels` (on a machine with one) downloads them into .gpu-wheels/, carried
@@ -51,6 +53,8 @@ FULL = {
                    "--task-runner", "processes", "--runners", "4"]),
     "mixed": (60, ["benchmarks/update_bench.py", "--size", "issue", "--lengths", "mixed", "--micro", "16",
                    "--plain-micro", "8", "--variants", "plain,ours,lean"]),
+    "rollout": (120, ["benchmarks/rollout_cpu.py", "--iterations", "4", "--warmup", "1", "--no-floor",
+                      "--no-mlflow", "--set", "n_runners=4", "--set", "runner_concurrency=64"]),
 }  # fmt: skip
 """Each part's time limit (s) and command (a script of this checkout and its arguments; --json is added)."""
 SMALL = {
@@ -62,6 +66,8 @@ SMALL = {
                    "--eval-every", "4", "--async-staleness", "1", "--no-mlflow", "--task-runner", "processes",
                    "--runners", "2"]),
     "mixed": (300, ["benchmarks/update_bench.py", "--variants", "ours,packed", "--steps", "1", "--warmup", "0"]),
+    "rollout": (300, ["benchmarks/rollout_cpu.py", "--iterations", "1", "--warmup", "1", "--rollouts", "64",
+                      "--no-floor", "--no-mlflow", "--set", "n_runners=2", "--set", "runner_concurrency=32"]),
 }  # fmt: skip
 
 TARGETS = (

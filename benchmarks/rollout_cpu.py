@@ -18,7 +18,7 @@ as the server's.
 Prefect is left out: its share of an iteration is `flow_overhead.py`'s.
 
     .venv/bin/python benchmarks/rollout_cpu.py [--iterations 6] [--warmup 2] [--rollouts 768] [--no-floor]
-        [--config examples/copy_task/demo.yaml] [--set key=value ...]
+        [--config examples/copy_task/demo.yaml] [--set key=value ...] [--no-mlflow] [--json out.json]
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ async def measure_run(args: argparse.Namespace, workdir: Path) -> tuple[Any, dic
     """CPU seconds by process over the measured iterations' rollout phases, and over the whole iterations; the
     phases' wall seconds."""
     config = demo_config(args.config, workdir, args.rollouts, args.set)
-    run = await Run.open(config)
+    run = await Run.open(config, track=not args.no_mlflow)
     phase: dict[str, float] = {}
     whole: dict[str, float] = {}
     seconds = []
@@ -302,7 +302,7 @@ def in_process_generate(config: Any, model_dir: Path, samples: int, batch: int) 
 # --- the table -----------------------------------------------------------------------------------------------------
 
 
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(REPO / "examples/copy_task/demo.yaml"))
     parser.add_argument("--iterations", type=int, default=6, help="iterations measured")
@@ -314,10 +314,16 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override")
     parser.add_argument("--no-floor", action="store_true", help="the product path alone")
+    parser.add_argument("--no-mlflow", action="store_true", help="the run without MLflow (Run.open(track=False))")
+    parser.add_argument("--json", type=Path, default=None, help="also write the tables' figures here")
     parser.add_argument("--serve-answer", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--serve-forward", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--post", nargs=4, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = arguments().parse_args()
     if args.serve_answer:
         return serve_answer(args.serve_answer)
     if args.serve_forward:
@@ -348,18 +354,38 @@ def main() -> None:
         f"{config.task_runner}; max_tokens {config.sampling.get('max_tokens')}), rollout phase median "
         f"{statistics.median(seconds) * 1000:.0f} ms; {os.cpu_count()} cores"
     )
-    print("\n| process | CPU ms a rollout, rollout phase | share | CPU ms a rollout, whole iteration (no Prefect) |")
-    print("|---|---|---|---|")
-    total_phase, total_whole = sum(phase.values()), sum(whole.values())
+    # Cores busy: a process's CPU seconds over the phases' wall seconds. Where the cores are many (a GPU machine), the
+    # process nearest 1.0 (one event loop) is what bounds the phase's wall time.
+    print(
+        "\n| process | CPU ms a rollout, rollout phase | share | cores busy, rollout phase "
+        "| CPU ms a rollout, whole iteration (no Prefect) |"
+    )
+    print("|---|---|---|---|---|")
+    total_phase, total_whole, phase_seconds = sum(phase.values()), sum(whole.values()), sum(seconds)
+    rows = []
     for name in PROCESSES:
         if name in phase or name in whole:
             used = phase.get(name, 0.0)
             label = f"{name} ({config.n_runners})" if name == "runner processes" else name
+            rows.append({
+                "process": label, "phase_ms": 1000 * used / rollouts, "share": used / total_phase,
+                "cores_busy": used / phase_seconds, "whole_ms": 1000 * whole.get(name, 0.0) / rollouts,
+            })  # fmt: skip
             print(
-                f"| {label} | {1000 * used / rollouts:.2f} | {100 * used / total_phase:.0f}% "
-                f"| {1000 * whole.get(name, 0.0) / rollouts:.2f} |"
+                f"| {label} | {rows[-1]['phase_ms']:.2f} | {100 * rows[-1]['share']:.0f}% "
+                f"| {rows[-1]['cores_busy']:.2f} | {rows[-1]['whole_ms']:.2f} |"
             )
-    print(f"| **all** | **{1000 * total_phase / rollouts:.2f}** | | **{1000 * total_whole / rollouts:.2f}** |")
+    print(
+        f"| **all** | **{1000 * total_phase / rollouts:.2f}** | | {total_phase / phase_seconds:.2f} "
+        f"| **{1000 * total_whole / rollouts:.2f}** |"
+    )
+    if args.json:
+        args.json.write_text(json.dumps({
+            "rollouts_a_phase": args.rollouts, "iterations": args.iterations, "cores": os.cpu_count(),
+            "phase_ms_median": 1000 * statistics.median(seconds), "processes": rows,
+            "all_phase_ms": 1000 * total_phase / rollouts, "all_whole_ms": 1000 * total_whole / rollouts,
+            "load": load.line(),
+        }, indent=1))  # fmt: skip
     if floors:
         print(f"\nThe floor, same run ({args.rollouts} requests a round, {in_flight} in flight, kept-alive sessions):")
         print("\n| path | CPU ms a request, all processes | client | forwarder | server |")
