@@ -85,10 +85,6 @@ class Scenario:
 
 
 SCENARIOS = [
-    Scenario("flow", "rollouts", resumes=True),
-    Scenario("flow", "ppo_step", resumes=True),
-    Scenario("flow", "checkpoint", resumes=True),
-    Scenario("checkpoint", "checkpoint", resumes=True),
     Scenario("flow", "ppo_step", resumes=True, staleness=1),
     Scenario("flow", "rollouts", resumes=True, task_runner="processes"),
 ]
@@ -96,6 +92,10 @@ IN_FLIGHT = [("inference server", "rollouts"), ("LLM proxy", "rollouts"), ("runn
              ("trainer", "ppo_step")]  # fmt: skip
 """The parts a run gets over without a restart, killed in this order in one run, one in each of iterations 1-4 (each
 was a run of its own: three minutes of a CI worker apiece, mostly the same start-up)."""
+RESUMED = [("flow", "rollouts"), ("flow", "ppo_step"), ("flow", "checkpoint"), ("checkpoint", "checkpoint")]
+"""The faults the run is started again after, in this order in one run, one in each of iterations 1-4: the flow
+killed in the rollouts, in the PPO step (the batch written), just after the checkpoint; the flow killed just after
+the checkpoint and that checkpoint damaged."""
 ASYNC = int(os.environ.get("LIGHTNING_FAULTS_MAX_STALENESS", "0"))
 """`LIGHTNING_FAULTS_MAX_STALENESS=1 pytest tests/test_faults.py -k survives`: every scenario with
 algorithm.max_staleness 1 (CI runs the one above; the whole suite in async mode by hand, docs/operations.md)."""
@@ -186,6 +186,49 @@ def test_the_run_survives_its_parts_killed_in_flight(prefect_server: PrefectServ
         assert run.wait(RUN_TIMEOUT) == 0, tail(log)
     finally:
         stop_process_group(run)
+    assert_invariants(config, log, iterations)
+    outcome = [line for line in log.read_text().splitlines() if _telling(line)]
+    print("\n" + " | ".join(sorted(set(outcome)))[:3000])
+
+
+def test_the_run_survives_its_flow_killed_and_resumes_each_time(prefect_server: PrefectServer, tmp_path: Path) -> None:
+    """One run's flow process SIGKILLed in iteration 1's rollouts, in iteration 2's PPO step, just after iteration
+    3's checkpoint, and just after iteration 4's with that checkpoint then damaged (its weights cut in half): each
+    time its children die with it, and the same command started again resumes where it stopped (from checkpoint 4
+    after the damage) and finishes, nothing lost or trained twice."""
+    iterations = 2 + len(RESUMED) + ASYNC
+    data = {**fault_config(tmp_path, "resumed"), "iterations": iterations, "agent": PACED_AGENT}
+    data["algorithm"]["max_staleness"] = ASYNC
+    config = validate_config(data)
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(yaml.safe_dump(data))
+    log = tmp_path / "train.log"
+    command = [sys.executable, "-m", "flows.train", str(config_path)]
+    env = with_support(prefect_server.env)
+    for iteration, (target, point) in enumerate(RESUMED, start=1):
+        run = start_logged(command, log, env=env, cwd=tmp_path)
+        try:
+            if point == "rollouts":
+                asyncio.run(wait_for_rollouts(config, iteration + ASYNC, run, log))
+            elif point == "ppo_step":
+                asyncio.run(wait_for_file(config.run_dir / "batches" / f"iteration-{iteration:06d}", run, log))
+            else:  # iteration i's checkpoint is step i + 1
+                asyncio.run(wait_for_file(config.run_dir / "checkpoints" / f"step-{iteration + 1:06d}", run, log))
+            family = run_processes(run.pid)
+            os.kill(run.pid, signal.SIGKILL)
+            run.wait(30)
+            if target == "checkpoint":
+                damage_newest_checkpoint(config)
+            assert_gone(family, log)  # the flow's children die with it
+        finally:
+            stop_process_group(run)
+        with open(log, "a") as separator:
+            separator.write(f"\n=== {target} killed in iteration {iteration}'s {point}; started again ===\n")
+    last = start_logged(command, log, env=env, cwd=tmp_path)
+    try:
+        assert last.wait(RUN_TIMEOUT) == 0, tail(log)
+    finally:
+        stop_process_group(last)
     assert_invariants(config, log, iterations)
     outcome = [line for line in log.read_text().splitlines() if _telling(line)]
     print("\n" + " | ".join(sorted(set(outcome)))[:3000])
