@@ -146,19 +146,13 @@ def test_the_run_survives(scenario: Scenario, prefect_server: PrefectServer, tmp
         stop_process_group(first)
 
     if scenario.resumes:
-        with open(log, "a") as separator:
-            separator.write(f"\n=== {scenario.target} killed at {scenario.point}; started again ===\n")
-        second = start_logged(command, log, env=env, cwd=tmp_path)
-        try:
-            assert second.wait(RUN_TIMEOUT) == 0, tail(log)
-        finally:
-            stop_process_group(second)
+        mark(log, f"{scenario.target} killed at {scenario.point}; started again")
+        run_to_the_end(command, log, env, tmp_path)
 
     assert_invariants(config, log)
     if scenario.staleness:  # every iteration counted its stale decisions, the resumed ones too
         assert all("stale_dropped" in row for row in recorded_history(config)), recorded_history(config)
-    outcome = [line for line in log.read_text().splitlines() if _telling(line)]
-    print(f"\n{scenario.target} @ {scenario.point}: " + " | ".join(sorted(set(outcome)))[:1500])
+    print_outcome(log, f"{scenario.target} @ {scenario.point}")
 
 
 def test_the_run_survives_its_parts_killed_in_flight(prefect_server: PrefectServer, tmp_path: Path) -> None:
@@ -187,8 +181,7 @@ def test_the_run_survives_its_parts_killed_in_flight(prefect_server: PrefectServ
     finally:
         stop_process_group(run)
     assert_invariants(config, log, iterations)
-    outcome = [line for line in log.read_text().splitlines() if _telling(line)]
-    print("\n" + " | ".join(sorted(set(outcome)))[:3000])
+    print_outcome(log, "in flight")
 
 
 def test_the_run_survives_its_flow_killed_and_resumes_each_time(prefect_server: PrefectServer, tmp_path: Path) -> None:
@@ -222,16 +215,10 @@ def test_the_run_survives_its_flow_killed_and_resumes_each_time(prefect_server: 
             assert_gone(family, log)  # the flow's children die with it
         finally:
             stop_process_group(run)
-        with open(log, "a") as separator:
-            separator.write(f"\n=== {target} killed in iteration {iteration}'s {point}; started again ===\n")
-    last = start_logged(command, log, env=env, cwd=tmp_path)
-    try:
-        assert last.wait(RUN_TIMEOUT) == 0, tail(log)
-    finally:
-        stop_process_group(last)
+        mark(log, f"{target} killed in iteration {iteration}'s {point}; started again")
+    run_to_the_end(command, log, env, tmp_path)
     assert_invariants(config, log, iterations)
-    outcome = [line for line in log.read_text().splitlines() if _telling(line)]
-    print("\n" + " | ".join(sorted(set(outcome)))[:3000])
+    print_outcome(log, "resumed")
 
 
 # --- points and victims -------------------------------------------------------------------------------
@@ -325,6 +312,27 @@ TELLING = ("requeued", "restarting", "damaged", "lost its update", "again", "res
 
 def _telling(line: str) -> bool:
     return any(word in line for word in TELLING)
+
+
+def print_outcome(log: Path, title: str) -> None:
+    """What the run's log says it did about the faults, for the test's output."""
+    outcome = [line for line in log.read_text().splitlines() if _telling(line)]
+    print(f"\n{title}: " + " | ".join(sorted(set(outcome)))[:3000])
+
+
+def mark(log: Path, line: str) -> None:
+    """A line between one start of the run and the next in its log."""
+    with open(log, "a") as separator:
+        separator.write(f"\n=== {line} ===\n")
+
+
+def run_to_the_end(command: list[str], log: Path, env: dict[str, str], cwd: Path) -> None:
+    """Start the run (again) and wait for it to finish well."""
+    process = start_logged(command, log, env=env, cwd=cwd)
+    try:
+        assert process.wait(RUN_TIMEOUT) == 0, tail(log)
+    finally:
+        stop_process_group(process)
 
 
 # --- what must hold ---------------------------------------------------------------------------------------
@@ -506,13 +514,8 @@ def test_ctrl_c_in_a_terminal_stops_the_run_and_the_same_command_resumes_it(tmp_
     assert mlflow_run(config).info.status == "KILLED"
     resume = resume_command(log)
     assert resume == shlex.join(command)
-    with open(log, "a") as separator:
-        separator.write(f"\n=== Ctrl-C; stopped in {took:.1f} s; resumed with the command it printed ===\n")
-    second = start_logged(shlex.split(resume), log, env=env, cwd=tmp_path)
-    try:
-        assert second.wait(RUN_TIMEOUT) == 0, tail(log)
-    finally:
-        stop_process_group(second)
+    mark(log, f"Ctrl-C; stopped in {took:.1f} s; resumed with the command it printed")
+    run_to_the_end(shlex.split(resume), log, env, tmp_path)
     resumed_after = time.monotonic() - stopped_at
     assert_invariants(config, log)
     assert_trained_every_rollout(config, log)
@@ -551,8 +554,7 @@ def test_sigterm_at_three_points_stops_the_run_and_it_resumes(prefect_server: Pr
         assert_stopped(code, took, number, config, log)
         assert resume_command(log) == shlex.join(command)
         timings.append(took)
-        with open(log, "a") as separator:
-            separator.write(f"\n=== {signal.Signals(number).name}; stopped in {took:.1f} s; started again ===\n")
+        mark(log, f"{signal.Signals(number).name}; stopped in {took:.1f} s; started again")
 
     def in_rollouts(process: subprocess.Popen) -> None:
         asyncio.run(wait_for_rollouts(config, 0, process, log))
@@ -573,11 +575,7 @@ def test_sigterm_at_three_points_stops_the_run_and_it_resumes(prefect_server: Pr
     stop_at(in_rollouts, twin=True)
     stop_at(in_ppo_step)
     stop_at(starting)
-    last = start_logged(command, log, env=env, cwd=tmp_path)
-    try:
-        assert last.wait(RUN_TIMEOUT) == 0, tail(log)
-    finally:
-        stop_process_group(last)
+    run_to_the_end(command, log, env, tmp_path)
     assert_invariants(config, log)
     assert_trained_every_rollout(config, log)
     print(f"\n{signal.Signals(number).name} in rollouts, PPO step, start-up: stopped in "
@@ -620,11 +618,7 @@ def test_a_full_disk_at_checkpoint_time_fails_in_one_line_and_the_run_resumes_on
     assert not list(checkpoints.glob("step-*")) and not list(checkpoints.glob(".tmp-*")), "a checkpoint was written"
     log = tmp_path / "train.log"
     log.write_text(full.stdout + full.stderr + "\n=== space freed; started again ===\n")
-    second = start_logged(command, log, env=prefect_server.env, cwd=tmp_path)
-    try:
-        assert second.wait(RUN_TIMEOUT) == 0, tail(log)
-    finally:
-        stop_process_group(second)
+    run_to_the_end(command, log, prefect_server.env, tmp_path)
     final = load_checkpoint(latest_checkpoint(checkpoints))
     assert final.step == 2 and [row["iteration"] for row in recorded_history(config)] == [0, 1]
     print(f"\ndisk full: {last}")
