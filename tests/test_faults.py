@@ -129,7 +129,7 @@ def test_the_run_survives(scenario: Scenario, prefect_server: PrefectServer, tmp
 
     first = start_logged(command, log, env=env, cwd=tmp_path)
     try:
-        asyncio.run(wait_for(scenario.point, config, first, log))
+        asyncio.run(wait_for(scenario.point, 1, config, first, log))
         family = run_processes(first.pid)
         if scenario.target == "checkpoint":
             os.kill(first.pid, signal.SIGKILL)
@@ -171,10 +171,7 @@ def test_the_run_survives_its_parts_killed_in_flight(prefect_server: PrefectServ
     run = start_logged(command, log, env=with_support(prefect_server.env), cwd=tmp_path)
     try:
         for iteration, (target, point) in enumerate(IN_FLIGHT, start=1):
-            if point == "rollouts":  # with max_staleness k, iteration i's rollouts run beside iteration i-k's update
-                asyncio.run(wait_for_rollouts(config, iteration + ASYNC, run, log))
-            else:
-                asyncio.run(wait_for_file(config.run_dir / "batches" / f"iteration-{iteration:06d}", run, log))
+            asyncio.run(wait_for(point, iteration, config, run, log))
             os.kill(find(run_processes(run.pid), target, log, config), signal.SIGKILL)
             print(f"killed the {target} in iteration {iteration}'s {point}")
         assert run.wait(RUN_TIMEOUT) == 0, tail(log)
@@ -201,12 +198,7 @@ def test_the_run_survives_its_flow_killed_and_resumes_each_time(prefect_server: 
     for iteration, (target, point) in enumerate(RESUMED, start=1):
         run = start_logged(command, log, env=env, cwd=tmp_path)
         try:
-            if point == "rollouts":
-                asyncio.run(wait_for_rollouts(config, iteration + ASYNC, run, log))
-            elif point == "ppo_step":
-                asyncio.run(wait_for_file(config.run_dir / "batches" / f"iteration-{iteration:06d}", run, log))
-            else:  # iteration i's checkpoint is step i + 1
-                asyncio.run(wait_for_file(config.run_dir / "checkpoints" / f"step-{iteration + 1:06d}", run, log))
+            asyncio.run(wait_for(point, iteration, config, run, log))
             family = run_processes(run.pid)
             os.kill(run.pid, signal.SIGKILL)
             run.wait(30)
@@ -224,40 +216,23 @@ def test_the_run_survives_its_flow_killed_and_resumes_each_time(prefect_server: 
 # --- points and victims -------------------------------------------------------------------------------
 
 
-async def wait_for_file(path: Path, process: subprocess.Popen, log: Path) -> None:
+async def wait_for(point: str, iteration: int, config: TrainConfig, process: Any, log: Path) -> None:
+    """Return when the run reaches `point` of `iteration`: its rollouts part done (with max_staleness k, iteration
+    i + k's, which run beside iteration i's update), its PPO step (its batch written), or just after its checkpoint
+    (iteration i's is step i + 1)."""
+    if point == "rollouts":
+        await wait_for_rollouts(config, iteration + config.algorithm.max_staleness, process, log)
+    elif point == "ppo_step":
+        await wait_for_file(config.run_dir / "batches" / f"iteration-{iteration:06d}", process, log)
+    else:
+        await wait_for_file(config.run_dir / "checkpoints" / f"step-{iteration + 1:06d}", process, log)
+
+
+async def wait_for_file(path: Path, process: Any, log: Path) -> None:
     deadline = time.monotonic() + RUN_TIMEOUT
     while not path.exists():
         _still_running(process, deadline, log, f"never wrote {path.name}")
         await asyncio.sleep(0.01)
-
-
-async def wait_for(point: str, config: TrainConfig, process: subprocess.Popen, log: Path) -> None:
-    """Return when the run reaches `point` of iteration 1."""
-    checkpoints = config.run_dir / "checkpoints"
-    conditions: dict[str, Callable[[], Any]] = {
-        "ppo_step": lambda: (config.run_dir / "batches" / "iteration-000001").exists(),
-        "checkpoint": lambda: (checkpoints / "step-000002").is_dir(),
-    }
-    deadline = time.monotonic() + RUN_TIMEOUT
-    while not (checkpoints / "step-000001").is_dir():
-        _still_running(process, deadline, log, "no checkpoint of iteration 0")
-        await asyncio.sleep(0.05)
-    if point in conditions:
-        while not conditions[point]():
-            _still_running(process, deadline, log, f"never reached {point}")
-            await asyncio.sleep(0.01)
-        return
-    # The rollouts running after checkpoint 1: iteration 1's; with max_staleness k, iteration 1+k's (iteration 1's
-    # ran beside iteration 0's update and are done by then).
-    iteration = 1 + config.algorithm.max_staleness
-    async with SqlLightningStore(config.store_url, watchdog_interval=None) as store:
-        while True:
-            rollouts = await store.query_rollouts(mode="train", queue=config.run_name)
-            done = Counter(r.status for r in rollouts if r.metadata["iteration"] == iteration)["succeeded"]
-            if 0 < done < BATCH * SAMPLES:
-                return
-            _still_running(process, deadline, log, f"never saw iteration {iteration} half done")
-            await asyncio.sleep(0.02)
 
 
 def _still_running(process: subprocess.Popen, deadline: float, log: Path, failure: str) -> None:
