@@ -8,7 +8,9 @@ was chosen (docs/benchmarks.md, "Learning that holds"); `make demo` and `trainer
 As a run's `seed` does, each seed sets the tiny model's initial weights, the task order and the sampling. The update
 is the product's `TorchTrainer`; `--oversample K` samples K times the batch's tasks and keeps the first `--batch`
 groups whose rewards differ (`lightning.stages.informative_groups`: the product's dynamic sampling, which samples
-only as many more as it needs). Held-out reward is greedy on the demo's 64 held-out tasks.
+only as many more as it needs). `--keep-failed K` keeps up to K groups that all failed besides (the product's
+`keep_failed_groups`), for `--set failed_group_advantage=-1.0` to push their answers down. Held-out reward is
+greedy on the demo's 64 held-out tasks.
 """
 
 from __future__ import annotations
@@ -135,7 +137,7 @@ def run(seed: int, args: argparse.Namespace, config: TrainerConfig, model_dir: P
             for k, (prompt, response, text) in enumerate(zip(prompts, responses, texts, strict=True))
         ]
         if args.oversample > 1:
-            triplets, _ = informative_groups(triplets, args.batch)
+            triplets, _ = informative_groups(triplets, args.batch, args.keep_failed)
         batch = TrainingBatch.from_triplets(
             triplets, pad_token_id=tokenizer.pad_token_id, max_prompt_length=MAX_PROMPT,
             max_response_length=MAX_RESPONSE,
@@ -161,6 +163,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32, help="tasks per update")
     parser.add_argument("--samples", type=int, default=8, help="samples per task")
     parser.add_argument("--oversample", type=int, default=1, help="dynamic sampling: sample K times the tasks")
+    parser.add_argument(
+        "--keep-failed", type=int, default=0,
+        help="dynamic sampling: all-failed groups kept besides (keep_failed_groups; --set failed_group_advantage)",
+    )  # fmt: skip
     parser.add_argument("--max-tokens", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=64, help="the tiny model's hidden size")
     parser.add_argument("--layers", type=int, default=2, help="the tiny model's layers")
@@ -182,7 +188,10 @@ def main() -> None:
         size = {"hidden_size": args.hidden, "num_layers": args.layers}
         models = {seed: build_tiny_model(Path(tmp) / f"tiny-{seed}", seed=seed, **size) for seed in args.seeds}
         results = [run(seed, args, config, models[seed]) for seed in args.seeds]
-    print(f"recipe: {fields}, {args.batch} tasks x {args.samples} samples, oversample {args.oversample}")
+    print(
+        f"recipe: {fields}, {args.batch} tasks x {args.samples} samples, oversample {args.oversample}, "
+        f"failed groups kept {args.keep_failed}"
+    )
     for result in results:
         curve = " ".join(f"{value:.2f}" for _, value in result["curve"])
         print(f"seed {result['seed']}: held-out {curve} | final {result['final']:.3f} | {result['seconds']:.0f} s")

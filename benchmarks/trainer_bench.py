@@ -233,7 +233,14 @@ async def pipelined(run: Run, *, seconds: float, eval_every_s: float) -> dict[st
     return held_out.result(step, train_clock, parts)
 
 
-RECIPE_FIELDS = ("algorithm", "batch_size", "samples_per_task", "dynamic_sampling", "max_sampling_rounds")
+RECIPE_FIELDS = (
+    "algorithm",
+    "batch_size",
+    "samples_per_task",
+    "dynamic_sampling",
+    "max_sampling_rounds",
+    "keep_failed_groups",
+)
 
 
 def our_recipe(path: Path, sets: list[str]) -> dict[str, Any]:

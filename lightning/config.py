@@ -439,6 +439,10 @@ class TrainConfig(BaseModel):
     """dynamic_sampling: at most this many rounds of extra tasks per iteration, and `batch_size` extra tasks per round
     on average (each round asks for as many as the share of informative groups so far says are needed; the first
     runs with the batch, sized by the share an earlier iteration had); after them the update takes what differs."""
+    keep_failed_groups: int = Field(default=0, ge=0)
+    """dynamic_sampling: besides the `batch_size` groups that differ, the update takes up to this many groups whose
+    samples all failed alike (equal rewards, at most 0), for `algorithm.failed_group_advantage` to push their answers
+    down; 0: they are dropped with the other flat groups."""
     n_runners: int = Field(default=2, ge=1)
     """Runner tasks fanned out per iteration."""
     runner_concurrency: int = Field(default=32, ge=1)
@@ -563,6 +567,20 @@ class TrainConfig(BaseModel):
         for name in self.resources:
             if name in taken:
                 raise ValueError(f"resources.{name}: the name is the run's own ({taken[name]}); give another")
+        return self
+
+    @model_validator(mode="after")
+    def _failed_groups(self) -> TrainConfig:
+        if self.keep_failed_groups and not self.dynamic_sampling:
+            raise ValueError(
+                "keep_failed_groups: only dynamic sampling drops groups; without it every group is trained on "
+                "already. Set dynamic_sampling: true, or remove keep_failed_groups"
+            )
+        if self.keep_failed_groups and not self.algorithm.failed_group_advantage:
+            raise ValueError(
+                "keep_failed_groups: failed groups carry no advantage unless algorithm.failed_group_advantage is "
+                "below 0 (e.g. -1.0); set it, or remove keep_failed_groups"
+            )
         return self
 
     @model_validator(mode="after")

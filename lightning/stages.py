@@ -392,7 +392,7 @@ async def adapt_spans(run: Run, iteration: int, rollout_ids: Sequence[str]) -> d
         corrected = config.algorithm.off_policy_correction != "none"
         triplets, staleness = drop_stale(triplets, iteration, config.algorithm.max_staleness, corrected)
     if config.dynamic_sampling:
-        triplets, dropped_groups = informative_groups(triplets, config.batch_size)
+        triplets, dropped_groups = informative_groups(triplets, config.batch_size, config.keep_failed_groups)
     try:
         batch = TrainingBatch.from_triplets(
             triplets, pad_token_id=run.tokenizer().pad_token_id, max_prompt_length=config.max_prompt_length,
@@ -416,9 +416,10 @@ async def adapt_spans(run: Run, iteration: int, rollout_ids: Sequence[str]) -> d
     }
 
 
-def informative_groups(triplets: Sequence[Triplet], limit: int) -> tuple[list[Triplet], int]:
-    """Dynamic sampling's filter: the triplets of the first `limit` groups whose rollouts' rewards differ, and how
-    many groups were left out (flat, or past the limit). With no informative group at all, every triplet stays:
+def informative_groups(triplets: Sequence[Triplet], limit: int, failed: int = 0) -> tuple[list[Triplet], int]:
+    """Dynamic sampling's filter: the triplets of the first `limit` groups whose rollouts' rewards differ, and of the
+    first `failed` groups whose rollouts all failed alike (equal rewards, at most 0: `keep_failed_groups`), and how
+    many groups were left out (flat, or past the limits). With no informative group at all, every triplet stays:
     the update then learns nothing either way, and the iteration's metrics say why."""
     rewards: dict[str, dict[str, float]] = {}
     for triplet in triplets:
@@ -428,6 +429,7 @@ def informative_groups(triplets: Sequence[Triplet], limit: int) -> tuple[list[Tr
     kept = [group for group in rewards if group not in flat][:limit]
     if not kept:
         return list(triplets), 0
+    kept += [group for group, reward in flat.items() if reward <= 0.0][:failed]
     chosen = set(kept)
     return [triplet for triplet in triplets if triplet.metadata["group_id"] in chosen], len(rewards) - len(kept)
 

@@ -12,6 +12,7 @@ import torch
 
 from lightning.algorithm.advantages import (
     discounted_returns,
+    failed_group_advantages,
     grpo_advantages,
     kl_penalized_scores,
     masked_whiten,
@@ -72,6 +73,37 @@ def test_grpo_group_of_one_has_mean_zero_and_std_one() -> None:
 
 def test_grpo_all_equal_group_gives_zero_advantage() -> None:
     assert_close(grpo_advantages(torch.tensor([[1.0], [1.0]]), torch.tensor([[1], [1]]), ["g", "g"]), [[0.0], [0.0]])
+
+
+def test_a_group_that_failed_alike_gets_the_failed_group_advantage_on_its_response_tokens() -> None:
+    # Group b all 0 (failed), group a all 2 (flat but not failed), c one row of 0 (no group), d 0 and 1 (differs).
+    uid = ["a", "a", "b", "b", "c", "d", "d"]
+    scores = torch.tensor([[2.0, 0], [0, 2.0], [0, 0.0], [0, 0.0], [0, 0.0], [0, 0.0], [1.0, 0]])
+    mask = torch.tensor([[1, 1], [1, 0], [1, 1], [1, 0], [1, 1], [1, 1], [1, 0]])
+    grpo = grpo_advantages(scores, mask, uid)
+    result = failed_group_advantages(grpo, scores, mask, uid, -0.5)
+    assert_close(result[2:4], [[-0.5, -0.5], [-0.5, 0.0]])
+    torch.testing.assert_close(result[[0, 1, 4, 5, 6]], grpo[[0, 1, 4, 5, 6]])
+
+
+def test_the_trainer_pushes_down_the_answers_of_a_failed_group(tiny_dir: Path) -> None:
+    """A failed group's rows get the advantage whatever the KL penalty did to their rewards, and the update lowers
+    their log-probs."""
+    config = TrainerConfig(lr=1e-2, kl_in_reward=True, kl_coef=0.5, failed_group_advantage=-1.0, micro_batch_size=8)
+    trainer = TorchTrainer(tiny_dir, config, device="cpu")
+    triplets = [
+        Triplet(prompt=[5, 6, 7], response=[8 + i % 2, 9], reward=0.0, metadata={"group_id": "lost"}) for i in range(4)
+    ] + [
+        Triplet(prompt=[5, 6, 7], response=[10, 9], reward=float(i % 2), metadata={"group_id": "mixed"})
+        for i in range(4)
+    ]
+    batch = TrainingBatch.from_triplets(triplets, pad_token_id=0, max_prompt_length=4, max_response_length=3)
+    prepared, _ = trainer.prepare(batch)
+    mask = batch["response_mask"].float()
+    torch.testing.assert_close(prepared["advantages"][:4], -1.0 * mask[:4])
+    before = trainer.log_probs(trainer.model, batch)[:4].sum()
+    trainer.step(batch)
+    assert trainer.log_probs(trainer.model, batch)[:4].sum() < before
 
 
 def test_rloo_subtracts_the_mean_of_the_other_rows() -> None:

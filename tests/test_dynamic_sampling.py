@@ -52,6 +52,29 @@ def test_with_no_informative_group_every_triplet_stays() -> None:
     assert stages.informative_groups(triplets, limit=2) == (triplets, 0)
 
 
+def test_failed_groups_are_kept_besides_the_informative_ones_up_to_their_own_limit() -> None:
+    triplets = _triplets({"g1": [1, 0], "won": [1, 1], "lost1": [0, 0], "g4": [0, 1], "lost2": [0, 0], "lost3": [0, 0]})
+    kept, dropped = stages.informative_groups(triplets, limit=2, failed=2)
+    assert [t.metadata["group_id"] for t in kept][::2] == ["g1", "lost1", "g4", "lost2"]  # in the triplets' order
+    assert dropped == 2  # "won" (flat, not failed) and lost3 (past the failed limit)
+    kept, _ = stages.informative_groups(_triplets({"lost": [0, 0], "won": [1, 1]}), limit=2, failed=2)
+    assert len(kept) == 4  # no group differs: every triplet stays, as without failed groups
+
+
+def test_keeping_failed_groups_needs_dynamic_sampling_and_an_advantage_for_them() -> None:
+    demo = {"agent": "examples.copy_task.agent:copy_agent", "train_data": "examples.copy_task.data:train_tasks"}
+    with pytest.raises(ValueError, match="keep_failed_groups: only dynamic sampling drops groups"):
+        load_config({**demo, "keep_failed_groups": 4, "algorithm": {"failed_group_advantage": -1.0}})
+    with pytest.raises(ValueError, match=r"keep_failed_groups: .*algorithm.failed_group_advantage is below 0"):
+        load_config({**demo, "keep_failed_groups": 4, "dynamic_sampling": True})
+    with pytest.raises(ValueError, match="failed_group_advantage"):
+        load_config({**demo, "algorithm": {"failed_group_advantage": 0.5}})
+    config = load_config(
+        {**demo, "keep_failed_groups": 4, "dynamic_sampling": True, "algorithm": {"failed_group_advantage": -1.0}}
+    )
+    assert config.update_config.failed_group_advantage == -1.0
+
+
 @pytest.mark.slow
 async def test_the_rollout_phase_refills_until_enough_groups_differ(tmp_path: Path) -> None:
     config = load_config(

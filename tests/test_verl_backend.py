@@ -156,6 +156,22 @@ def test_advantages_agree_with_verls_compute_advantage(tiny_dir: Path, config: T
     torch.testing.assert_close(proto.batch["advantages"], prepared["advantages"], atol=1e-5, rtol=1e-5)
 
 
+def test_failed_groups_get_the_same_advantage_on_verls_driver(tiny_dir: Path) -> None:
+    batch = grouped_batch(seed=1)
+    scores = batch["token_level_scores"].clone()
+    scores[0::2] = 0.0  # group 0 (rows 0, 2, 4) failed alike
+    batch = batch.with_tensors({"token_level_scores": scores})
+    config = TrainerConfig(advantage="grpo", kl_in_reward=True, kl_coef=0.3, failed_group_advantage=-1.0)
+    trainer = TorchTrainer(tiny_dir, config.model_copy(update={"micro_batch_size": 6}), device="cpu")
+    prepared, _ = trainer.prepare(batch)
+    proto = batch_to_dataproto(batch)
+    proto.batch["old_log_probs"] = prepared["old_log_probs"]
+    proto.batch["ref_log_prob"] = prepared["ref_log_prob"]
+    proto, _ = driver_advantages(proto, config, compose(config).algorithm)
+    torch.testing.assert_close(proto.batch["advantages"], prepared["advantages"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(prepared["advantages"][0::2], -batch["response_mask"][0::2].float())
+
+
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
 def test_actor_loss_agrees_with_verls_ppo_loss(tiny_dir: Path, loss_agg: str) -> None:
     """verl's ppo_loss (what its FSDP actor minimises), fed the tiny model's unpadded outputs, equals the torch

@@ -51,6 +51,23 @@ def grpo_advantages(
     return advantages.unsqueeze(-1) * response_mask
 
 
+def failed_group_advantages(
+    advantages: torch.Tensor, scores: torch.Tensor, response_mask: torch.Tensor, uid: Sequence[Any], value: float
+) -> torch.Tensor:
+    """Negative sample reinforcement for groups that all failed: each row of a group of two or more whose scores
+    are equal and at most 0 gets `value` on its response tokens, in place of the 0 a group-relative advantage gives
+    it. With `value` < 0 the update pushes those answers down, so the policy samples others and a task it never
+    solves can start to give signal (https://arxiv.org/abs/2506.01347). `scores`: token-level, before any KL
+    penalty."""
+    seq = sequence_scores(scores)
+    result = advantages.clone()
+    for rows in group_rows(uid).values():
+        group = seq[rows]
+        if len(rows) > 1 and bool((group == group[0]).all()) and float(group[0]) <= 0.0:
+            result[rows] = value * response_mask[rows]
+    return result
+
+
 def rloo_advantages(scores: torch.Tensor, response_mask: torch.Tensor, uid: Sequence[Any]) -> torch.Tensor:
     """RLOO: A_i = s_i - mean of the OTHER rows in the group = n / (n - 1) * (s_i - mean_g).
 

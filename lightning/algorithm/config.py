@@ -75,6 +75,12 @@ class TrainerConfig(BaseModel):
     """Added to the standard deviation when advantages are divided by it."""
     gamma: float = Field(default=1.0, ge=0, le=1)
     """Discount of REINFORCE++'s return-to-go."""
+    failed_group_advantage: float = Field(default=0.0, le=0)
+    """The advantage of every response in a group whose responses all failed alike (equal scores, at most 0), in
+    place of the 0 that group-relative advantages give it: a negative value pushes those answers down, so that the
+    policy samples others and a task it never solves can start to give signal (negative sample reinforcement,
+    https://arxiv.org/abs/2506.01347); 0: none. With dynamic sampling, such groups reach the update only through the
+    run's `keep_failed_groups`."""
 
     kl_coef: float = Field(default=0.001, ge=0)
     """Weight of the KL penalty to the reference (initial) policy, as the loss term or in the reward."""

@@ -34,6 +34,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning.algorithm.advantages import (
+    failed_group_advantages,
     grpo_advantages,
     kl_penalized_scores,
     reinforce_pp_advantages,
@@ -289,6 +290,10 @@ class TorchTrainer:
             )
         extra["token_level_rewards"] = rewards
         extra["advantages"] = compute_advantages(config, rewards, mask, batch.uid)
+        if config.failed_group_advantage:
+            extra["advantages"] = failed_group_advantages(
+                extra["advantages"], batch["token_level_scores"], mask, batch.uid, config.failed_group_advantage
+            )
         return batch.with_tensors(extra), metrics
 
     def old_policy_metrics(self, batch: TrainingBatch, old: torch.Tensor, ours: torch.Tensor) -> dict[str, float]:

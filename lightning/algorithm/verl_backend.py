@@ -215,6 +215,13 @@ def driver_advantages(proto: Any, trainer: TrainerConfig, algorithm_config: Any)
         proto, adv_estimator=estimator, gamma=trainer.gamma, norm_adv_by_std_in_grpo=norm_by_std,
         config=algorithm_config,
     )  # fmt: skip
+    if trainer.failed_group_advantage:  # ours: verl has no such option
+        from lightning.algorithm.advantages import failed_group_advantages
+
+        proto.batch["advantages"] = failed_group_advantages(
+            proto.batch["advantages"], proto.batch["token_level_scores"], proto.batch["response_mask"].float(),
+            list(proto.non_tensor_batch["uid"]), trainer.failed_group_advantage,
+        )  # fmt: skip
     return proto, metrics
 
 
