@@ -442,7 +442,7 @@ class TrainConfig(BaseModel):
     keep_failed_groups: int = Field(default=0, ge=0)
     """dynamic_sampling: besides the `batch_size` groups that differ, the update takes up to this many groups whose
     samples all failed alike (equal rewards, at most 0), for `algorithm.failed_group_advantage` to push their answers
-    down; 0: they are dropped with the other flat groups."""
+    down; 0: they are dropped with the other flat groups. (Without dynamic sampling every group is in the update.)"""
     n_runners: int = Field(default=2, ge=1)
     """Runner tasks fanned out per iteration."""
     runner_concurrency: int = Field(default=32, ge=1)
@@ -571,15 +571,10 @@ class TrainConfig(BaseModel):
 
     @model_validator(mode="after")
     def _failed_groups(self) -> TrainConfig:
-        if self.keep_failed_groups and not self.dynamic_sampling:
-            raise ValueError(
-                "keep_failed_groups: only dynamic sampling drops groups; without it every group is trained on "
-                "already. Set dynamic_sampling: true, or remove keep_failed_groups"
-            )
         if self.keep_failed_groups and not self.algorithm.failed_group_advantage:
             raise ValueError(
                 "keep_failed_groups: failed groups carry no advantage unless algorithm.failed_group_advantage is "
-                "below 0 (e.g. -1.0); set it, or remove keep_failed_groups"
+                "below 0 (e.g. -1.0); set it, or set keep_failed_groups to 0"
             )
         return self
 

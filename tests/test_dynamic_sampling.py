@@ -61,12 +61,12 @@ def test_failed_groups_are_kept_besides_the_informative_ones_up_to_their_own_lim
     assert len(kept) == 4  # no group differs: every triplet stays, as without failed groups
 
 
-def test_keeping_failed_groups_needs_dynamic_sampling_and_an_advantage_for_them() -> None:
+def test_keeping_failed_groups_needs_an_advantage_for_them() -> None:
     demo = {"agent": "examples.copy_task.agent:copy_agent", "train_data": "examples.copy_task.data:train_tasks"}
-    with pytest.raises(ValueError, match="keep_failed_groups: only dynamic sampling drops groups"):
-        load_config({**demo, "keep_failed_groups": 4, "algorithm": {"failed_group_advantage": -1.0}})
     with pytest.raises(ValueError, match=r"keep_failed_groups: .*algorithm.failed_group_advantage is below 0"):
         load_config({**demo, "keep_failed_groups": 4, "dynamic_sampling": True})
+    # Turning dynamic sampling off in a config that keeps failed groups (the demo's) is no error: all groups stay.
+    load_config("examples/copy_task/demo.yaml", dynamic_sampling=False)
     with pytest.raises(ValueError, match="failed_group_advantage"):
         load_config({**demo, "algorithm": {"failed_group_advantage": 0.5}})
     config = load_config(
