@@ -442,7 +442,8 @@ class TrainConfig(BaseModel):
     keep_failed_groups: int = Field(default=0, ge=0)
     """dynamic_sampling: besides the `batch_size` groups that differ, the update takes up to this many groups whose
     samples all failed alike (equal rewards, at most 0), for `algorithm.failed_group_advantage` to push their answers
-    down; 0: they are dropped with the other flat groups. (Without dynamic sampling every group is in the update.)"""
+    down; 0, or an `algorithm.failed_group_advantage` of 0: they are dropped with the other flat groups. (Without
+    dynamic sampling every group is in the update.)"""
     n_runners: int = Field(default=2, ge=1)
     """Runner tasks fanned out per iteration."""
     runner_concurrency: int = Field(default=32, ge=1)
@@ -570,15 +571,6 @@ class TrainConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
-    def _failed_groups(self) -> TrainConfig:
-        if self.keep_failed_groups and not self.algorithm.failed_group_advantage:
-            raise ValueError(
-                "keep_failed_groups: failed groups carry no advantage unless algorithm.failed_group_advantage is "
-                "below 0 (e.g. -1.0); set it, or set keep_failed_groups to 0"
-            )
-        return self
-
-    @model_validator(mode="after")
     def _backend_combinations(self) -> TrainConfig:
         if self.trainer_backend == "verl" and self.warm_start is not None:
             raise ValueError(
@@ -654,6 +646,12 @@ class TrainConfig(BaseModel):
                 f"inference.vllm.max_lora_rank: {chosen} cannot serve adapters of rank {rank} (algorithm.lora.rank); "
                 f"give one of {', '.join(map(str, VLLM_LORA_RANKS))} of at least {rank}, or leave it out"
             )
+
+    @property
+    def failed_groups_kept(self) -> int:
+        """Dynamic sampling's `keep_failed_groups`, where they carry an advantage (else they would only dilute the
+        update: none are kept)."""
+        return self.keep_failed_groups if self.algorithm.failed_group_advantage else 0
 
     @property
     def update_config(self) -> TrainerConfig:

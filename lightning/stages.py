@@ -392,7 +392,7 @@ async def adapt_spans(run: Run, iteration: int, rollout_ids: Sequence[str]) -> d
         corrected = config.algorithm.off_policy_correction != "none"
         triplets, staleness = drop_stale(triplets, iteration, config.algorithm.max_staleness, corrected)
     if config.dynamic_sampling:
-        triplets, dropped_groups = informative_groups(triplets, config.batch_size, config.keep_failed_groups)
+        triplets, dropped_groups = informative_groups(triplets, config.batch_size, config.failed_groups_kept)
     try:
         batch = TrainingBatch.from_triplets(
             triplets, pad_token_id=run.tokenizer().pad_token_id, max_prompt_length=config.max_prompt_length,

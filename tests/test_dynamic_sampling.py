@@ -61,18 +61,16 @@ def test_failed_groups_are_kept_besides_the_informative_ones_up_to_their_own_lim
     assert len(kept) == 4  # no group differs: every triplet stays, as without failed groups
 
 
-def test_keeping_failed_groups_needs_an_advantage_for_them() -> None:
-    demo = {"agent": "examples.copy_task.agent:copy_agent", "train_data": "examples.copy_task.data:train_tasks"}
-    with pytest.raises(ValueError, match=r"keep_failed_groups: .*algorithm.failed_group_advantage is below 0"):
-        load_config({**demo, "keep_failed_groups": 4, "dynamic_sampling": True})
-    # Turning dynamic sampling off in a config that keeps failed groups (the demo's) is no error: all groups stay.
-    load_config("examples/copy_task/demo.yaml", dynamic_sampling=False)
+def test_failed_groups_are_kept_only_where_they_get_an_advantage() -> None:
+    demo = load_config("examples/copy_task/demo.yaml")
+    assert (demo.keep_failed_groups, demo.failed_groups_kept) == (8, 8)
+    # A deployment run that replaces the whole algorithm (failed_group_advantage back to 0) keeps none: they would
+    # only dilute the update.
+    replaced = load_config("examples/copy_task/demo.yaml", algorithm={"lr": 1e-3})
+    assert (replaced.keep_failed_groups, replaced.failed_groups_kept) == (8, 0)
+    load_config("examples/copy_task/demo.yaml", dynamic_sampling=False)  # no error: every group stays then
     with pytest.raises(ValueError, match="failed_group_advantage"):
-        load_config({**demo, "algorithm": {"failed_group_advantage": 0.5}})
-    config = load_config(
-        {**demo, "keep_failed_groups": 4, "dynamic_sampling": True, "algorithm": {"failed_group_advantage": -1.0}}
-    )
-    assert config.update_config.failed_group_advantage == -1.0
+        load_config("examples/copy_task/demo.yaml", **{"algorithm.failed_group_advantage": 0.5})
 
 
 @pytest.mark.slow

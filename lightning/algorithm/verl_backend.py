@@ -29,6 +29,7 @@ Our config -> verl's (see `verl_overrides`; a field verl cannot express is an er
                                      has no dropout: lora.dropout must be 0); what verl's export holds with LoRA, and
                                      so what a LoRA run on verl publishes, has not been run here (it needs GPUs)
     old_log_probs, mismatch_threshold  on the driver (which log-probs the update uses; the mismatch metrics)
+    failed_group_advantage           on the driver, after verl's compute_advantage (verl has no such option)
 
 Weights reach the inference servers as checkpoints: each save writes verl's own checkpoint (model, optimizer, extra)
 plus a Hugging Face export, and our `step-*` checkpoint directory is that export, which vLLM reloads. verl's
