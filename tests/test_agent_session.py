@@ -15,6 +15,7 @@ from aiohttp import web
 
 from examples.copy_task.agent import copy_agent
 from lightning.agent import rollout
+from lightning.runner import blocking
 from lightning.runner.fleet import run_fleet_until
 from lightning.store import SqlLightningStore
 from lightning.types import LLM
@@ -98,7 +99,8 @@ async def test_a_process_s_next_rollout_phase_reuses_the_agents_connections(tmp_
     """Each rollout phase's fleet runs on an event loop of its own thread; the loop is kept for the process's next
     phase, and with it the agents' session and its open connections (a new loop per phase reopened them all). The
     phase ends once its loop is tidied and kept: the agents' leftover tasks here take 0.3 s to end, and a phase that
-    ended before its loop was kept had the next one start on a new loop."""
+    ended before its loop was kept had the next one start on a new loop. Another fleet's loop kept in between (the
+    full suite's earlier tests left theirs) does not take its place: a fleet takes back the loop it ran on."""
     peers: list[Any] = []
 
     async def chat(request: web.Request) -> web.Response:
@@ -121,6 +123,9 @@ async def test_a_process_s_next_rollout_phase_reuses_the_agents_connections(tmp_
                 assert done["finished"] == 8
                 phases.append(set(peers))
                 peers.clear()
+                stray = blocking._LoopThread()  # another fleet's loop, kept after this one's
+                stray.thread.name = "another-fleet"
+                stray.give_back()
             first, second = phases
             assert 1 <= len(first) <= 4 and second <= first, json.dumps([sorted(map(str, p)) for p in phases])
     finally:

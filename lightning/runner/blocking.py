@@ -301,19 +301,27 @@ class _LoopThread:
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self._run, name=IDLE_THREAD_NAME, daemon=True)
+        self.used_by: str | None = None
+        """The name it last ran under: a fleet's next phase takes its own loop back, with its agents' connections."""
         self.thread.start()
 
     @classmethod
     def take(cls, name: str) -> _LoopThread:
-        """An idle kept loop, or a new one; its thread named `name` while in use."""
+        """The idle loop last used under `name`, else the last one kept, else a new one; its thread named `name`
+        while in use."""
         with cls._lock:
-            home = cls._idle.pop() if cls._idle else None
+            home = next((kept for kept in reversed(cls._idle) if kept.used_by == name), None)
+            if home is not None:
+                cls._idle.remove(home)
+            elif cls._idle:
+                home = cls._idle.pop()
         home = home or cls()
         home.thread.name = name
         return home
 
     def give_back(self) -> None:
         """Kept for a next phase (or ended, when KEEP_IDLE_LOOPS are kept already). On the loop's thread."""
+        self.used_by = self.thread.name
         self.thread.name = IDLE_THREAD_NAME
         with self._lock:
             if len(self._idle) < KEEP_IDLE_LOOPS:
