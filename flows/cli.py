@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import gc
 import json
 import logging
 import os
@@ -152,6 +153,10 @@ def run_flow_cli(flow: Any, argv: list[str] | None, description: str | None) -> 
         raise SystemExit(1) from None
     finally:
         _release(lock)
+        # The run is closed: what is left of this process only ends. Its heap (a million objects after a run) goes
+        # out of the collector's reach, which at exit would pass over it several times (2.5 s of one core on an idle
+        # machine, much more on a loaded one), past the point where the stop deadline's thread can still end it.
+        gc.freeze()
     print(json.dumps(result, indent=2, default=str))
     if isinstance(result, dict) and "reward_after" in result:
         print(where_to_look(config, result))

@@ -463,7 +463,8 @@ def resume_command(log: Path) -> str:
 
 def assert_stopped(code: int, took: float, number: int, config: TrainConfig, log: Path) -> None:
     assert code == 128 + number, f"exit code {code}\n{tail(log)}"
-    assert took < config.timeouts.stop, f"the run took {took:.1f} s to stop (timeouts.stop {config.timeouts.stop:g})"
+    limit = config.timeouts.stop
+    assert took < limit, f"the run took {took:.1f} s to stop (timeouts.stop {limit:g})\n{tail(log)}"
     assert "did not stop within" not in log.read_text(errors="replace"), tail(log)
 
 
