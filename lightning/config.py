@@ -72,6 +72,10 @@ class InferenceConfig(BaseModel):
     bf16 forward's numerics), float32 on a CPU. vllm backend: vLLM's --dtype (auto: vLLM's own choice)."""
     in_process: bool = False
     """Embedded server: run it on a thread of the flow's process instead of a process of its own."""
+    with_proxy: bool = False
+    """Embedded server: the run's LLM proxy runs in the server's process and hands it calls without HTTP, one
+    process and one hop fewer (0.25-0.3 ms of CPU a rollout less on 2 cores: docs/benchmarks.md, "The rollout path's
+    CPU"). The demo's. Not with in_process or the run's proxy_in_process, which put them in the flow's process."""
     max_request_mb: float = Field(default=32, gt=0)
     """The largest request body, in MB, the run's LLM proxy and embedded inference server take: a larger one is
     answered 413 before it is read whole (a prompt too long for the model is refused before it is tokenized)."""
@@ -98,6 +102,11 @@ class InferenceConfig(BaseModel):
         if self.backend == "external" and not self.endpoint:
             raise ValueError(
                 "backend 'external' needs `endpoint`: the base URL of the server, e.g. http://host:8000/v1"
+            )
+        if self.with_proxy and (self.backend != "embedded" or self.endpoint is not None or self.in_process):
+            raise ValueError(
+                "with_proxy: only for the embedded server the run starts in a process of its own; leave it false "
+                "with another backend, an endpoint or in_process"
             )
         if self.backend != "embedded" and self.device != "auto":
             raise ValueError(
@@ -601,6 +610,11 @@ class TrainConfig(BaseModel):
                 "off_policy_correction) are the model's raw distribution's, at temperature 1, and the trainer's would "
                 f"be at {temperature:g}; sample at temperature 1.0, or use old_log_probs 'trainer' "
                 "and off_policy_correction 'none'"
+            )
+        if self.inference.with_proxy and self.proxy_in_process:
+            raise ValueError(
+                "inference.with_proxy: the proxy runs in the inference server's process, and proxy_in_process puts "
+                "it in the flow's; choose one"
             )
         if self.inference.weight_sync == "sleep" and self.inference.backend != "vllm":
             raise ValueError("inference.weight_sync: 'sleep' needs inference.backend 'vllm'")

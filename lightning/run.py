@@ -633,6 +633,8 @@ class Supervisor:
         parts.last_progress = time.monotonic()  # the next warning after another stall_warning seconds
 
     def _check(self, parts: _Parts) -> None:
+        from lightning.stack import SERVER_WITH_PROXY
+
         if parts.stack is not None:
             for child in parts.stack.processes:
                 # A run that is stopping stops its servers itself: none of them is restarted then.
@@ -651,7 +653,7 @@ class Supervisor:
                     self.max_restarts,
                 )  # fmt: skip
                 child.restart()
-                if child.name == "LLM proxy":  # a new proxy starts paused at version 0
+                if child.name in ("LLM proxy", SERVER_WITH_PROXY):  # a new proxy starts at no weight version
                     self.run.proxy_admin("resume", self.run._served())
         for server in parts.vllm:
             if not (self._stop.is_set() or stopping.stop_requested()) and server.restart_if_dead():
@@ -805,7 +807,7 @@ def _start_serving(
             parts.store, serving_dir, model_name=name, max_batch_size=inference.max_batch_size,
             batch_invariant=config.deterministic, device=inference.device, dtype=inference.dtype,
             server="thread" if inference.in_process else "process",
-            proxy="thread" if config.proxy_in_process or in_memory else "process", store_url=config.store_url,
+            proxy=_proxy_place(config, in_memory), store_url=config.store_url,
             log_dir=config.run_dir / "logs", stacks_dir=config.run_dir / "stacks",
             start_timeout=config.timeouts.startup, report=report,
             max_body_bytes=int(inference.max_request_mb * 2**20), proxy_token=parts.proxy_token,
@@ -849,6 +851,14 @@ def _start_serving(
     proxy_url = proxy.start(host=config.proxy_host)
     parts.closers.append(proxy.stop)
     return Endpoints(proxy_url=proxy_url, model_name=name)
+
+
+def _proxy_place(config: TrainConfig, in_memory: bool) -> str:
+    """Where the run's LLM proxy runs beside the embedded server (`LocalStack`'s `proxy`): on a thread of this
+    process (asked for, or needed by a store only this process sees), in the server's process, or in its own."""
+    if config.proxy_in_process or in_memory:
+        return "thread"
+    return "server" if config.inference.with_proxy else "process"
 
 
 def _holds_adapter(path: str | Path) -> bool:

@@ -36,6 +36,8 @@ REPORT_EVERY = 15.0
 """Seconds between the lines that say a process is still starting (a loaded machine takes minutes)."""
 LOG_LINES = 20
 """Lines of a process's log that its errors quote."""
+SERVER_WITH_PROXY = "inference server and LLM proxy"
+"""The name of the process that serves both (`LocalStack(proxy="server")`): a restart starts its proxy anew too."""
 
 
 @dataclass
@@ -165,7 +167,9 @@ class LocalStack:
     Each runs on a thread of this process (tests reach the engine as `inference_app.state.engine` and the proxy as
     `proxy`), or in a process of its own (`server="process"`, `proxy="process"` with the store's `store_url`),
     which gives it a core of its own instead of sharing this process's interpreter lock with the runners and the
-    trainer. `log_dir`: where those processes write (default: a temporary directory); `stacks_dir`: where they
+    trainer; or the proxy in the inference server's process (`proxy="server"`, with `server="process"`), which
+    hands the server its calls without HTTP: one process and one hop fewer (`lightning.proxy.local`).
+    `log_dir`: where those processes write (default: a temporary directory); `stacks_dir`: where they
     dump their stacks on SIGUSR1 (`lightning.diagnose`). `start_timeout`: the seconds both processes may take to
     answer, together (a run's `timeouts.startup`); `report` gets a line every REPORT_EVERY seconds while one starts.
     `max_body_bytes`: the largest request body either server takes (413 above it). `agents_need_token`: False lets
@@ -196,10 +200,15 @@ class LocalStack:
     ) -> None:
         from lightning.proxy import Backend, LLMProxy
 
-        if server not in ("thread", "process") or proxy not in ("thread", "process"):
-            raise ValueError(f"LocalStack(server={server!r}, proxy={proxy!r}): use 'thread' or 'process' for each")
-        if proxy == "process" and store_url is None:
-            raise ValueError("LocalStack(proxy='process') needs store_url: the proxy process opens the store itself")
+        if server not in ("thread", "process") or proxy not in ("thread", "process", "server"):
+            raise ValueError(
+                f"LocalStack(server={server!r}, proxy={proxy!r}): server is 'thread' or 'process', proxy 'thread', "
+                "'process' or 'server' (in the server's process)"
+            )
+        if proxy == "server" and server != "process":
+            raise ValueError("LocalStack(proxy='server') needs server='process': the proxy runs in that process")
+        if proxy != "thread" and store_url is None:
+            raise ValueError(f"LocalStack(proxy={proxy!r}) needs store_url: the proxy's process opens the store itself")
         self.store = store
         self.model_name = model_name
         self.model_dir = Path(model_dir)
@@ -229,8 +238,16 @@ class LocalStack:
                 command += ["--threads", "1"] + (["--batch-invariant"] if batch_invariant else [])
                 command += ["--max-body-mb", str(max_body_bytes / 2**20)] + (["--access-log"] if access_log else [])
                 env = {INFERENCE_API_KEY: self.inference_key, **diagnosis}
+                name = "inference server"
+                if proxy == "server":
+                    proxy_port = free_port()
+                    command += ["--proxy-port", str(proxy_port)]
+                    command += [] if agents_need_token else ["--proxy-any-agent-key"]
+                    env.update({STORE_URL: str(store_url), PROXY_TOKEN: self.proxy_token})
+                    name = SERVER_WITH_PROXY
+                    self.proxy_url = f"http://127.0.0.1:{proxy_port}"
                 log = log_dir / "inference.log"
-                self.inference_url = self._start_process("inference server", command, env, port, log)
+                self.inference_url = self._start_process(name, command, env, port, log)
             backend = f"{self.inference_url}/v1"
             if proxy == "thread":
                 backends = [Backend(url=backend, api_key=self.inference_key)]
@@ -240,7 +257,7 @@ class LocalStack:
                     tokenizer=str(model_dir), max_body_bytes=max_body_bytes,
                 )  # fmt: skip
                 self.proxy_url = self.proxy.start()
-            else:
+            elif proxy == "process":
                 port = free_port()
                 command = [sys.executable, "-m", "lightning.cli", "proxy", "serve", "--backend", backend]
                 command += ["--model-name", model_name, "--port", str(port)]
@@ -269,7 +286,7 @@ class LocalStack:
         """The inference server now serves `model_dir`: a restart starts it on those weights."""
         self.model_dir = Path(model_dir)
         for child in self.processes:
-            if child.name == "inference server":
+            if child.name in ("inference server", SERVER_WITH_PROXY):
                 child.command[child.command.index("--model") + 1] = str(model_dir)
 
     def restart_dead(self) -> list[ServerProcess]:

@@ -98,6 +98,15 @@ def test_external_inference_needs_an_endpoint() -> None:
         load_config({"inference": {"backend": "external"}})
 
 
+def test_the_proxy_serves_with_the_embedded_server_only_where_both_run_in_its_process() -> None:
+    assert load_config({"inference": {"with_proxy": True}}).inference.with_proxy
+    for inference in ({"in_process": True}, {"backend": "vllm"}, {"endpoint": "http://127.0.0.1:9/v1"}):
+        with pytest.raises(ConfigError, match="inference: with_proxy: only for the embedded server the run starts"):
+            load_config({"inference": {"with_proxy": True, **inference}})
+    with pytest.raises(ConfigError, match="inference.with_proxy: .* proxy_in_process puts it in the flow's; choose"):
+        load_config({"inference": {"with_proxy": True}, "proxy_in_process": True})
+
+
 def test_device_and_dtype_settings_say_what_they_take() -> None:
     config = load_config({"algorithm": {"device": "cuda:1"}, "inference": {"device": "cpu", "dtype": "bfloat16"}})
     assert (config.algorithm.device, config.inference.device, config.inference.dtype) == ("cuda:1", "cpu", "bfloat16")

@@ -34,7 +34,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def inference(tiny_model: Path) -> Iterator[tuple[Any, str]]:
     app = create_inference_app(tiny_model, served_model_name="tiny")
     with serving(app) as url:
-        yield app.state.engine, f"{url}/v1"
+        yield app, f"{url}/v1"
     app.state.engine.stop()
 
 
@@ -54,13 +54,18 @@ def llm_spans(spans: list[Span]) -> list[Span]:
     return [s for s in spans if s.attributes.get(semconv.GEN_AI_OPERATION) == "chat"]
 
 
+@pytest.mark.parametrize("reach", ["http", "in-process"])
 @pytest.mark.parametrize("agent", [calculator_agent, streaming_agent], ids=["calculator", "streaming"])
 async def test_the_store_holds_exactly_the_tokens_the_server_generated(
-    tmp_path: Path, inference: tuple[Any, str], agent: Any
+    tmp_path: Path, inference: tuple[Any, str], agent: Any, reach: str
 ) -> None:
-    engine, server_url = inference
+    """Over HTTP, or handed to the server's app in the proxy's process (`in_process`, as when one process serves
+    both): the calculator agent's calls continue its earlier ones token-exactly (the server's token-in route)."""
+    app, server_url = inference
+    engine = app.state.engine
     store = SqlLightningStore(f"sqlite:///{tmp_path}/store.db", watchdog_interval=None)
-    proxy = LLMProxy(store, [server_url], model_name="tiny")
+    in_process = {server_url: app} if reach == "in-process" else None
+    proxy = LLMProxy(store, [server_url], model_name="tiny", in_process=in_process)
     proxy.start()
     try:
         sampling = {"temperature": 1.0, "max_tokens": 12}
@@ -88,6 +93,7 @@ async def test_the_store_holds_exactly_the_tokens_the_server_generated(
                 assert span.attributes[semconv.LLM_STREAM] is (agent is streaming_agent)
                 checked += 1
         assert checked >= len(tasks)
+        assert (proxy._client is None) is (reach == "in-process")  # no HTTP client was ever needed
     finally:
         proxy.stop()
         await store.close()

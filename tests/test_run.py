@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from lightning import reporting, stages
+from lightning import reporting, semconv, stages
 from lightning.config import TrainConfig, load_config
 from lightning.run import Endpoints, Run, RunNotOpen
 
@@ -123,15 +123,46 @@ def _rollouts(seconds: float) -> Any:
 
 
 @pytest.mark.slow
-async def test_a_dead_server_or_proxy_is_restarted_and_the_rollouts_go_on(tmp_path: Path) -> None:
-    async with opened(tmp_path) as run:
+@pytest.mark.parametrize("with_proxy", [False, True], ids=["apart", "with-proxy"])
+async def test_a_dead_server_or_proxy_is_restarted_and_the_rollouts_go_on(tmp_path: Path, with_proxy: bool) -> None:
+    """The inference server and the proxy in processes of their own, or in one (`inference.with_proxy`)."""
+    async with opened(tmp_path, inference={"with_proxy": with_proxy}) as run:
         stack = run._parts.stack  # the run's own processes
+        names = [child.name for child in stack.processes]
+        assert names == (["inference server and LLM proxy"] if with_proxy else ["inference server", "LLM proxy"])
         for child in stack.processes:  # the inference server, then the proxy
             child.process.kill()
             await _until(lambda child=child: child.restarts == 1 and child.answers(), f"{child.name} restarted")
         ids, summary = await stages.collect_rollouts(run, 0)
         assert summary["succeeded"] == len(ids) == 4 * 2
-        assert run.restarts() == 2
+        assert run.restarts() == len(names)
+        # The restarted proxy records the weights served (the supervisor resumes it on them).
+        spans = await run.store.query_spans(ids[0])
+        assert any(span.attributes.get(semconv.LLM_WEIGHT_VERSION) is not None for span in spans)
+
+
+@pytest.mark.slow
+async def test_a_run_whose_proxy_serves_in_the_inference_server_s_process_trains_on_its_token_ids(
+    tmp_path: Path,
+) -> None:
+    """`inference.with_proxy`: one process serves the model and the proxy, whose calls reach the model without HTTP;
+    the spans carry the token ids the update trains on, and new weights reach the server."""
+    config = small_config(tmp_path, inference={"with_proxy": True}, algorithm={"lr": 1e-3}, max_response_length=4)
+    run = await Run.open(config, track=False)
+    try:
+        [server] = run._parts.stack.processes
+        assert run.endpoints.proxy_url != run._parts.stack.inference_url
+        ids, summary = await stages.collect_rollouts(run, 0)
+        assert summary["succeeded"] == len(ids) == 4 * 2
+        batch = await stages.adapt_spans(run, 0, ids)
+        assert batch["rows"] == 4 * 2
+        metrics = await stages.ppo_step(run, 0, batch["batch_path"])
+        saved = await stages.checkpoint(run, 0, reporting.iteration_row(0, summary, batch, metrics, 1.0))
+        assert run._parts.stack.serving()["version"] == saved["step"] == 1
+    finally:
+        await run.close()
+    log = (config.run_dir / "logs" / "inference.log").read_text()
+    assert "starting the LLM proxy on http://127.0.0.1:" in log and not (config.run_dir / "logs" / "proxy.log").exists()
 
 
 @pytest.mark.slow

@@ -1,14 +1,20 @@
-"""Serve a Hugging Face model directory with the embedded OpenAI-compatible server: `python -m lightning.inference`."""
+"""Serve a Hugging Face model directory with the embedded OpenAI-compatible server: `python -m lightning.inference`.
+
+With `--proxy-port`, this process also serves the LLM proxy in front of the model (a run's `inference.with_proxy`):
+on that port, storing its spans in the store at $LIGHTNING_STORE_URL, with the token in $LIGHTNING_PROXY_TOKEN; its
+calls reach the model without HTTP (`lightning.proxy.local`)."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
+from typing import Any
 
 from lightning.devices import dtype_name
 from lightning.diagnose import dump_stacks_on_signal
-from lightning.environment import INFERENCE_API_KEY
+from lightning.environment import INFERENCE_API_KEY, PROXY_TOKEN, STORE_URL
 from lightning.inference.server import create_inference_app
 from lightning.lifeline import exit_with_parent
 from lightning.serving import freeze_startup_objects, is_loopback
@@ -39,6 +45,11 @@ def main(argv: list[str] | None = None) -> None:
         "--keep-alive", type=float, default=KEEP_ALIVE_SECONDS,
         help=f"seconds an idle connection stays open (default: {KEEP_ALIVE_SECONDS:g})",
     )  # fmt: skip
+    parser.add_argument("--proxy-port", type=int, default=None, help="serve the LLM proxy on this port too")
+    parser.add_argument(
+        "--proxy-any-agent-key", action="store_true",
+        help="the proxy takes any API key on the routes runners hand their agents (loopback only)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     exit_with_parent()  # started by a run: it dies with the run
     dump_stacks_on_signal(None, "inference-server")  # into the run's stacks directory, when a run started it
@@ -68,11 +79,77 @@ def main(argv: list[str] | None = None) -> None:
     engine = app.state.engine
     _say(f"serving {engine.model_path} on {engine.device} in {dtype_name(engine.dtype)}")
     _say(f"starting the HTTP server on http://{args.host}:{args.port}")
-    freeze_startup_objects()  # torch, transformers and the model's modules: never scanned again
-    uvicorn.run(
+    config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level="info", access_log=args.access_log,
         timeout_keep_alive=int(args.keep_alive),
     )  # fmt: skip
+    if args.proxy_port is None:
+        freeze_startup_objects()  # torch, transformers and the model's modules: never scanned again
+        uvicorn.Server(config).run()
+        return
+    serve_with_proxy(config, args, parser)
+
+
+def serve_with_proxy(config: Any, args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """The inference app and the LLM proxy in front of it, on one uvicorn server and event loop listening on both
+    ports; the proxy hands its calls to the app in this process."""
+    import asyncio
+
+    import uvicorn
+
+    from lightning.proxy import Backend, LLMProxy
+    from lightning.store import open_store
+    from lightning.types import POLICY_MODEL_NAME
+
+    token = os.environ.get(PROXY_TOKEN) or None
+    if token is None and not is_loopback(args.host):
+        parser.error(f"--proxy-port on {args.host}: give the proxy a token in ${PROXY_TOKEN}")
+    if args.proxy_any_agent_key and not is_loopback(args.host):
+        parser.error(f"--proxy-any-agent-key: only on a loopback address, not {args.host}")
+    store_url = os.environ.get(STORE_URL)
+    if not store_url:
+        parser.error(f"--proxy-port: the proxy stores its spans in the store at ${STORE_URL}; set it")
+    app = config.app
+    backend = f"http://{args.host}:{args.port}/v1"
+    store = open_store(store_url, watchdog_interval=None)
+    proxy = LLMProxy(
+        store, [Backend(url=backend, api_key=args.api_key)], model_name=args.served_model_name or POLICY_MODEL_NAME,
+        token=token, agents_need_token=not args.proxy_any_agent_key, tokenizer=args.model,
+        max_body_bytes=int(args.max_body_mb * 1024 * 1024), in_process={backend: app},
+    )  # fmt: skip
+    proxy.url = f"http://{args.host}:{args.port}"
+    config.app = _ByPort(app, proxy.app, args.proxy_port)
+    sockets = [_listening(args.host, args.port), _listening(args.host, args.proxy_port)]
+    _say(f"starting the LLM proxy on http://{args.host}:{args.proxy_port}, spans to {store!r}")
+    freeze_startup_objects()
+    try:
+        uvicorn.Server(config).run(sockets=sockets)
+    finally:
+        asyncio.run(store.close())
+
+
+class _ByPort:
+    """One ASGI app for two: requests to `proxy_port` go to the proxy, the rest (lifespan too) to the server."""
+
+    def __init__(self, server: Any, proxy: Any, proxy_port: int) -> None:
+        self.server, self.proxy, self.proxy_port = server, proxy, proxy_port
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        server = scope.get("server")
+        if server is not None and server[1] == self.proxy_port:
+            await self.proxy(scope, receive, send)
+        else:
+            await self.server(scope, receive, send)
+
+
+def _listening(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, as uvicorn binds its own (the server listens on it once it starts)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
 
 
 KEEP_ALIVE_SECONDS = 300.0

@@ -23,7 +23,14 @@ from lightning.checkpoint import CheckpointError
 from lightning.devices import dtype_name
 from lightning.inference.engine import InferenceEngine, Output, SamplingParams, TokenLogprob
 from lightning.inference.tools import ToolCall, ToolCallParser, split_tool_calls
-from lightning.serving import DEFAULT_MAX_BODY_BYTES, BearerAuth, BodyLimit, HotRoutes, without_fastapi_telemetry
+from lightning.serving import (
+    DEFAULT_MAX_BODY_BYTES,
+    BearerAuth,
+    BodyLimit,
+    HotRoutes,
+    ours_outermost,
+    without_fastapi_telemetry,
+)
 
 BODY_SETTING = "inference.max_request_mb of the run's config (--max-body-mb of `lightning inference serve`)"
 """What sets the largest request body the server takes (413 beyond), named in its 413s."""
@@ -188,7 +195,7 @@ def create_inference_app(
         yield
         engine.stop()
 
-    app = FastAPI(title="lightning inference", lifespan=lifespan, **without_fastapi_telemetry())
+    app = ours_outermost(FastAPI(title="lightning inference", lifespan=lifespan, **without_fastapi_telemetry()))
     app.state.engine = engine
 
     @app.exception_handler(OpenAIError)

@@ -19,7 +19,7 @@ import os
 import re
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -42,6 +42,7 @@ from lightning.serving import (
     HotRoutes,
     ThreadedServer,
     is_loopback,
+    ours_outermost,
     without_fastapi_telemetry,
 )
 from lightning.store.base import LightningStore
@@ -137,6 +138,8 @@ class LLMProxy:
       (`lightning.chat`), on the backend's `chat/completions/tokens` route, so a multi-turn trajectory is one
       token-exact row. Without it the backend renders every call's messages itself.
     - `max_body_bytes`: a request body over it is answered 413 before it is read whole, never forwarded.
+    - `in_process`: backend URL -> the ASGI app that serves it in this process (the embedded inference server's, when
+      one process serves both): calls to that backend go to the app directly, without HTTP (`lightning.proxy.local`).
 
     `weight_version` (the checkpoint step served) and `adapter` are set by `resume`, and recorded on the span of every
     call let through from then on. `adapter`: the name under which the backends serve the policy's LoRA adapter (a
@@ -159,7 +162,10 @@ class LLMProxy:
         max_connections: int = 512,
         tokenizer: Any = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        in_process: Mapping[str, Any] | None = None,
     ) -> None:
+        from lightning.proxy.local import InProcessSession
+
         self.store = store
         self.backends = [b if isinstance(b, Backend) else Backend(url=b) for b in backends]
         self.model_name = model_name
@@ -189,6 +195,7 @@ class LLMProxy:
         self._served: dict[str, str | None] = {}
         """Per backend URL: the model it serves when it does not list `model_name` (None: it does, or unknown)."""
         self._client: aiohttp.ClientSession | None = None
+        self._local = {url.rstrip("/"): InProcessSession(app, timeout) for url, app in (in_process or {}).items()}
         self._open: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
         self._router: Any = None
@@ -257,6 +264,7 @@ class LLMProxy:
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="lightning LLM proxy", docs_url="/docs", redoc_url=None, **without_fastapi_telemetry())
+        ours_outermost(app)
         proxy = self
 
         # The LLM calls, answered past FastAPI's routing (the routes below stay, for /docs), guarded as the rest.
@@ -492,7 +500,6 @@ class LLMProxy:
 
     async def _send(self, outbound: _Outbound, rollout_id: str | None) -> tuple[aiohttp.ClientResponse, Backend, int]:
         """Send to the rollout's backend; on a connection error or a 5xx, try the next one."""
-        client = self._http()
         order = self._backend_order(rollout_id)
         delay = self.retry_backoff
         failure = ""
@@ -506,6 +513,7 @@ class LLMProxy:
             url = f"{backend.url.rstrip('/')}/{outbound.path}"
             try:
                 model = await self._backend_model(backend, outbound.body)
+                client = self._client_for(backend)
                 response = await client.post(url, data=_payload(outbound, backend, model), headers=headers)
             except _RETRYABLE as exc:
                 failure = redact(f"{backend.url}: {type(exc).__name__}: {exc}")
@@ -679,7 +687,8 @@ class LLMProxy:
             headers = {"authorization": f"Bearer {backend.api_key}"} if backend.api_key else {}
             url = f"{backend.url.rstrip('/')}/models"
             try:
-                async with self._http().get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=10)) as response:
+                timeout = aiohttp.ClientTimeout(total=10)
+                async with self._client_for(backend).get(url, headers=headers, timeout=timeout) as response:
                     if response.status >= 500:  # starting or failing: ask again on the next call
                         return None
                     listing = await response.json(content_type=None) if response.status == 200 else None
@@ -722,6 +731,10 @@ class LLMProxy:
                 auto_decompress=False,
             )
         return self._client
+
+    def _client_for(self, backend: Backend) -> Any:
+        """The session a call to `backend` goes on: the in-process one for a backend of this process, else HTTP."""
+        return self._local.get(backend.url.rstrip("/")) or self._http()
 
     def _litellm_router(self) -> Any:
         if self._router is None:
@@ -789,6 +802,8 @@ class LLMProxy:
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
         await self.writer.close()
+        for session in self._local.values():
+            await session.close()
         if self._client is not None:
             await self._client.close()
             self._client = None

@@ -1,0 +1,190 @@
+"""The LLM proxy's calls to an inference server of its own process, without HTTP.
+
+When the proxy and the embedded inference server serve from one process (`python -m lightning.inference
+--proxy-port`, a run's `inference.proxy_with_server`), the proxy hands each call to the server's ASGI app directly:
+no socket, no request written by aiohttp and parsed by uvicorn, no response written and parsed back. That hop cost
+0.25-0.29 ms of CPU a call of the 2.1 ms a rollout costs in all (docs/benchmarks.md, "The rollout path's CPU").
+
+`InProcessSession` stands where the proxy's aiohttp session does, and answers with what the proxy reads of an aiohttp
+response: `status`, `headers`, `read()`, `json()`, `release()`, `content.iter_any()` and `content.at_eof()`. The app
+runs as a task of the proxy's loop, as uvicorn would run it: an app that raises before answering is a 500 (logged),
+one that raises mid-body breaks the body off (`aiohttp.ClientPayloadError`, as a dropped connection does); releasing
+a response before its end disconnects the app (a stream being generated stops, as when the proxy closes a
+connection).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Generator
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import aiohttp
+from multidict import CIMultiDict
+
+logger = logging.getLogger(__name__)
+
+_END = object()
+
+
+class InProcessSession:
+    """Calls to the ASGI `app` as an aiohttp session makes them over HTTP; `timeout`: seconds a call may take, to
+    the end of its body (the proxy's session timeout)."""
+
+    def __init__(self, app: Any, timeout: float) -> None:
+        self.app = app
+        self.timeout = timeout
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def post(self, url: str, *, data: bytes, headers: dict[str, str], **_: Any) -> _Pending:
+        return _Pending(self._call("POST", url, data, headers))
+
+    def get(self, url: str, *, headers: dict[str, str], **_: Any) -> _Pending:
+        return _Pending(self._call("GET", url, b"", headers))
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _call(self, method: str, url: str, body: bytes, headers: dict[str, str]) -> InProcessResponse:
+        parts = urlsplit(url)
+        sent = [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()]
+        scope = {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+            "path": unquote(parts.path), "raw_path": parts.path.encode(), "query_string": parts.query.encode(),
+            "root_path": "", "headers": [*sent, (b"content-length", str(len(body)).encode())],
+            "server": (parts.hostname, parts.port), "client": ("127.0.0.1", 0),
+        }  # fmt: skip
+        loop = asyncio.get_running_loop()
+        response = InProcessResponse(loop, self.timeout)
+        task = loop.create_task(self._run(scope, body, response))
+        response._task = task
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        try:
+            await response._started
+        except BaseException:  # it failed or timed out, or the proxy's call was cancelled: the app's call goes too
+            response.release()
+            raise
+        return response
+
+    async def _run(self, scope: dict[str, Any], body: bytes, response: InProcessResponse) -> None:
+        request = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive() -> dict[str, Any]:
+            if request:
+                return request.pop()
+            await response._released.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                pairs = message["headers"]
+                response.headers = CIMultiDict((k.decode("latin-1"), v.decode("latin-1")) for k, v in pairs)
+                response.status = message["status"]
+                response._start()
+            elif message["type"] == "http.response.body":
+                if message.get("body"):
+                    response._chunks.put_nowait(message["body"])
+                if not message.get("more_body", False):
+                    response._chunks.put_nowait(_END)
+
+        try:
+            await self.app(scope, receive, send)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if not response._started.done():  # what uvicorn answers for an app that raised before answering
+                logger.exception("the in-process inference server failed on %s %s", scope["method"], scope["path"])
+                response.status, response.headers = 500, CIMultiDict({"content-type": "text/plain; charset=utf-8"})
+                response._chunks.put_nowait(b"Internal Server Error")
+                response._start()
+            else:
+                response._chunks.put_nowait(aiohttp.ClientPayloadError(f"the response broke off: {exc!r}"))
+        finally:
+            # As a server that closed the connection without answering, or without ending its body.
+            response._start(aiohttp.ServerDisconnectedError("the in-process app ended without answering"))
+            response._chunks.put_nowait(_END)
+
+
+class _Pending:
+    """What `post` and `get` return: awaited, the response; in `async with`, the response, released at the end."""
+
+    def __init__(self, call: Awaitable[InProcessResponse]) -> None:
+        self._call = call
+        self._response: InProcessResponse | None = None
+
+    def __await__(self) -> Generator[Any, None, InProcessResponse]:
+        return self._call.__await__()
+
+    async def __aenter__(self) -> InProcessResponse:
+        self._response = await self._call
+        return self._response
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._response is not None:
+            self._response.release()
+
+
+class InProcessResponse:
+    """An answer of the in-process app, read as the proxy reads an aiohttp response."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
+        self.status = 0
+        self.headers: CIMultiDict[str] = CIMultiDict()
+        self.content = self  # `upstream.content.iter_any()`, as on aiohttp's
+        self._started: asyncio.Future[None] = loop.create_future()
+        self._released = asyncio.Event()
+        self._chunks: asyncio.Queue[Any] = asyncio.Queue()
+        self._ended = False
+        self._task: asyncio.Task[None] | None = None
+        self._timer = loop.call_later(timeout, self._time_out, timeout)
+
+    async def iter_any(self) -> AsyncIterator[bytes]:
+        while not self._ended:
+            chunk = await self._chunks.get()
+            if chunk is _END or isinstance(chunk, BaseException):
+                self._ended = True
+                self._timer.cancel()
+                if chunk is not _END:
+                    raise chunk
+            else:
+                yield chunk
+
+    def at_eof(self) -> bool:
+        return self._ended
+
+    async def read(self) -> bytes:
+        return b"".join([chunk async for chunk in self.iter_any()])
+
+    async def json(self, content_type: str | None = None) -> Any:
+        return json.loads(await self.read())
+
+    def release(self) -> None:
+        """Done with the answer: an app still answering sees its client gone, and is stopped."""
+        self._timer.cancel()
+        self._released.set()
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+
+    def _start(self, failure: BaseException | None = None) -> None:
+        if self._started.done():
+            return
+        if failure is None:
+            self._started.set_result(None)
+        else:
+            self._started.set_exception(failure)
+
+    def _time_out(self, timeout: float) -> None:
+        """The call's `timeout` passed: TimeoutError to whoever waits for its answer or its body, as aiohttp's."""
+        error = TimeoutError(f"the in-process app took over {timeout:g} s")
+        if self._started.done():
+            self._chunks.put_nowait(error)
+        else:
+            self._start(error)
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
