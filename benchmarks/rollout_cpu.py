@@ -46,7 +46,10 @@ from lightning.models import build_tiny_model  # noqa: E402
 from lightning.run import Run  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
-PROCESSES = ("runner processes", "inference server", "LLM proxy", "the run's process", "trainer", "other")
+PROCESSES = (
+    "runner processes", "inference server", "LLM proxy", "inference server and LLM proxy", "the run's process",
+    "trainer", "other",
+)  # fmt: skip
 
 
 def process_cpu(run: Run | None) -> dict[str, float]:
@@ -67,8 +70,9 @@ def process_cpu(run: Run | None) -> dict[str, float]:
         except OSError:
             continue
         name = (
-            "runner processes" if pid in runner_pids else "LLM proxy" if "proxy" in command
-            else "inference server" if "lightning.inference" in command
+            "runner processes" if pid in runner_pids
+            else "inference server and LLM proxy" if "lightning.inference" in command and "--proxy-port" in command
+            else "LLM proxy" if "proxy" in command else "inference server" if "lightning.inference" in command
             else "trainer" if "multiprocessing" in command else "other"
         )  # fmt: skip
         cpu[name] = cpu.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / TICK
