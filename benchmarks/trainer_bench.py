@@ -134,7 +134,8 @@ async def run_ours(
             "mlflow_traces": {"train_per_iteration": 0},
             "eval_sampling": {**sampling, "temperature": 0.0}, "max_prompt_length": 64,
             "max_response_length": MAX_NEW_TOKENS + 1, **recipe, "iterations": 100_000,
-            "inference": {"in_process": server == "thread"}, "proxy_in_process": server == "thread",
+            "inference": {"in_process": server == "thread", "with_proxy": server == "with-proxy"},
+            "proxy_in_process": server == "thread",
             "checkpoint": {"keep_last": 1, "log_to_mlflow": False}, "seed": seed,
             "store_url": f"sqlite:///{workdir}/store.db", "tracking_uri": f"sqlite:///{workdir}/mlflow.db",
             "output_dir": str(workdir / "runs"),
@@ -270,7 +271,10 @@ def arguments() -> argparse.ArgumentParser:
         "--trl-threads", type=int, default=1,
         help="TRL's torch threads (ours: the trainer and the inference server take 1 each on 2 cores); 0: torch's",
     )  # fmt: skip
-    parser.add_argument("--server", choices=["process", "thread"], default="process", help="our inference server")
+    parser.add_argument(
+        "--server", choices=["with-proxy", "process", "thread"], default="with-proxy",
+        help="our inference server: in a process with the proxy (the demo's), in one of its own, or on a thread",
+    )  # fmt: skip
     parser.add_argument(
         "--task-runner", choices=["default", "processes"], default="default",
         help="our runners: on the loop's event loop, or in runner processes of the run (task_runner processes)",
