@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> None:
         help="the proxy takes any API key on the routes runners hand their agents (loopback only)",
     )  # fmt: skip
     args = parser.parse_args(argv)
+    proxy = _proxy_settings(args, parser) if args.proxy_port is not None else None  # refused before the model loads
     exit_with_parent()  # started by a run: it dies with the run
     dump_stacks_on_signal(None, "inference-server")  # into the run's stacks directory, when a run started it
     if not is_loopback(args.host) and not args.api_key:
@@ -83,14 +84,28 @@ def main(argv: list[str] | None = None) -> None:
         app, host=args.host, port=args.port, log_level="info", access_log=args.access_log,
         timeout_keep_alive=int(args.keep_alive),
     )  # fmt: skip
-    if args.proxy_port is None:
+    if proxy is None:
         freeze_startup_objects()  # torch, transformers and the model's modules: never scanned again
         uvicorn.Server(config).run()
         return
-    serve_with_proxy(config, args, parser)
+    serve_with_proxy(config, args, *proxy)
 
 
-def serve_with_proxy(config: Any, args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+def _proxy_settings(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[str | None, str]:
+    """The proxy's token ($LIGHTNING_PROXY_TOKEN; needed beyond loopback) and its store's URL
+    ($LIGHTNING_STORE_URL)."""
+    token = os.environ.get(PROXY_TOKEN) or None
+    if token is None and not is_loopback(args.host):
+        parser.error(f"--proxy-port on {args.host}: give the proxy a token in ${PROXY_TOKEN}")
+    if args.proxy_any_agent_key and not is_loopback(args.host):
+        parser.error(f"--proxy-any-agent-key: only on a loopback address, not {args.host}")
+    store_url = os.environ.get(STORE_URL)
+    if not store_url:
+        parser.error(f"--proxy-port: the proxy stores its spans in the store at ${STORE_URL}; set it")
+    return token, store_url
+
+
+def serve_with_proxy(config: Any, args: argparse.Namespace, token: str | None, store_url: str) -> None:
     """The inference app and the LLM proxy in front of it, on one uvicorn server and event loop listening on both
     ports; the proxy hands its calls to the app in this process."""
     import asyncio
@@ -101,14 +116,6 @@ def serve_with_proxy(config: Any, args: argparse.Namespace, parser: argparse.Arg
     from lightning.store import open_store
     from lightning.types import POLICY_MODEL_NAME
 
-    token = os.environ.get(PROXY_TOKEN) or None
-    if token is None and not is_loopback(args.host):
-        parser.error(f"--proxy-port on {args.host}: give the proxy a token in ${PROXY_TOKEN}")
-    if args.proxy_any_agent_key and not is_loopback(args.host):
-        parser.error(f"--proxy-any-agent-key: only on a loopback address, not {args.host}")
-    store_url = os.environ.get(STORE_URL)
-    if not store_url:
-        parser.error(f"--proxy-port: the proxy stores its spans in the store at ${STORE_URL}; set it")
     app = config.app
     backend = f"http://{args.host}:{args.port}/v1"
     store = open_store(store_url, watchdog_interval=None)
