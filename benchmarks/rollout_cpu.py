@@ -71,7 +71,7 @@ def process_cpu(run: Run | None) -> dict[str, float]:
             continue
         name = (
             "runner processes" if pid in runner_pids
-            else "inference server and LLM proxy" if "lightning.inference" in command and "--proxy-port" in command
+            else "inference server and LLM proxy" if "lightning.stack" in command
             else "LLM proxy" if "proxy" in command else "inference server" if "lightning.inference" in command
             else "trainer" if "multiprocessing" in command else "other"
         )  # fmt: skip

@@ -1,5 +1,6 @@
 """The embedded serving parts of a run on one machine: the inference server for a model directory and the LLM
-proxy in front of it, each on a thread of this process or in a process of its own.
+proxy in front of it, each on a thread of this process or in a process of its own, or both in one process
+(`python -m lightning.stack`, `main` below).
 
 Each listens on 127.0.0.1 behind a random token of its own (the proxy's reaches runners through the environment),
 so another user of the machine can neither generate on the model, reload it, nor write spans. A process of its
@@ -10,7 +11,11 @@ that has exited or stopped answering: the supervision of a run (`lightning.run`)
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import os
 import secrets
+import socket
 import subprocess
 import sys
 import tempfile
@@ -25,7 +30,14 @@ import httpx
 from lightning import stopping
 from lightning.environment import BACKEND_API_KEY, INFERENCE_API_KEY, PROXY_TOKEN, STACKS_DIR, STORE_URL
 from lightning.lifeline import child_env
-from lightning.serving import DEFAULT_MAX_BODY_BYTES, ThreadedServer, free_port, tls_context
+from lightning.serving import (
+    DEFAULT_MAX_BODY_BYTES,
+    ThreadedServer,
+    free_port,
+    freeze_startup_objects,
+    is_loopback,
+    tls_context,
+)
 from lightning.store.base import LightningStore
 from lightning.types import POLICY_MODEL_NAME
 
@@ -232,7 +244,9 @@ class LocalStack:
                 )
             else:
                 port = free_port()
-                command = [sys.executable, "-m", "lightning.inference", "--model", str(model_dir), "--port", str(port)]
+                # python -m lightning.stack: the server's options and the proxy's, both served from one process.
+                module = "lightning.stack" if proxy == "server" else "lightning.inference"
+                command = [sys.executable, "-m", module, "--model", str(model_dir), "--port", str(port)]
                 command += ["--served-model-name", model_name, "--max-batch-size", str(max_batch_size)]
                 command += ["--device", device, "--dtype", dtype]
                 command += ["--threads", "1"] + (["--batch-invariant"] if batch_invariant else [])
@@ -347,3 +361,92 @@ class LocalStack:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# --- the inference server and the LLM proxy in one process --------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m lightning.stack`: the embedded inference server (`python -m lightning.inference`'s options) and the
+    LLM proxy in front of it in one process (a run's `inference.with_proxy`): the proxy on `--proxy-port`, storing its
+    spans in the store at $LIGHTNING_STORE_URL, its token in $LIGHTNING_PROXY_TOKEN; its calls reach the model's app
+    on the same event loop, without HTTP (`lightning.proxy.local`)."""
+    from lightning.inference.__main__ import arguments, serve
+
+    parser = arguments("python -m lightning.stack", main.__doc__)
+    parser.add_argument("--proxy-port", type=int, required=True, help="where the LLM proxy listens")
+    parser.add_argument(
+        "--proxy-any-agent-key", action="store_true",
+        help="the proxy takes any API key on the routes runners hand their agents (loopback only)",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
+    token, store_url = _proxy_settings(args, parser)  # refused before the model loads
+    serve(args, parser, lambda config: _serve_with_proxy(config, args, token, store_url))
+
+
+def _proxy_settings(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[str | None, str]:
+    """The proxy's token ($LIGHTNING_PROXY_TOKEN; needed beyond loopback) and its store's URL ($LIGHTNING_STORE_URL)."""
+    token = os.environ.get(PROXY_TOKEN) or None
+    if token is None and not is_loopback(args.host):
+        parser.error(f"--proxy-port on {args.host}: give the proxy a token in ${PROXY_TOKEN}")
+    if args.proxy_any_agent_key and not is_loopback(args.host):
+        parser.error(f"--proxy-any-agent-key: only on a loopback address, not {args.host}")
+    store_url = os.environ.get(STORE_URL)
+    if not store_url:
+        parser.error(f"the proxy stores its spans in the store at ${STORE_URL}; set it")
+    return token, store_url
+
+
+def _serve_with_proxy(config: Any, args: argparse.Namespace, token: str | None, store_url: str) -> None:
+    """The inference app (uvicorn's `config.app`) and the LLM proxy in front of it, on one uvicorn server and event
+    loop listening on both ports; the proxy hands its calls to the app in this process."""
+    import uvicorn
+
+    from lightning.proxy import Backend, LLMProxy
+    from lightning.store import open_store
+
+    app = config.app
+    backend = f"http://{args.host}:{args.port}/v1"
+    store = open_store(store_url, watchdog_interval=None)
+    proxy = LLMProxy(
+        store, [Backend(url=backend, api_key=args.api_key)], model_name=args.served_model_name or POLICY_MODEL_NAME,
+        token=token, agents_need_token=not args.proxy_any_agent_key, tokenizer=args.model,
+        max_body_bytes=int(args.max_body_mb * 1024 * 1024), in_process={backend: app},
+    )  # fmt: skip
+    proxy.url = f"http://{args.host}:{args.proxy_port}"
+    config.app = _ByPort(app, proxy.app, args.proxy_port)
+    sockets = [_listening(args.host, args.port), _listening(args.host, args.proxy_port)]
+    print(f"lightning.stack: the LLM proxy on {proxy.url}, spans to {store!r}", file=sys.stderr, flush=True)
+    freeze_startup_objects()
+    try:
+        uvicorn.Server(config).run(sockets=sockets)
+    finally:
+        asyncio.run(store.close())
+
+
+class _ByPort:
+    """One ASGI app for two: requests to `proxy_port` go to the proxy, the rest (lifespan too) to the server."""
+
+    def __init__(self, server: Any, proxy: Any, proxy_port: int) -> None:
+        self.server, self.proxy, self.proxy_port = server, proxy, proxy_port
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        server = scope.get("server")
+        if server is not None and server[1] == self.proxy_port:
+            await self.proxy(scope, receive, send)
+        else:
+            await self.server(scope, receive, send)
+
+
+def _listening(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, as uvicorn binds its own (the server listens on it once it starts)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+if __name__ == "__main__":
+    main()

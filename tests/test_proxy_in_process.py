@@ -192,23 +192,24 @@ async def test_a_call_past_its_timeout_raises_as_aiohttp_s_would_and_stops_the_a
         await session.post(f"{nowhere()}/chat/completions", data=b"{}", headers={})
     await asyncio.sleep(0.05)  # the cancelled call's task ends, and its done-callback runs
     assert slow.cancelled == 1 and not session._tasks
-    quick = await InProcessSession(Slow(0.0), timeout=0.2).post(f"{nowhere()}/chat/completions", data=b"{}", headers={})
+    quick = await InProcessSession(Slow(0.0), timeout=30).post(f"{nowhere()}/chat/completions", data=b"{}", headers={})
     assert quick.status == 200 and await quick.json() == {}
 
 
-def test_the_server_refuses_to_serve_the_proxy_without_its_store_or_beyond_loopback_without_a_token(
+def test_the_stack_refuses_to_serve_the_proxy_without_its_store_or_beyond_loopback_without_a_token(
     tmp_path: Path,
 ) -> None:
-    """`python -m lightning.inference --proxy-port`: refused in the seconds of its imports, before any model loads."""
+    """`python -m lightning.stack` (a run's `inference.with_proxy`): refused in the seconds of its imports, before
+    any model loads."""
     import os
     import subprocess
     import sys
 
-    command = [sys.executable, "-m", "lightning.inference", "--model", str(tmp_path / "none"), "--proxy-port", "9"]
+    command = [sys.executable, "-m", "lightning.stack", "--model", str(tmp_path / "none"), "--proxy-port", "9"]
     env = {k: v for k, v in os.environ.items() if k not in ("LIGHTNING_STORE_URL", "LIGHTNING_PROXY_TOKEN")}
     no_store = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert no_store.returncode == 2
-    assert "--proxy-port: the proxy stores its spans in the store at $LIGHTNING_STORE_URL; set it" in no_store.stderr
+    assert "the proxy stores its spans in the store at $LIGHTNING_STORE_URL; set it" in no_store.stderr
     env["LIGHTNING_STORE_URL"] = f"sqlite:///{tmp_path}/store.db"
     exposed = subprocess.run(
         [*command, "--host", "0.0.0.0", "--api-key", "k"], env=env, capture_output=True, text=True, timeout=120

@@ -162,7 +162,8 @@ async def test_a_run_whose_proxy_serves_in_the_inference_server_s_process_trains
     finally:
         await run.close()
     log = (config.run_dir / "logs" / "inference.log").read_text()
-    assert "starting the LLM proxy on http://127.0.0.1:" in log and not (config.run_dir / "logs" / "proxy.log").exists()
+    assert "lightning.stack: the LLM proxy on http://127.0.0.1:" in log
+    assert not (config.run_dir / "logs" / "proxy.log").exists()
 
 
 @pytest.mark.slow

@@ -1,9 +1,9 @@
 """The LLM proxy's calls to an inference server of its own process, without HTTP.
 
-When the proxy and the embedded inference server serve from one process (`python -m lightning.inference
---proxy-port`, a run's `inference.proxy_with_server`), the proxy hands each call to the server's ASGI app directly:
-no socket, no request written by aiohttp and parsed by uvicorn, no response written and parsed back. That hop cost
-0.25-0.29 ms of CPU a call of the 2.1 ms a rollout costs in all (docs/benchmarks.md, "The rollout path's CPU").
+When the proxy and the embedded inference server serve from one process (`python -m lightning.stack`, a run's
+`inference.with_proxy`), the proxy hands each call to the server's ASGI app directly: no socket, no request written
+by aiohttp and parsed by uvicorn, no response written and parsed back. The two processes' 0.97-1.00 ms of CPU a
+rollout became 0.76-0.84 in one (docs/benchmarks.md, "The rollout path's CPU").
 
 `InProcessSession` stands where the proxy's aiohttp session does, and answers with what the proxy reads of an aiohttp
 response: `status`, `headers`, `read()`, `json()`, `release()`, `content.iter_any()` and `content.at_eof()`. The app
