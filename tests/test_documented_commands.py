@@ -91,6 +91,10 @@ TESTED: dict[str, list[str]] = {
                               "test_secrets.py::test_a_password_named_by_reference_is_used_and_never_shown"],
     "python -m flows.train --set": [
         "test_example_first_agent.py::test_the_readme_trains_it_and_evaluates_the_latest_checkpoint (one iteration)"],
+    "python -m lightning.stack": [
+        "test_run.py::test_a_run_whose_proxy_serves_in_the_inference_server_s_process_trains_on_its_token_ids",
+        "test_proxy_in_process.py::test_the_stack_refuses_to_serve_the_proxy_without_its_store_or_beyond_loopback_"
+        "without_a_token"],
     "python -m lightning.runner": [
         "test_runner_processes.py::test_four_runner_processes_drain_500_rollouts_each_exactly_once"],
     "python -m lightning.runner --agent --queue --store": [
