@@ -194,7 +194,10 @@ def test_the_run_survives_its_flow_killed_and_resumes_each_time(prefect_server: 
     config_path.write_text(yaml.safe_dump(data))
     log = tmp_path / "train.log"
     command = [sys.executable, "-m", "flows.train", str(config_path)]
-    env = with_support(prefect_server.env)
+    # Slower rollouts (0.3 s each, two at a time): an iteration's rollouts then take 7 s or more. At the default
+    # pace their window of about 3 s once passed unseen by the watcher on CI's loaded machine, and the run went on
+    # to its end.
+    env = {**with_support(prefect_server.env), "LIGHTNING_TEST_PACE_SECONDS": "0.3"}
     for iteration, (target, point) in enumerate(RESUMED, start=1):
         run = start_logged(command, log, env=env, cwd=tmp_path)
         try:

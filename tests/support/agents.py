@@ -47,11 +47,12 @@ async def slow_copy_agent(task: dict[str, Any], llm: Any) -> float:
 
 @rollout
 async def paced_copy_agent(task: dict[str, Any], llm: Any) -> float:
-    """The copy task's agent, 50 ms slower per rollout: an iteration's rollouts, two at a time, then take a second
-    or more, however fast the real agent gets: a window in which a fault test sees them part done."""
+    """The copy task's agent, 50 ms slower per rollout ($LIGHTNING_TEST_PACE_SECONDS, where set): an iteration's
+    rollouts, two at a time, then take a second or more, however fast the real agent gets: a window in which a fault
+    test sees them part done."""
     import asyncio
 
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(float(os.environ.get("LIGHTNING_TEST_PACE_SECONDS", "0.05")))
     return await copy_reward(task, llm)
 
 
