@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 from support.fixed_backend import ANSWER, ANSWER_IDS, ANSWER_LOGPROBS, PROMPT_IDS, FixedBackend
+from support.proxy_calls import MESSAGES, attempt_llm, client, running, token_ids
 from support.servers import free_port, serving
 
 from lightning import semconv
@@ -28,8 +29,6 @@ from lightning.runner import Runner
 from lightning.seeding import turn_seed
 from lightning.store import SqlLightningStore
 from lightning.types import LLM, AttemptedRollout, ProxyLLM, Span
-
-MESSAGES = [{"role": "user", "content": "What is 2+2?"}]
 
 
 @pytest.fixture
@@ -44,30 +43,6 @@ def backends(count: int = 1) -> Iterator[list[tuple[FixedBackend, str]]]:
     with contextlib.ExitStack() as stack:
         apps = [FixedBackend() for _ in range(count)]
         yield [(app, stack.enter_context(serving(app)) + "/v1") for app in apps]
-
-
-@contextlib.contextmanager
-def running(proxy: LLMProxy) -> Iterator[LLMProxy]:
-    proxy.start()
-    try:
-        yield proxy
-    finally:
-        proxy.stop()
-
-
-async def attempt_llm(store: SqlLightningStore, proxy: LLMProxy) -> tuple[AttemptedRollout, LLM]:
-    rollout = await store.start_rollout({"question": "2+2"})
-    return rollout, proxy.as_resource(rollout.rollout_id, rollout.attempt.attempt_id)
-
-
-def client(llm: LLM) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key or "unused", max_retries=0)
-
-
-def token_ids(span: Span) -> tuple[list[int], list[list[int]]]:
-    prompt = semconv.decode_token_ids(span.attributes[semconv.LLM_PROMPT_TOKEN_IDS])
-    responses = [semconv.decode_token_ids(s) for s in span.attributes[semconv.LLM_RESPONSE_TOKEN_IDS]]
-    return prompt, responses
 
 
 def logprobs(span: Span) -> list[list[float]]:

@@ -5,9 +5,8 @@ from the app in the process. The proxy itself is served over real HTTP on 127.0.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -15,15 +14,14 @@ import httpx
 import openai
 import pytest
 from support.fixed_backend import ANSWER, ANSWER_IDS, PROMPT_IDS, FixedBackend
+from support.proxy_calls import MESSAGES, attempt_llm, client, running, token_ids
 from support.servers import free_port
 
 from lightning import semconv
 from lightning.proxy import LLMProxy
 from lightning.proxy.local import InProcessSession
 from lightning.store import SqlLightningStore
-from lightning.types import LLM, AttemptedRollout, Span
-
-MESSAGES = [{"role": "user", "content": "What is 2+2?"}]
+from lightning.types import Span
 
 
 @pytest.fixture
@@ -35,29 +33,6 @@ async def store(tmp_path: Path) -> AsyncIterator[SqlLightningStore]:
 
 def nowhere() -> str:
     return f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
-
-
-@contextlib.contextmanager
-def running(proxy: LLMProxy) -> Iterator[LLMProxy]:
-    proxy.start()
-    try:
-        yield proxy
-    finally:
-        proxy.stop()
-
-
-async def attempt_llm(store: SqlLightningStore, proxy: LLMProxy) -> tuple[AttemptedRollout, LLM]:
-    rollout = await store.start_rollout({"question": "2+2"})
-    return rollout, proxy.as_resource(rollout.rollout_id, rollout.attempt.attempt_id)
-
-
-def client(llm: LLM) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key or "unused", max_retries=0)
-
-
-def token_ids(span: Span) -> tuple[list[int], list[list[int]]]:
-    prompt = semconv.decode_token_ids(span.attributes[semconv.LLM_PROMPT_TOKEN_IDS])
-    return prompt, [semconv.decode_token_ids(s) for s in span.attributes[semconv.LLM_RESPONSE_TOKEN_IDS]]
 
 
 async def spans_of(store: SqlLightningStore, rollout_id: str) -> list[Span]:
