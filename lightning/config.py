@@ -74,8 +74,9 @@ class InferenceConfig(BaseModel):
     """Embedded server: run it on a thread of the flow's process instead of a process of its own."""
     with_proxy: bool = False
     """Embedded server: the run's LLM proxy runs in the server's process and hands it calls without HTTP, one
-    process and one hop fewer (0.25-0.3 ms of CPU a rollout less on 2 cores: docs/benchmarks.md, "The rollout path's
-    CPU"). The demo's. Not with in_process or the run's proxy_in_process, which put them in the flow's process."""
+    process and one hop fewer (0.14-0.33 ms of CPU a rollout less on 2 cores, of about 2: docs/benchmarks.md, "The
+    rollout path's CPU"). The demo's. Not with in_process or the run's proxy_in_process, which put them in the flow's
+    process."""
     max_request_mb: float = Field(default=32, gt=0)
     """The largest request body, in MB, the run's LLM proxy and embedded inference server take: a larger one is
     answered 413 before it is read whole (a prompt too long for the model is refused before it is tokenized)."""
