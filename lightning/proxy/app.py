@@ -353,7 +353,7 @@ class LLMProxy:
         attempt_id: str | None,
         signature: str | None = None,
     ) -> Response:
-        raw = await request.body()
+        raw: bytes | None = await request.body()
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -366,7 +366,7 @@ class LLMProxy:
             await self._check_attempt(rollout_id, attempt_id)  # type: ignore[arg-type]
         if routed and isinstance(body.get("seed"), int):
             body["seed"] = turn_seed(body["seed"], self._next_turn(attempt_id))  # type: ignore[arg-type]
-            raw = json.dumps(body).encode()
+            raw = None  # the body changed: written once, with what `_payload` adds
         model = body.get("model")
         if operation is not None and isinstance(model, str) and model in self.external_models:
             return await self._guarded(self._external(body, operation, rollout_id, attempt_id, request))
@@ -847,7 +847,8 @@ class _Outbound:
     """A request for a backend: its JSON body as bytes (sent as they are when the proxy changes nothing) and parsed,
     its route (`chat/completions`, ...), and the LLM call it is (`chat`, `text_completion`; None: not one)."""
 
-    raw: bytes
+    raw: bytes | None
+    """None: the body was changed, and is written when sent."""
     body: dict[str, Any]
     path: str
     operation: str | None
@@ -869,7 +870,9 @@ def _payload(outbound: _Outbound, backend: Backend, model: str | None) -> bytes:
         changes["logprobs"] = True if operation == "chat" else 0
     if model is not None and body.get("model") != model:
         changes["model"] = model
-    return json.dumps({**body, **changes}).encode() if changes else outbound.raw
+    if not changes and outbound.raw is not None:
+        return outbound.raw
+    return json.dumps({**body, **changes}).encode()
 
 
 _COMPLETION_FIELDS = (
