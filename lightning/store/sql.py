@@ -1642,8 +1642,9 @@ def _config_json(config: RolloutConfig) -> str:
     return _DEFAULT_CONFIG_JSON if config is _DEFAULT_CONFIG else config.model_dump_json()
 
 
+@functools.lru_cache(maxsize=64)
 def _config(encoded: str) -> RolloutConfig:
-    # Most rollouts keep the default config, and RolloutConfig is frozen: one parsed object serves them all.
+    # A run's rollouts share a few configs, and RolloutConfig is frozen: one parsed object serves all that have it.
     return _DEFAULT_CONFIG if encoded == _DEFAULT_CONFIG_JSON else RolloutConfig.model_validate_json(encoded)
 
 
