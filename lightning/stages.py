@@ -200,7 +200,7 @@ async def wait_for_rollouts(run: Run, rollout_ids: Sequence[str], mode: Mode = "
     finished = await wait_unless_stopped(run.store, rollout_ids, deadline)
     if stopping.stop_requested() and len(finished) < len(set(rollout_ids)):
         raise stopping.RunStopped(f"stopped waiting for the rollouts ({mode}) with {len(finished)} finished")
-    done = {rollout.rollout_id for rollout in finished}
+    done = set(finished)
     leftovers = [rollout_id for rollout_id in rollout_ids if rollout_id not in done]
     for rollout_id in leftovers:
         await run.store.update_rollout(rollout_id, status="cancelled")

@@ -460,8 +460,9 @@ async def test_a_waiting_claim_whose_client_left_claims_nothing(
 def test_every_waiting_request_is_capped_by_the_contract() -> None:
     """Which requests wait, and for how long one HTTP request may, is said once, on the contract."""
     waiting = {request.method for request in contract.REQUESTS if request.wait_field is not None}
-    assert waiting == {"dequeue_rollout", "dequeue_many_rollouts", "claim_rollouts", "wait_for_rollouts"}
-    assert {request.method for request in contract.REQUESTS if request.claims} == waiting - {"wait_for_rollouts"}
+    rollout_waits = {"wait_for_rollouts", "wait_for_finished_ids"}
+    assert waiting == {"dequeue_rollout", "dequeue_many_rollouts", "claim_rollouts", *rollout_waits}
+    assert {request.method for request in contract.REQUESTS if request.claims} == waiting - rollout_waits
     assert contract.DequeueRollouts(wait=3600).capped().wait == contract.MAX_WAIT_SECONDS
     assert contract.WaitForRollouts(rollout_ids=["a"]).capped().timeout == contract.MAX_WAIT_SECONDS
     assert contract.WaitForRollouts(rollout_ids=["a"], timeout=2).capped().timeout == 2

@@ -886,11 +886,34 @@ async def test_wait_for_unknown_rollout_raises_not_found(store: Any) -> None:
         await store.wait_for_rollouts(rollout_ids=["ro-doesnotexist"], timeout=0.1)
 
 
-async def test_a_phase_wait_reads_each_finished_rollout_whole_once(
+async def test_wait_for_finished_ids_answers_ids_and_waits_like_wait_for_rollouts(store: Any) -> None:
+    a = await started(store)
+    await store.update_attempt(a.rollout_id, a.attempt.attempt_id, status="succeeded")
+    b = await started(store)
+    queued = await store.enqueue_rollout("still queued")
+    ids = [queued.rollout_id, b.rollout_id, a.rollout_id]
+    assert await store.wait_for_finished_ids(rollout_ids=ids, timeout=0) == [a.rollout_id]
+
+    async def finish_soon() -> None:
+        await asyncio.sleep(0.1)
+        await store.update_attempt(b.rollout_id, b.attempt.attempt_id, status="failed")
+
+    finisher = asyncio.create_task(finish_soon())
+    t0 = time.perf_counter()
+    done = await store.wait_for_finished_ids(rollout_ids=ids, timeout=0.5)  # woken by b, then waits out queued
+    await finisher
+    assert done == [b.rollout_id, a.rollout_id]  # in the order asked
+    assert 0.4 < time.perf_counter() - t0 < 0.5 + 1.0
+    with pytest.raises(NotFoundError, match="wait_for_finished_ids: unknown rollout ids"):
+        await store.wait_for_finished_ids(rollout_ids=["ro-doesnotexist"], timeout=0.1)
+
+
+async def test_a_phase_wait_reads_no_rollout_whole_and_a_rollout_wait_each_once(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A runner process waits on its phase's rollouts in slices, woken by every rollout it finishes: each finished
-    rollout is read whole once over the whole wait, not again at every poll or slice (issue 39)."""
+    """A runner process waits on its phase's rollouts in slices, woken by every rollout it finishes, to know when
+    they are all done: it reads their ids, none whole (issue 39). `wait_for_rollouts`, woken the same way, reads each
+    finished rollout whole once over the whole wait, not again at every poll."""
     from lightning import stopping
     from lightning.runner.fleet import wait_unless_stopped
     from lightning.store import SqlLightningStore
@@ -905,7 +928,7 @@ async def test_a_phase_wait_reads_each_finished_rollout_whole_once(
         queued = [await store.enqueue_rollout(i) for i in range(30)]
         ids = [rollout.rollout_id for rollout in queued]
 
-        claimed = [await store.dequeue_rollout(worker_id="w") for _ in range(20)]
+        claimed = [await store.dequeue_rollout(worker_id="w") for _ in range(30)]
 
         async def finish(attempts: list[Any], pause: float) -> None:
             for attempt in attempts:
@@ -914,11 +937,16 @@ async def test_a_phase_wait_reads_each_finished_rollout_whole_once(
 
         await finish(claimed[:10], 0.0)
         reads.clear()
-        finisher = asyncio.create_task(finish(claimed[10:], 0.01))  # each one wakes the wait
+        finisher = asyncio.create_task(finish(claimed[10:20], 0.01))  # each one wakes the wait
         done = await wait_unless_stopped(store, ids, timeout=0.4)
         await finisher
-        assert len(done) == 20 and [r.rollout_id for r in done] == [i for i in ids if i in set(reads)]
-        assert sorted(reads) == sorted(set(reads)) and len(reads) == 20
+        assert done == ids[:20] and reads == []
+
+        finisher = asyncio.create_task(finish(claimed[20:], 0.01))
+        whole = await store.wait_for_rollouts(rollout_ids=ids[10:], timeout=0.4)
+        await finisher
+        assert [r.rollout_id for r in whole] == ids[10:]
+        assert sorted(reads) == sorted(ids[10:])  # each once
     finally:
         await store.close()
 

@@ -241,6 +241,11 @@ class LightningStore(ABC):
         """The rollouts among `rollout_ids` that finished, waiting up to `timeout` seconds (None: until all have)."""
         return await self._request(contract.WaitForRollouts, rollout_ids=rollout_ids, timeout=timeout)
 
+    async def wait_for_finished_ids(self, *, rollout_ids: list[str], timeout: float | None = None) -> list[str]:
+        """The ids among `rollout_ids` of the rollouts that finished, waiting up to `timeout` seconds (None: until
+        all have): `wait_for_rollouts` for a waiter that needs no more than which (it reads no rollout)."""
+        return await self._request(contract.WaitForFinishedIds, rollout_ids=rollout_ids, timeout=timeout)
+
     # --- attempts ----------------------------------------------------------------------------
 
     async def query_attempts(self, rollout_id: str, **options: Any) -> PaginatedResult[Attempt]:

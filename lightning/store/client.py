@@ -22,7 +22,6 @@ from lightning.store.agl_answers import AglUnknownIds
 from lightning.store.base import LightningStore, LightningStoreCapabilities
 from lightning.store.contract import MAX_WAIT_SECONDS, Request
 from lightning.store.errors import AuthError, ConflictError, InvalidArgumentError, NotFoundError, StoreError
-from lightning.types import Rollout
 
 logger = logging.getLogger(__name__)
 
@@ -187,16 +186,17 @@ class HttpLightningStore(LightningStore):
             if contract.claimed_any(claimed) or time.monotonic() >= deadline:
                 return claimed
 
-    async def _wait_in_slices(self, request: contract.WaitForRollouts) -> list[Rollout]:
+    async def _wait_in_slices(self, request: contract.WaitForRollouts) -> list[Any]:
+        """A wait for rollouts (or for their ids: `WaitForFinishedIds`) in requests of at most MAX_WAIT_SECONDS."""
         wanted = list(dict.fromkeys(request.rollout_ids))
         deadline = None if request.timeout is None else time.monotonic() + request.timeout
-        finished: dict[str, Rollout] = {}
+        finished: dict[str, Any] = {}
         pending = wanted
         while True:
             remaining = MAX_WAIT_SECONDS if deadline is None else max(deadline - time.monotonic(), 0.0)
             slice_ = min(remaining, MAX_WAIT_SECONDS)
-            done = await self._send(contract.WaitForRollouts(rollout_ids=pending, timeout=slice_), wait=slice_)
-            finished.update((r.rollout_id, r) for r in done)
+            done = await self._send(type(request)(rollout_ids=pending, timeout=slice_), wait=slice_)
+            finished.update((item if isinstance(item, str) else item.rollout_id, item) for item in done)
             pending = [rid for rid in pending if rid not in finished]
             if not pending or (deadline is not None and time.monotonic() >= deadline):
                 return [finished[rid] for rid in wanted if rid in finished]

@@ -249,6 +249,15 @@ class WaitForRollouts(Read):
     )
 
 
+class WaitForFinishedIds(WaitForRollouts):
+    """The ids of the rollouts among `rollout_ids` that have finished, waiting up to `timeout` seconds (None: until
+    all have) for the others: `wait_for_rollouts` without reading the rollouts, for a waiter that only counts them
+    (a runner task's fleet, which waits on its phase's rollouts to know when they are all done)."""
+
+    method: ClassVar[str] = "wait_for_finished_ids"
+    response: ClassVar[Any] = list[str]
+
+
 # --- attempts ---------------------------------------------------------------------------------
 
 
@@ -469,6 +478,7 @@ REQUESTS: tuple[type[Request], ...] = (
     QueryRollouts,
     UpdateRollout,
     WaitForRollouts,
+    WaitForFinishedIds,
     QueryAttempts,
     GetLatestAttempt,
     UpdateAttempt,

@@ -505,22 +505,29 @@ class SqlLightningStore(LightningStore):
         return rollout
 
     async def _wait_for_rollouts(self, request: contract.WaitForRollouts) -> list[Rollout]:
-        """The rollouts among `rollout_ids` that finished, waiting up to `timeout` seconds (None: until all
-        finish). Polls with a growing interval; a rollout finished through this store object wakes the wait.
+        return await self._wait_finished(request, _op_finished_rollouts)
+
+    async def _wait_for_finished_ids(self, request: contract.WaitForFinishedIds) -> list[str]:
+        return await self._wait_finished(request, _op_finished_ids)
+
+    async def _wait_finished(self, request: contract.WaitForRollouts, read: Callable[..., dict[str, Any]]) -> list[Any]:
+        """What `read` makes of the rollouts among `rollout_ids` that finished (the rollouts, or their ids), waiting up
+        to `timeout` seconds (None: until all finish). Polls with a growing interval; a rollout finished through
+        this store object wakes the wait.
 
         A poll reads only what changed: the ids of the finished rows among the pending ones' row numbers (a range of
-        the primary key: no list of hundreds of ids to bind), then whole only the newly finished, each once. A
-        runner process's fleet wakes its wait at every rollout it finishes (768 a phase, the demo): reading every
-        pending rollout whole each time was half of that process's time, and an IN-list of the pending ids on every
-        poll still a quarter (issue 39)."""
+        the primary key: no list of hundreds of ids to bind), then whole (`wait_for_rollouts`) only the newly finished,
+        each once. A runner process's fleet wakes its wait at every rollout it finishes (768 a phase, the demo):
+        reading every pending rollout whole each time was half of that process's time, and an IN-list of the pending
+        ids on every poll still a quarter (issue 39); it now waits for ids alone (`wait_for_finished_ids`)."""
         wanted = list(dict.fromkeys(request.rollout_ids))
         deadline = None if request.timeout is None else time.monotonic() + request.timeout
-        finished: dict[str, Rollout] = {}
+        finished: dict[str, Any] = {}
         with self._finished.listening() as wake:
             pending = await self._run(_op_rollout_numbers, wanted, write=False)
             missing = [rid for rid in wanted if rid not in pending]
             if missing:
-                raise NotFoundError(f"wait_for_rollouts: unknown rollout ids {missing}")
+                raise NotFoundError(f"{request.method}: unknown rollout ids {missing}")
             delay = 0.01
             polled = -math.inf
             while pending:
@@ -530,7 +537,7 @@ class SqlLightningStore(LightningStore):
                     await asyncio.sleep(early)
                 wake.clear()
                 polled = time.monotonic()
-                found = await self._run(_op_finished_rollouts, pending, write=False)
+                found = await self._run(read, pending, write=False)
                 finished.update(found)
                 for rid in found:
                     del pending[rid]
@@ -1440,17 +1447,21 @@ def _op_rollout_numbers(tx: _Tx, rollout_ids: list[str]) -> dict[str, int]:
     return {row.rollout_id: row.seq for row in tx.conn.execute(stmt)}
 
 
-def _op_finished_rollouts(tx: _Tx, pending: dict[str, int]) -> dict[str, Rollout]:
-    """The finished ones among `pending` (rollout id: row number), read whole. The finished rows are found by their
-    ids alone, in the range of row numbers `pending` spans where it is dense (one batch's rollouts are enqueued
-    together), else by the ids; only those are read whole."""
+def _op_finished_ids(tx: _Tx, pending: dict[str, int]) -> dict[str, str]:
+    """The finished ones among `pending` (rollout id: row number), by their ids alone: in the range of row numbers
+    `pending` spans where it is dense (one batch's rollouts are enqueued together), else by the ids."""
     status = rollouts.c.status.in_(sorted(lifecycle.FINISHED_ROLLOUT))
     first, last = min(pending.values()), max(pending.values())
     if last - first < 4 * len(pending):
         in_range = select(rollouts.c.rollout_id).where(rollouts.c.seq.between(first, last), status)
-        ended = [rid for rid in tx.conn.scalars(in_range) if rid in pending]
-    else:
-        ended = list(tx.conn.scalars(select(rollouts.c.rollout_id).where(rollouts.c.rollout_id.in_(pending), status)))
+        return {rid: rid for rid in tx.conn.scalars(in_range) if rid in pending}
+    by_ids = select(rollouts.c.rollout_id).where(rollouts.c.rollout_id.in_(pending), status)
+    return {rid: rid for rid in tx.conn.scalars(by_ids)}
+
+
+def _op_finished_rollouts(tx: _Tx, pending: dict[str, int]) -> dict[str, Rollout]:
+    """The finished ones among `pending` (rollout id: row number), found by `_op_finished_ids`, then read whole."""
+    ended = list(_op_finished_ids(tx, pending))
     if not ended:
         return {}
     whole = select(*_ROLLOUT_COLUMNS).where(rollouts.c.rollout_id.in_(ended))
