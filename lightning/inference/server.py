@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from lightning import fastjson
 from lightning.chat import PromptTooLong, check_fits
 from lightning.checkpoint import CheckpointError
 from lightning.devices import dtype_name
@@ -143,7 +144,9 @@ async def _body(schema: type[BaseModel], request: Request) -> Any:
 
 def _answer(result: Any) -> Response:
     """A route's result as the response FastAPI would make of it: a Response as it is, a dict as JSON."""
-    return result if isinstance(result, Response) else JSONResponse(result)
+    if isinstance(result, Response):
+        return result
+    return Response(fastjson.dumps(result), media_type="application/json")
 
 
 _REQUEST_PREFIX = secrets.token_hex(6)
@@ -409,11 +412,11 @@ class PromptIds:
     def __init__(self, engine: InferenceEngine, size: int = PROMPT_CACHE_SIZE) -> None:
         self.engine = engine
         self.size = size
-        self._ids: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
+        self._ids: collections.OrderedDict[bytes, list[int]] = collections.OrderedDict()
 
     def __call__(self, body: ChatCompletionRequest) -> list[int]:
         messages = chat_messages(body)
-        key = json.dumps([messages, body.tools, body.add_generation_prompt], separators=(",", ":"), default=str)
+        key = fastjson.dumps([messages, body.tools, body.add_generation_prompt], default=str)
         ids = self._ids.get(key)
         if ids is None:
             ids = self._ids[key] = chat_prompt_token_ids(self.engine, body, messages)

@@ -28,7 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field
 
-from lightning import semconv
+from lightning import fastjson, semconv
 from lightning.credentials import redact
 from lightning.proxy.capture import Call, SseReader
 from lightning.proxy.continuation import Continuation, Conversations
@@ -855,7 +855,7 @@ class _Outbound:
 
     @classmethod
     def of(cls, body: dict[str, Any], path: str, operation: str | None) -> _Outbound:
-        return cls(json.dumps(body).encode(), body, path, operation)
+        return cls(fastjson.dumps(body), body, path, operation)
 
 
 def _payload(outbound: _Outbound, backend: Backend, model: str | None) -> bytes:
@@ -872,7 +872,7 @@ def _payload(outbound: _Outbound, backend: Backend, model: str | None) -> bytes:
         changes["model"] = model
     if not changes and outbound.raw is not None:
         return outbound.raw
-    return json.dumps({**body, **changes}).encode()
+    return fastjson.dumps({**body, **changes})
 
 
 _COMPLETION_FIELDS = (
@@ -936,7 +936,7 @@ async def _route_missing(response: aiohttp.ClientResponse) -> bool:
 
 def _read_whole(call: Call, content: bytes, status: int) -> None:
     try:
-        parsed = json.loads(content)
+        parsed = fastjson.loads(content)
     except (json.JSONDecodeError, UnicodeDecodeError):
         parsed = None
     if status == 200 and isinstance(parsed, dict):

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning import semconv
+from lightning import fastjson, semconv
 
 # Sampling parameters copied onto the span as `gen_ai.request.<name>` when the request sets them.
 _REQUEST_PARAMETERS = (
@@ -137,9 +137,9 @@ class Call:
             if scalar or (isinstance(value, list) and all(isinstance(v, str) for v in value)):
                 attrs[semconv.GEN_AI_REQUEST_PREFIX + name] = value
         prompt = request.get("messages") if self.operation == "chat" else request.get("prompt")
-        attrs[semconv.GEN_AI_INPUT_MESSAGES] = json.dumps(prompt, ensure_ascii=False)
+        attrs[semconv.GEN_AI_INPUT_MESSAGES] = fastjson.dumps(prompt).decode()
         if request.get("tools"):
-            attrs[semconv.GEN_AI_TOOL_DEFINITIONS] = json.dumps(request["tools"], ensure_ascii=False)
+            attrs[semconv.GEN_AI_TOOL_DEFINITIONS] = fastjson.dumps(request["tools"]).decode()
         if self.continuation is not None:
             attrs[semconv.LLM_CONTINUATION] = self.continuation
         if self.response_id:
@@ -154,9 +154,7 @@ class Call:
         choices = [self.choices[i] for i in sorted(self.choices)]
         if choices:
             attrs[semconv.GEN_AI_FINISH_REASONS] = [c.finish_reason or "" for c in choices]
-            attrs[semconv.GEN_AI_OUTPUT_MESSAGES] = json.dumps(
-                [_output_message(c) for c in choices], ensure_ascii=False
-            )
+            attrs[semconv.GEN_AI_OUTPUT_MESSAGES] = fastjson.dumps([_output_message(c) for c in choices]).decode()
         prompt_ids = self.prompt_token_ids
         choice_prompts = [c.prompt_token_ids for c in choices if c.prompt_token_ids is not None]
         if prompt_ids is None and choice_prompts:
