@@ -914,7 +914,7 @@ _UPDATE_ROLLOUT_FOR_NEW_ATTEMPT = _Sql(
     update(rollouts)
     .where(rollouts.c.rollout_id == _bp("r_id"))
     .values(
-        status="preparing",
+        status=_bp("status"),
         end_time=None,
         queued_at=None,
         attempt_count=_bp("attempt_count"),
@@ -1066,7 +1066,6 @@ def _op_dequeue(tx: _Tx, queue: str, limit: int, worker_id: str | None, now: flo
     claimed = []
     for row in tx.rows(_SELECT_QUEUE_HEAD, {"queue": queue, "limit": limit}):
         rollout = _rollout(row)
-        rollout.status = "preparing"
         attempt = _create_attempt(tx, rollout, row["attempt_count"] + 1, worker_id, now)
         claimed.append(AttemptedRollout(**rollout.__dict__, attempt=attempt))
     return claimed
@@ -1080,14 +1079,7 @@ def _op_claim(tx: _Tx, queue: str, worker_ids: list[str], known: dict[str, int],
     heads = tx.rows(_SELECT_QUEUE_HEAD, {"queue": queue, "limit": len(worker_ids)})
     for row, worker_id in zip(heads, worker_ids[: len(heads)], strict=True):
         rollout = _rollout(row)
-        attempt = _create_attempt(tx, rollout, row["attempt_count"] + 1, worker_id, now)
-        lifecycle_row = {
-            "latest_attempt_id": attempt.attempt_id,
-            "rollout_status": "preparing",
-            "config": row["config"],
-        }
-        _move_attempt(tx, attempt, lifecycle_row, "running", now)
-        rollout.status = lifecycle_row["rollout_status"]
+        attempt = _create_attempt(tx, rollout, row["attempt_count"] + 1, worker_id, now, status="running")
         claimed.append(AttemptedRollout(**rollout.__dict__, attempt=attempt))
     named = sorted({r.resources_id for r in claimed if r.resources_id is not None})
     rows = tx.conn.execute(select(resources).where(resources.c.resources_id.in_(named))).all() if named else []
@@ -1100,23 +1092,34 @@ def _op_start_attempt(tx: _Tx, rollout_id: str, worker_id: str | None, now: floa
     if row is None:
         raise NotFoundError(f"start_attempt: no rollout {rollout_id!r}")
     rollout = _rollout(row)
-    rollout.status = "preparing"
-    rollout.end_time = None
     attempt = _create_attempt(tx, rollout, row["attempt_count"] + 1, worker_id, now)
     return AttemptedRollout(**rollout.__dict__, attempt=attempt)
 
 
-def _create_attempt(tx: _Tx, rollout: Rollout, sequence_id: int, worker_id: str | None, now: float) -> Attempt:
-    """A new attempt becomes the rollout's latest; the rollout is preparing and leaves the queue."""
+def _create_attempt(
+    tx: _Tx,
+    rollout: Rollout,
+    sequence_id: int,
+    worker_id: str | None,
+    now: float,
+    status: AttemptStatus = "preparing",
+) -> Attempt:
+    """A new attempt becomes the rollout's latest and the rollout leaves the queue: preparing, or, for an attempt
+    that starts `running` (a claim's), running, as `update_attempt(status="running")` would move it, in the same
+    three writes (the attempt, the rollout, the worker) instead of six."""
     attempt = Attempt(
         rollout_id=rollout.rollout_id,
         attempt_id=new_attempt_id(),
         sequence_id=sequence_id,
         start_time=now,
-        status="preparing",
+        status=status,
         worker_id=worker_id,
     )
     config = rollout.config
+    rollout.status = (
+        lifecycle.rollout_status_after_attempt(status, sequence_id, True, "preparing", config) or "preparing"
+    )
+    rollout.end_time = None
     tx.run(
         _INSERT_ATTEMPT,
         {
@@ -1128,7 +1131,12 @@ def _create_attempt(tx: _Tx, rollout: Rollout, sequence_id: int, worker_id: str 
     )
     tx.run(
         _UPDATE_ROLLOUT_FOR_NEW_ATTEMPT,
-        {"r_id": rollout.rollout_id, "attempt_count": sequence_id, "a_id": attempt.attempt_id},
+        {
+            "r_id": rollout.rollout_id,
+            "attempt_count": sequence_id,
+            "a_id": attempt.attempt_id,
+            "status": rollout.status,
+        },
     )
     if worker_id:
         _record_worker_status(tx, worker_id, attempt, now, dequeued=True)
