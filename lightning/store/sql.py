@@ -940,6 +940,11 @@ _SET_ATTEMPT_STATUS = _Sql(
     update(attempts).where(attempts.c.attempt_id == _bp("a_id")).values(status=_bp("status"), end_time=_bp("end_time"))
 )
 _HEARTBEAT = _Sql(update(attempts).where(attempts.c.attempt_id == _bp("a_id")).values(last_heartbeat_time=_bp("now")))
+_SET_ATTEMPT_STATUS_AND_BEAT = _Sql(
+    update(attempts)
+    .where(attempts.c.attempt_id == _bp("a_id"))
+    .values(status=_bp("status"), end_time=_bp("end_time"), last_heartbeat_time=_bp("now"))
+)
 _INSERT_SPAN_IF_NEW = _insert_ignoring_duplicates(spans)
 _RAISE_SPAN_COUNTER = _Sql(
     update(rollouts)
@@ -1207,12 +1212,19 @@ def _op_update_attempt(
     return attempt
 
 
-def _move_attempt(tx: _Tx, attempt: Attempt, row: dict[str, Any], status: AttemptStatus, now: float) -> None:
+def _move_attempt(
+    tx: _Tx, attempt: Attempt, row: dict[str, Any], status: AttemptStatus, now: float, beat: float | None = None
+) -> None:
     """Change an attempt's status and apply the lifecycle to its rollout and worker.
-    `row` carries the rollout's status, config and latest attempt id."""
+    `row` carries the rollout's status, config and latest attempt id; `beat`: a heartbeat time written with it."""
     attempt.status = status
     attempt.end_time = now if lifecycle.ends_attempt(status) else None
-    tx.run(_SET_ATTEMPT_STATUS, {"a_id": attempt.attempt_id, "status": status, "end_time": attempt.end_time})
+    if beat is None:
+        tx.run(_SET_ATTEMPT_STATUS, {"a_id": attempt.attempt_id, "status": status, "end_time": attempt.end_time})
+    else:
+        attempt.last_heartbeat_time = beat
+        values = {"a_id": attempt.attempt_id, "status": status, "end_time": attempt.end_time, "now": beat}
+        tx.run(_SET_ATTEMPT_STATUS_AND_BEAT, values)
     new_rollout_status = lifecycle.rollout_status_after_attempt(
         status,
         attempt.sequence_id,
@@ -1244,14 +1256,23 @@ def _record_worker_status(tx: _Tx, worker_id: str, attempt: Attempt, now: float,
     )
 
 
-def _op_add_spans(tx: _Tx, new_spans: list[Span], payloads: list[str], now: float) -> list[Span]:
-    """Store spans (a duplicate rollout/attempt/span id is skipped), beat the attempts' hearts,
-    revive preparing or unresponsive attempts, and keep each rollout's span counter ahead."""
-    found: dict[str, dict[str, Any]] = {}
-    for attempt_id in sorted({span.attempt_id for span in new_spans}):
-        row = tx.first(_SELECT_ATTEMPT_AND_ROLLOUT, {"a_id": attempt_id})
-        if row is not None:
-            found[attempt_id] = row
+def _op_add_spans(
+    tx: _Tx,
+    new_spans: list[Span],
+    payloads: list[str],
+    now: float,
+    found: dict[str, dict[str, Any]] | None = None,
+    beat: bool = True,
+) -> list[Span]:
+    """Store spans (a duplicate rollout/attempt/span id is skipped), beat the attempts' hearts (unless not `beat`:
+    the caller writes the beat itself), revive preparing or unresponsive attempts, and keep each rollout's span
+    counter ahead. `found`: the attempts' rows (`_SELECT_ATTEMPT_AND_ROLLOUT`) when the caller read them already."""
+    if found is None:
+        found = {}
+        for attempt_id in sorted({span.attempt_id for span in new_spans}):
+            row = tx.first(_SELECT_ATTEMPT_AND_ROLLOUT, {"a_id": attempt_id})
+            if row is not None:
+                found[attempt_id] = row
     for span in new_spans:
         row = found.get(span.attempt_id)
         if row is None or row["rollout_id"] != span.rollout_id:
@@ -1276,10 +1297,12 @@ def _op_add_spans(tx: _Tx, new_spans: list[Span], payloads: list[str], now: floa
     added = [span for span, ok in zip(new_spans, inserted, strict=True) if ok]
 
     for attempt_id, row in found.items():
-        tx.run(_HEARTBEAT, {"a_id": attempt_id, "now": now})
+        if beat:
+            tx.run(_HEARTBEAT, {"a_id": attempt_id, "now": now})
         revived = lifecycle.attempt_status_on_heartbeat(row["status"])
         if revived != row["status"]:
             _move_attempt(tx, _attempt(row), row, revived, now)
+            row["status"] = revived
 
     highest: dict[str, int] = {}
     for span in added:
@@ -1291,11 +1314,11 @@ def _op_add_spans(tx: _Tx, new_spans: list[Span], payloads: list[str], now: floa
     return added
 
 
-def _op_add_numbered_spans(tx: _Tx, new_spans: list[Span], now: float) -> list[Span]:
-    """`_op_add_spans` with sequence ids the store allocates, in the list's order."""
+def _op_add_numbered_spans(tx: _Tx, new_spans: list[Span], now: float, **options: Any) -> list[Span]:
+    """`_op_add_spans` (and its `options`) with sequence ids the store allocates, in the list's order."""
     ids = _op_allocate_sequence_ids(tx, [(span.rollout_id, span.attempt_id) for span in new_spans])
     numbered = [span.model_copy(update={"sequence_id": i}) for span, i in zip(new_spans, ids, strict=True)]
-    return _op_add_spans(tx, numbered, [_span_json(span) for span in numbered], now)
+    return _op_add_spans(tx, numbered, [_span_json(span) for span in numbered], now, **options)
 
 
 def _op_finish_attempt(
@@ -1309,14 +1332,19 @@ def _op_finish_attempt(
                 f"finish_attempt: a span of rollout {span.rollout_id!r} attempt {span.attempt_id!r} was sent with "
                 f"attempt {attempt_id!r} of rollout {rollout_id!r}; send each attempt's spans with its own finish"
             )
-    if new_spans:
-        _op_add_numbered_spans(tx, new_spans, now)
+    # The attempt read once, for the spans and the status both; the spans' heartbeat written with the status.
     row = tx.first(_SELECT_ATTEMPT_AND_ROLLOUT, {"a_id": attempt_id})
     if row is None or row["rollout_id"] != rollout_id:
         raise NotFoundError(f"finish_attempt: no attempt {attempt_id!r} in rollout {rollout_id!r}")
+    if new_spans:
+        _op_add_numbered_spans(tx, new_spans, now, found={attempt_id: row}, beat=False)
     attempt = _attempt(row)
+    beat = now if new_spans else None
     if row["latest_attempt_id"] == attempt_id and attempt.status in lifecycle.ACTIVE_ATTEMPT:
-        _move_attempt(tx, attempt, row, status, now)
+        _move_attempt(tx, attempt, row, status, now, beat=beat)
+    elif beat is not None:
+        tx.run(_HEARTBEAT, {"a_id": attempt_id, "now": beat})
+        attempt.last_heartbeat_time = beat
     return attempt
 
 
