@@ -13,6 +13,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+from starlette.requests import Request
 from support.fixed_backend import ANSWER, ANSWER_IDS, PROMPT_IDS, FixedBackend
 from support.proxy_calls import MESSAGES, attempt_llm, client, running, token_ids
 from support.servers import free_port
@@ -20,6 +23,7 @@ from support.servers import free_port
 from lightning import semconv
 from lightning.proxy import LLMProxy
 from lightning.proxy.local import InProcessSession
+from lightning.serving import BearerAuth, BodyLimit, ours_outermost, past_guards
 from lightning.store import SqlLightningStore
 from lightning.types import Span
 
@@ -191,3 +195,24 @@ def test_the_stack_refuses_to_serve_the_proxy_without_its_store_or_beyond_loopba
     )
     assert exposed.returncode == 2
     assert "--proxy-port on 0.0.0.0: give the proxy a token in $LIGHTNING_PROXY_TOKEN" in exposed.stderr
+
+
+async def test_the_process_own_calls_go_past_the_token_and_the_body_limit_and_others_do_not() -> None:
+    """`past_guards`: what the proxy hands the inference server of its process enters below the server's bearer
+    token and body limit (the caller is the process itself); over HTTP both still guard every call."""
+    app = ours_outermost(FastAPI())
+
+    @app.post("/v1/echo")
+    async def echo(request: Request) -> dict[str, Any]:
+        return {"bytes": len(await request.body()), "app": request.app is app}
+
+    app.add_middleware(BodyLimit, max_bytes=10, refusal=lambda message: JSONResponse({}, 413), setting="--max-body")
+    app.add_middleware(BearerAuth, token="secret", refusal=lambda: JSONResponse({}, 401))
+    body = json.dumps({"text": "x" * 100})
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as http:
+        assert (await http.post("/v1/echo", content=body)).status_code == 401
+        guarded = await http.post("/v1/echo", content=body, headers={"authorization": "Bearer secret"})
+        assert guarded.status_code == 413
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=past_guards(app)), base_url="http://app") as http:
+        answer = await http.post("/v1/echo", content=body)
+    assert answer.status_code == 200 and answer.json() == {"bytes": len(body), "app": True}

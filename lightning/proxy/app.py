@@ -43,6 +43,7 @@ from lightning.serving import (
     ThreadedServer,
     is_loopback,
     ours_outermost,
+    past_guards,
     without_fastapi_telemetry,
 )
 from lightning.store.base import LightningStore
@@ -195,7 +196,9 @@ class LLMProxy:
         self._served: dict[str, str | None] = {}
         """Per backend URL: the model it serves when it does not list `model_name` (None: it does, or unknown)."""
         self._client: aiohttp.ClientSession | None = None
-        self._local = {url.rstrip("/"): InProcessSession(app, timeout) for url, app in (in_process or {}).items()}
+        self._local = {
+            url.rstrip("/"): InProcessSession(past_guards(app), timeout) for url, app in (in_process or {}).items()
+        }
         self._open: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
         self._router: Any = None
