@@ -1448,6 +1448,49 @@ async def test_finish_attempt_stores_the_last_spans_and_the_status_in_one_reques
     assert len(await store.query_spans(rollout_id)) == 1
 
 
+async def test_finish_attempt_with_spans_revives_an_unresponsive_attempt_then_finishes_it(store: Any) -> None:
+    """As `add_many_spans` then `update_attempt(status=...)` would: the late spans bring the attempt back (running,
+    its heartbeat now), then the status ends it. Without spans, the store's verdict stands."""
+    config = RolloutConfig(unresponsive_seconds=0.2)
+    got, quiet = await started(store, config=config), await started(store, config=config)
+    await asyncio.sleep(0.3)
+    assert await store.run_watchdog() == 2
+    before = time.time()
+    answer = await store.finish_attempt(
+        got.rollout_id, got.attempt.attempt_id, "succeeded", [make_span(got.rollout_id, got.attempt.attempt_id, 0)]
+    )
+    assert answer.status == "succeeded" and answer.last_heartbeat_time is not None
+    assert answer.last_heartbeat_time >= before
+    assert (await latest(store, got.rollout_id)).model_dump() == answer.model_dump()
+    assert (await must_get(store, got.rollout_id)).status == "succeeded"
+    kept = await store.finish_attempt(quiet.rollout_id, quiet.attempt.attempt_id, "succeeded")
+    assert kept.status == "unresponsive" and (await must_get(store, quiet.rollout_id)).status == "failed"
+
+
+async def test_a_claim_starts_each_attempt_running_as_update_attempt_would(store: Any) -> None:
+    """A claim's attempt is created running under its worker, its rollout running and its worker busy: the state a
+    dequeue then `update_attempt(status="running", worker_id=...)` leaves."""
+    claimed_rollout = await store.enqueue_rollout({"n": 1}, queue="q1")
+    dequeued_rollout = await store.enqueue_rollout({"n": 2}, queue="q2")
+    [claimed] = (await store.claim_rollouts(["w-claim"], queue="q1")).rollouts
+    dequeued = await store.dequeue_rollout(worker_id="w-deq", queue="q2")
+    moved = await store.update_attempt(
+        dequeued_rollout.rollout_id, dequeued.attempt.attempt_id, status="running", worker_id="w-deq"
+    )
+    for rollout_id, attempt, worker_id in [
+        (claimed_rollout.rollout_id, claimed.attempt, "w-claim"),
+        (dequeued_rollout.rollout_id, moved, "w-deq"),
+    ]:
+        stored = await latest(store, rollout_id)
+        assert (stored.status, stored.worker_id, stored.end_time) == ("running", worker_id, None)
+        assert (attempt.status, attempt.worker_id) == ("running", worker_id)
+        assert (await must_get(store, rollout_id)).status == "running"
+        worker = await store.get_worker_by_id(worker_id)
+        assert worker is not None and worker.status == "busy" and worker.current_attempt_id == stored.attempt_id
+        assert worker.last_dequeue_time is not None and worker.last_busy_time is not None
+    assert claimed.status == "running"
+
+
 async def test_finish_attempt_keeps_the_stores_verdict_on_an_attempt_it_moved_on(store: Any) -> None:
     got = await started(store, config=RolloutConfig(max_attempts=3, retry_condition=["timeout"]))
     rollout_id, old = got.rollout_id, got.attempt.attempt_id

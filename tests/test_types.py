@@ -281,3 +281,33 @@ def test_span_from_opentelemetry() -> None:
 
     root_span = Span.from_opentelemetry(root, "ro-1", "at-1", 8)
     assert root_span.parent_id is None and root_span.parent is None
+
+
+def test_span_from_opentelemetry_keeps_each_providers_resource_links_and_a_nul_check() -> None:
+    """The resource is converted once a provider (spans of two providers, taking turns, keep their own), links come
+    across, and a span name the store cannot hold is still refused by validation."""
+    from opentelemetry.sdk.resources import Resource
+
+    made = []
+    for name in ("one", "two", "one", "two"):
+        provider = TracerProvider(resource=Resource.create({"service.name": name}))
+        span = provider.get_tracer("t").start_span("s")
+        span.end()
+        made.append((name, Span.from_opentelemetry(span, "ro-1", "at-1", 0)))
+    assert [span.resource.attributes["service.name"] for _, span in made] == [name for name, _ in made]
+    made[0][1].resource.attributes["changed"] = True  # a span's resource is its own to change
+    assert "changed" not in made[2][1].resource.attributes
+
+    provider = TracerProvider()
+    tracer = provider.get_tracer("t")
+    first = tracer.start_span("first")
+    first.end()
+    linked = tracer.start_span("linked", links=[trace_api.Link(first.get_span_context(), {"why": ("a", "b")})])
+    linked.end()
+    span = Span.from_opentelemetry(linked, "ro-1", "at-1", 0)
+    assert span.links[0].context.span_id == trace_api.format_span_id(first.get_span_context().span_id)
+    assert span.links[0].attributes == {"why": ["a", "b"]}
+    bad = tracer.start_span("nul\x00name")
+    bad.end()
+    with pytest.raises(ValueError, match="name"):
+        Span.from_opentelemetry(bad, "ro-1", "at-1", 0)
