@@ -1314,11 +1314,18 @@ def _op_add_spans(
     return added
 
 
-def _op_add_numbered_spans(tx: _Tx, new_spans: list[Span], now: float, **options: Any) -> list[Span]:
-    """`_op_add_spans` (and its `options`) with sequence ids the store allocates, in the list's order."""
+def _op_add_numbered_spans(
+    tx: _Tx, new_spans: list[Span], now: float, found: dict[str, dict[str, Any]] | None = None, beat: bool = True
+) -> list[Span]:
+    """`_op_add_spans` with sequence ids the store allocates, in the list's order. `found`: the attempts' rows, read
+    before the allocation (their span counters are moved past it here, as the store's now are)."""
     ids = _op_allocate_sequence_ids(tx, [(span.rollout_id, span.attempt_id) for span in new_spans])
     numbered = [span.model_copy(update={"sequence_id": i}) for span, i in zip(new_spans, ids, strict=True)]
-    return _op_add_spans(tx, numbered, [_span_json(span) for span in numbered], now, **options)
+    for row in (found or {}).values():
+        allocated = [span.sequence_id for span in numbered if span.rollout_id == row["rollout_id"]]
+        if allocated:
+            row["next_span_sequence_id"] = max(row["next_span_sequence_id"], max(allocated) + 1)
+    return _op_add_spans(tx, numbered, [_span_json(span) for span in numbered], now, found=found, beat=beat)
 
 
 def _op_finish_attempt(
