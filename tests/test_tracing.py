@@ -145,6 +145,29 @@ async def test_a_span_ending_after_its_block_is_still_written_to_its_attempt(
     assert [span.name for span in await file_store.query_spans(rollout_id, attempt_id)] == ["late"]
 
 
+async def test_the_exporter_outlives_a_hand_over_that_empties_its_queue(file_store: SqlLightningStore) -> None:
+    """A runner's trace context hands its last spans to `finish_attempt` (`hand_over`), taking them out of the
+    exporter's queue, sometimes while the exporter waits its interval for more. The exporter then waits for the next
+    span: it used to end there, and every later span of the tracer was never written (a trace context without hand-over
+    timed out). The pause inside each block lets the exporter see the span first."""
+    tracer = Tracer(file_store, flush_interval=0.2, flush_timeout=5.0)
+    try:
+        for _ in range(3):
+            rollout_id, attempt_id = await new_attempt(file_store)
+            handing = tracer.trace_context(rollout_id, attempt_id, hand_over=True)
+            async with handing:
+                emit_reward(1.0)
+                await asyncio.sleep(0.05)
+            assert [span.name for span in handing.handed_over] == [semconv.REWARD_SPAN]
+            await asyncio.sleep(0.3)  # past the exporter's interval, its queue empty
+            rollout_id, attempt_id = await new_attempt(file_store)
+            async with tracer.trace_context(rollout_id, attempt_id):
+                emit_reward(0.5)
+            assert [span.name for span in await file_store.query_spans(rollout_id)] == [semconv.REWARD_SPAN]
+    finally:
+        tracer.shutdown()
+
+
 async def test_flush_and_aflush_write_spans_before_the_block_exits(file_store: SqlLightningStore) -> None:
     tracer = Tracer(file_store, flush_interval=60)
     rollout_id, attempt_id = await new_attempt(file_store)

@@ -270,14 +270,18 @@ class _StoreSpanProcessor(SpanProcessor):
 
     def _take_batch(self) -> list[_Ended] | None:
         """The next spans to write (None: shut down and drained). Waits for a first span, then up to
-        flush_interval for more, unless someone is waiting for a flush or a batch is full."""
+        flush_interval for more, unless someone is waiting for a flush or a batch is full. Spans taken out of the
+        queue meanwhile (a trace context's hand-over, `take_scope`) leave it waiting for the next: an empty queue
+        ends the thread only in a shutdown."""
         with self._cond:
-            self._cond.wait_for(lambda: self._queue or self._stopping)
-            self._cond.wait_for(self._should_write_now, timeout=self._flush_interval)
-            if not self._queue:
-                return None
-            self._in_flight = self._pop_batch()
-            return self._in_flight
+            while True:
+                self._cond.wait_for(lambda: self._queue or self._stopping)
+                self._cond.wait_for(self._should_write_now, timeout=self._flush_interval)
+                if self._queue:
+                    self._in_flight = self._pop_batch()
+                    return self._in_flight
+                if self._stopping:
+                    return None
 
     def _pop_batch(self) -> list[_Ended]:
         """Up to max_batch spans: the oldest, or, while trace contexts wait at their exit, only theirs (so
