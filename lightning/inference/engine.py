@@ -23,6 +23,7 @@ from lightning.chat import TextCodec, longest_token_chars
 from lightning.checkpoint import adapter_base_model, is_adapter_dir
 from lightning.devices import dtype_name, resolve_device, serving_dtype
 from lightning.inference.lora import AdapterSlot, adapter_factors
+from lightning.mailbox import Mailbox
 from lightning.models.files import no_progress_bars
 
 logger = logging.getLogger(__name__)
@@ -81,9 +82,8 @@ class _Request:
         self.params = params
         self.model_version: int | str = 0
         self.loop = asyncio.get_running_loop()
-        self.inbox: collections.deque[list[Output | None] | BaseException] = collections.deque()
-        """What the engine sent, in order; `arrived` wakes the consumer waiting for more (on the loop's thread)."""
-        self.arrived: asyncio.Future[None] | None = None
+        self.inbox: Mailbox[list[Output | None] | BaseException] = Mailbox(self.loop)
+        """What the engine sent, in order (put on the loop's thread, by `_deliver`)."""
         self.output_token_ids: list[list[int]] = [[] for _ in range(params.n)]
         self.finish_reasons = [""] * params.n
         self.unfinished = params.n
@@ -93,24 +93,12 @@ class _Request:
         # Called from the engine thread; what the loop's consumer reads may only be touched from the loop's thread.
         self.loop.call_soon_threadsafe(_deliver, [(self, item)])
 
-    def put(self, item: list[Output | None] | BaseException) -> None:
-        """On the loop's thread."""
-        self.inbox.append(item)
-        if self.arrived is not None and not self.arrived.done():
-            self.arrived.set_result(None)
-
-    async def get(self) -> list[Output | None] | BaseException:
-        while not self.inbox:
-            self.arrived = self.loop.create_future()
-            await self.arrived
-        return self.inbox.popleft()
-
 
 def _deliver(sent: list[tuple[_Request, list[Output | None] | BaseException]]) -> None:
     """A decoding step's outputs handed to their requests, on the loop's thread: one wake-up of the loop a step,
     not one a request (a write to the loop's self-pipe each; 256 a step at the demo's batch)."""
     for request, item in sent:
-        request.put(item)
+        request.inbox.put(item)
 
 
 class _Row:
@@ -260,7 +248,7 @@ class InferenceEngine:
             self._cond.notify()
         try:
             while True:
-                item = await request.get()
+                item = await request.inbox.get()
                 if isinstance(item, BaseException):
                     raise item
                 for output in item:
