@@ -413,6 +413,38 @@ async def test_emit_reward_float(tracer: Tracer, file_store: SqlLightningStore) 
     ]
 
 
+async def test_an_emitted_span_is_the_same_with_or_without_the_sdk_s_span_machinery(tmp_path: Path) -> None:
+    # Our processor alone: emitters record their instant spans without the SDK (Tracer.record_instant). A processor
+    # of the user's on the provider (an exporter) must see every span: then they go through the SDK. Both ways the
+    # store gets the same span, a child of the current span, in the provider's resource.
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    stored: dict[str, Span] = {}
+    exported = InMemorySpanExporter()
+    for way in ("instant", "sdk"):
+        store = SqlLightningStore(f"sqlite:///{tmp_path / way}.db", watchdog_interval=None)
+        tracer = Tracer(store, flush_interval=FAST)
+        if way == "sdk":
+            tracer.tracer_provider.add_span_processor(SimpleSpanProcessor(exported))
+        rollout_id, attempt_id = await new_attempt(store)
+        async with tracer.trace_context(rollout_id, attempt_id, name="root"):
+            emit_reward(0.5)
+        spans = await store.query_spans(rollout_id, attempt_id)
+        stored[way] = reward = one(spans, semconv.REWARD_SPAN)
+        root = one(spans, "root")
+        assert (reward.parent_id, reward.trace_id) == (root.span_id, root.trace_id)
+        assert reward.start_time == reward.end_time or way == "sdk"
+        tracer.shutdown()
+        await store.close()
+    assert [span.name for span in exported.get_finished_spans()] == [semconv.REWARD_SPAN, "root"]
+    ignored = {"rollout_id", "attempt_id", "trace_id", "span_id", "parent_id", "start_time", "end_time", "context",
+               "parent"}  # fmt: skip
+    instant, sdk = (stored[way].model_dump(exclude=ignored) for way in ("instant", "sdk"))
+    assert instant == sdk
+    assert instant["resource"]["attributes"] == {"service.name": "lightning"}
+
+
 async def test_emit_reward_dict_with_primary_key(tracer: Tracer, file_store: SqlLightningStore) -> None:
     spans = await spans_of_one_emit(
         tracer, file_store, lambda: emit_reward({"correct": 1.0, "brevity": 0.25}, primary_key="correct")

@@ -83,9 +83,11 @@ def _record(emitter: str, span_name: str, attributes: dict[str, Any], propagate:
     """Record a span in the active trace context (propagate=False: only describe it)."""
     now = time.time()
     if propagate:
-        tracer = _active_tracer(emitter)
-        if tracer is not None:
-            tracer.start_span(span_name, attributes=attributes).end()
+        scope = current_scope()
+        if scope is None or scope.tracer is None or not scope.tracer.record_instant(scope, span_name, attributes):
+            tracer = _active_tracer(emitter)  # None outside a trace context (warned once)
+            if tracer is not None:
+                tracer.start_span(span_name, attributes=attributes).end()
     return SpanCoreFields(name=span_name, attributes=attributes, start_time=now, end_time=now)
 
 

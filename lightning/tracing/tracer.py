@@ -9,7 +9,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from types import TracebackType
+from types import MappingProxyType, TracebackType
+from typing import Any
 from urllib.parse import urlsplit
 
 from opentelemetry import context as otel_context
@@ -18,6 +19,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace import Span as SdkSpan
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Status, StatusCode
 
 from lightning import semconv
@@ -119,15 +121,23 @@ class _StoreSpanProcessor(SpanProcessor):
             if scope is None:
                 return
             scope.open -= 1
-            scope.ended.append(span)
-            if self._stopping:
-                scope.error = scope.error or SpanExportError(f"span {span.name!r} ended after the tracer shut down")
-                return
-            self._queue.append(_Ended(span, scope, self._ended))
-            self._ended += 1
-            scope.pending += 1
-            if len(self._queue) == 1 or len(self._queue) >= self._max_batch or self._waiters:
-                self._cond.notify_all()
+            self._queue_ended(span, scope)
+
+    def add_ended(self, span: ReadableSpan, scope: _Scope) -> None:
+        """A span that never was open (`Tracer.record_instant`'s), queued as `on_end` queues one."""
+        with self._cond:
+            self._queue_ended(span, scope)
+
+    def _queue_ended(self, span: ReadableSpan, scope: _Scope) -> None:
+        scope.ended.append(span)
+        if self._stopping:
+            scope.error = scope.error or SpanExportError(f"span {span.name!r} ended after the tracer shut down")
+            return
+        self._queue.append(_Ended(span, scope, self._ended))
+        self._ended += 1
+        scope.pending += 1
+        if len(self._queue) == 1 or len(self._queue) >= self._max_batch or self._waiters:
+            self._cond.notify_all()
 
     def discard(self, span: ReadableSpan) -> None:
         """Forget a span started in a scope, instead of ending it there (lightning.tracing.instrument's call)."""
@@ -172,8 +182,11 @@ class _StoreSpanProcessor(SpanProcessor):
         _raise_scope_error(scope)
 
     async def aflush_scope(self, scope: _Scope, timeout: float) -> None:
-        with self._waiting_on(scope):
-            await self._await_until(lambda: scope.pending == 0, timeout, _describe(scope))
+        with self._cond:
+            written = scope.pending == 0  # the runner's exits, mostly: it took the scope's spans (`take_scope`)
+        if not written:
+            with self._waiting_on(scope):
+                await self._await_until(lambda: scope.pending == 0, timeout, _describe(scope))
         _raise_scope_error(scope)
 
     def take_scope(self, scope: _Scope) -> list[Span]:
@@ -181,10 +194,14 @@ class _StoreSpanProcessor(SpanProcessor):
         store to give): the caller writes them itself. Spans already being written stay with the exporter."""
         with self._cond:
             taken = [item for item in self._queue if item.scope is scope]
+            listeners = []
             if taken:
                 self._queue = [item for item in self._queue if item.scope is not scope]
                 scope.pending -= len(taken)
-                self._cond.notify_all()  # waiters on "everything up to here is written" may be done now
+                if self._waiters:  # waiters on "everything up to here is written" may be done now
+                    self._cond.notify_all()
+                    listeners = list(self._listeners)
+        _wake(listeners)
         return [Span.from_opentelemetry(item.span, scope.rollout_id, scope.attempt_id, 0) for item in taken]
 
     @contextlib.contextmanager
@@ -340,9 +357,14 @@ class _StoreSpanProcessor(SpanProcessor):
             self._in_flight = []
             self._cond.notify_all()
             listeners = list(self._listeners)
-        for loop, wake in listeners:
-            with contextlib.suppress(RuntimeError):  # the waiter's loop has closed
-                loop.call_soon_threadsafe(wake.set)
+        _wake(listeners)
+
+
+def _wake(listeners: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]) -> None:
+    """Wake the async waiters (`_await_until`) on their loops."""
+    for loop, wake in listeners:
+        with contextlib.suppress(RuntimeError):  # the waiter's loop has closed
+            loop.call_soon_threadsafe(wake.set)
 
 
 def _group_by_attempt(batch: list[_Ended]) -> list[list[_Ended]]:
@@ -479,7 +501,7 @@ class Tracer:
             )
         self.flush_timeout = flush_timeout
         self._processor = _StoreSpanProcessor(store, flush_interval, max_batch, flush_timeout)
-        self._provider = TracerProvider(
+        self._provider = _Provider(
             # Explicit sampler, resource and limits: the SDK would otherwise read OTEL_* environment
             # variables, which could sample spans away, put env values in every span, or truncate JSON.
             sampler=ALWAYS_ON,
@@ -489,7 +511,8 @@ class Tracer:
         )
         self._provider.add_span_processor(self._processor)
         instrument_openai(_INSTRUMENTED_CALLS, _unlimited())  # the agent's own OpenAI client's calls: spans too
-        self._otel_tracer = self._provider.get_tracer("lightning.tracing")
+        self._otel_tracer = self._provider.get_tracer(_SCOPE_NAME)
+        self._scope_info = InstrumentationScope(_SCOPE_NAME)
         self._shut_down = False
         self._last_scope: _Scope | None = None
         if isinstance(self._otel_tracer, trace_api.NoOpTracer):
@@ -537,6 +560,39 @@ class Tracer:
         """The private provider, for instrumentation libraries that take `tracer_provider=`."""
         return self._provider
 
+    def record_instant(self, scope: _Scope, name: str, attributes: dict[str, Any]) -> bool:
+        """Record a span that starts and ends at once (an emitter's: a reward, a message) in `scope`, one of this
+        tracer's trace contexts, as the SDK records it (a child of the current span, ids from the provider's
+        generator, its resource) without the SDK's span machinery: its sampler, limits, locks and two processor
+        calls cost 40 of the 95 us a reward span cost the runner (docs/benchmarks.md). False, recording nothing,
+        where the provider has processors besides ours (someone's exporter, which must see the span) or the SDK is
+        disabled: the caller starts and ends the span through the SDK."""
+        if self._provider.processors != 1 or isinstance(self._otel_tracer, trace_api.NoOpTracer):
+            return False
+        parent = trace_api.get_current_span().get_span_context()
+        ids = self._provider.id_generator
+        if parent.is_valid:
+            context = trace_api.SpanContext(
+                parent.trace_id, ids.generate_span_id(), False, _SAMPLED, trace_state=parent.trace_state
+            )
+        else:
+            parent = None
+            context = trace_api.SpanContext(ids.generate_trace_id(), ids.generate_span_id(), False, _SAMPLED)
+        now = time.time_ns()
+        span = ReadableSpan(
+            name,
+            context=context,
+            parent=parent,
+            resource=self._provider.resource,
+            attributes=MappingProxyType(dict(attributes)),  # read-only, as the SDK's ended span's
+            status=_UNSET,
+            start_time=now,
+            end_time=now,
+            instrumentation_scope=self._scope_info,
+        )
+        self._processor.add_ended(span, scope)
+        return True
+
     def trace_context(
         self, rollout_id: str, attempt_id: str, *, name: str | None = None, hand_over: bool = False
     ) -> TraceContext:
@@ -577,6 +633,22 @@ class Tracer:
             )
         self._last_scope = _Scope(self._processor, self._otel_tracer, rollout_id, attempt_id, tracer=self)
         return self._last_scope
+
+
+class _Provider(TracerProvider):
+    """The tracer's private provider, counting its span processors: with ours alone, `Tracer.record_instant` may
+    record a span without the SDK (no other processor misses it)."""
+
+    processors = 0
+
+    def add_span_processor(self, span_processor: SpanProcessor) -> None:
+        super().add_span_processor(span_processor)
+        self.processors += 1
+
+
+_SCOPE_NAME = "lightning.tracing"
+_SAMPLED = trace_api.TraceFlags(trace_api.TraceFlags.SAMPLED)
+_UNSET = Status(StatusCode.UNSET)
 
 
 class _ToTraceContext(SpanProcessor):
