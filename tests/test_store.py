@@ -908,6 +908,50 @@ async def test_wait_for_finished_ids_answers_ids_and_waits_like_wait_for_rollout
         await store.wait_for_finished_ids(rollout_ids=["ro-doesnotexist"], timeout=0.1)
 
 
+async def test_a_busy_fleet_s_wait_asks_the_store_once_a_slice(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the fleet runs rollouts of its phase (`busy`), the phase is not over: its wait asks the store once a
+    slice, not at each rollout the fleet finishes. It still ends within a slice of the last finish when busy stays
+    true (an attempt the store moved on, still running here), and at once when the fleet goes idle."""
+    from lightning import stopping
+    from lightning.runner.fleet import wait_unless_stopped
+    from lightning.store import SqlLightningStore
+    from lightning.store import sql as sql_store
+
+    store = SqlLightningStore(f"sqlite:///{tmp_path}/store.db", watchdog_interval=None)
+    asked: list[float] = []  # the store's reads of the finished ids
+    read = sql_store._op_finished_ids
+    monkeypatch.setattr(sql_store, "_op_finished_ids", lambda *args: asked.append(time.monotonic()) or read(*args))
+    monkeypatch.setattr(stopping, "POLL_SECONDS", 0.2)
+    try:
+        ids = [(await store.enqueue_rollout(i)).rollout_id for i in range(20)]
+        claimed = [await store.dequeue_rollout(worker_id="w") for _ in range(20)]
+
+        async def finish(pause: float) -> None:
+            for attempt in claimed:
+                await store.update_attempt(attempt.rollout_id, attempt.attempt.attempt_id, status="succeeded")
+                await asyncio.sleep(pause)
+
+        finisher = asyncio.create_task(finish(0.02))  # 0.4 s of finishes, each one a wake-up of an idle wait
+        started = time.monotonic()
+        done = await wait_unless_stopped(store, ids, timeout=5, busy=lambda: True)
+        await finisher
+        assert done == ids
+        assert len(asked) <= 5  # ~0.4 s in slices of 0.2 s: not one a finish (20)
+        assert time.monotonic() - started < 0.4 + 2 * 0.2 + 0.3
+
+        running = [True]
+        more = [(await store.enqueue_rollout(i)).rollout_id for i in range(2)]
+        for _ in more:
+            attempt = await store.dequeue_rollout(worker_id="w")
+            await store.update_attempt(attempt.rollout_id, attempt.attempt.attempt_id, status="succeeded")
+        asyncio.get_running_loop().call_later(0.05, running.clear)  # the fleet goes idle
+        started = time.monotonic()
+        assert await wait_unless_stopped(store, more, timeout=5, busy=lambda: bool(running)) == more
+        assert time.monotonic() - started < 0.15
+    finally:
+        await store.close()
+
+
 async def test_a_phase_wait_reads_no_rollout_whole_and_a_rollout_wait_each_once(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -44,14 +44,16 @@ async def run_fleet_until(
 
     stop = threading.Event()
     tracer = Tracer(store)  # one exporter for the fleet, not a thread per runner
-    progress = [_Progress(on_rollout_end)]
+    progress = [_Progress(on_rollout_end, set(rollout_ids))]
     names = [f"{queue}-runner{index}-{i}" for i in range(concurrency)]
     fleet = [Runner(agent, store, tracer=tracer, worker_id=name, queue=queue, hooks=progress) for name in names]
     # One claim loop for the fleet, not a poll per idle runner; its claims bring the resources once.
     claims = run_fleet(fleet, store, stop_event=stop, queue=queue, idle_wait=0.05)
     working = WatchedLoop(claims, store, blocked_after=blocked_after, name=f"{queue}-fleet{index}")
     try:
-        finished = await wait_unless_stopped(store, rollout_ids, timeout, give_up=lambda: working.lost is not None)
+        finished = await wait_unless_stopped(
+            store, rollout_ids, timeout, give_up=lambda: working.lost is not None, busy=lambda: progress[0].running > 0
+        )
     finally:
         stop.set()
         if stopping.stop_requested() or working.lost:  # the rollouts in flight are cancelled, not waited for
@@ -85,12 +87,21 @@ async def _fleet_end(working: WatchedLoop) -> Any:
 
 
 async def wait_unless_stopped(
-    store: LightningStore, rollout_ids: Sequence[str], timeout: float, give_up: Callable[[], bool] | None = None
+    store: LightningStore,
+    rollout_ids: Sequence[str],
+    timeout: float,
+    give_up: Callable[[], bool] | None = None,
+    busy: Callable[[], bool] | None = None,
 ) -> list[str]:
     """`store.wait_for_finished_ids`, in slices of `stopping.POLL_SECONDS`, so that a stop asked for (or `give_up()`
     turning true) ends the wait within one slice; the ids of the rollouts that finished. Each slice waits only on the
     rollouts not seen finished yet (a finished rollout stays finished while its phase waits). Ids alone: a runner
-    process read every rollout of its phase whole to count them (44 us a rollout, in each runner process)."""
+    process read every rollout of its phase whole to count them (44 us a rollout, in each runner process).
+
+    `busy()` true: the caller runs some of `rollout_ids` itself (a fleet, its rollouts in flight), so they cannot all
+    have finished: the store is asked once a slice, not at every rollout the fleet finishes (each finish woke a read
+    of the phase's rows, 50 a second, 13% of a runner process's store thread; issue 39). Once a slice still: an
+    attempt the store moved on may run on here."""
     deadline = time.monotonic() + timeout
     wanted = list(dict.fromkeys(rollout_ids))
     finished: set[str] = set()
@@ -98,18 +109,41 @@ async def wait_unless_stopped(
         left = deadline - time.monotonic()
         pending = [rollout_id for rollout_id in wanted if rollout_id not in finished]
         slice_ = max(min(left, stopping.POLL_SECONDS), 0.0)
+        if busy is not None and busy():
+            await _while_busy(busy, slice_, give_up)
+            slice_ = 0.0  # a look, then the loop's checks: busy again, or idle and waiting
         finished.update(await store.wait_for_finished_ids(rollout_ids=pending, timeout=slice_))
         if len(finished) >= len(wanted) or left <= 0 or stopping.stop_requested() or (give_up and give_up()):
             return [rollout_id for rollout_id in wanted if rollout_id in finished]
 
 
+BUSY_CHECK_SECONDS = 0.01
+"""How often a fleet's wait looks whether the fleet still runs rollouts of its phase (a look at a counter)."""
+
+
+async def _while_busy(busy: Callable[[], bool], seconds: float, give_up: Callable[[], bool] | None) -> None:
+    """Up to `seconds`, until `busy()` turns false, a stop is asked for or `give_up()` turns true."""
+    until = time.monotonic() + seconds
+    while busy() and time.monotonic() < until and not stopping.stop_requested() and not (give_up and give_up()):
+        await asyncio.sleep(BUSY_CHECK_SECONDS)
+
+
 class _Progress(Hook):
-    """Each rollout a runner finishes is progress (a run's stall warning waits for none): `note` is called."""
+    """Each rollout a runner finishes is progress (a run's stall warning waits for none): `note` is called. Counts the
+    fleet's rollouts of `phase` (ids) in flight, for its wait; on the fleet's event loop alone."""
 
-    def __init__(self, note: Callable[[], None]) -> None:
+    def __init__(self, note: Callable[[], None], phase: set[str]) -> None:
         self.note = note
+        self.phase = phase
+        self.running = 0
 
-    async def on_rollout_end(self, **_: Any) -> None:
+    async def on_rollout_start(self, *, rollout: Any, **_: Any) -> None:
+        if rollout.rollout_id in self.phase:
+            self.running += 1
+
+    async def on_rollout_end(self, *, rollout: Any, **_: Any) -> None:
+        if rollout.rollout_id in self.phase:
+            self.running -= 1
         self.note()
 
 
