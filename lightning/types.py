@@ -217,6 +217,9 @@ class ProxyLLM(LLM):
         came from a runner and does not ask the store whether the attempt exists."""
         if rollout_id is None and attempt_id is None:
             return self.endpoint
+        return self._route(rollout_id, attempt_id, self.api_key)
+
+    def _route(self, rollout_id: str | None, attempt_id: str | None, key: str | None) -> str:
         if not rollout_id or not attempt_id:
             raise ValueError("ProxyLLM.get_base_url needs both rollout_id and attempt_id, or neither")
         prefix = self.endpoint.rstrip("/")
@@ -224,27 +227,33 @@ class ProxyLLM(LLM):
         if has_v1:
             prefix = prefix[: -len("/v1")]
         routed = f"{prefix}/rollout/{rollout_id}/attempt/{attempt_id}"
-        if self.api_key:
-            routed += f"/signed/{route_signature(self.api_key, rollout_id, attempt_id)}"
+        if key:
+            routed += f"/signed/{route_signature(key, rollout_id, attempt_id)}"
         return f"{routed}/v1" if has_v1 else routed
 
     def with_attempted_rollout(self, rollout: AttemptedRollout) -> LLM:
         """A plain `LLM` whose endpoint already carries this rollout's route; a rollout enqueued with a sampling
         seed (`metadata["seed"]`, see `lightning.seeding`) gets it in `sampling_parameters` unless they set one."""
-        llm = self.with_attempted_rollout_ids(rollout.rollout_id, rollout.attempt.attempt_id)
+        return self.for_attempt(rollout, self.api_key)
+
+    def for_attempt(self, rollout: AttemptedRollout, key: str | None) -> LLM:
+        """`with_attempted_rollout`, its route signed with and its `api_key` set to `key` (the runner's: the proxy's
+        token from its environment, as the store never holds it)."""
+        parameters = dict(self.sampling_parameters)
         seed = (rollout.metadata or {}).get("seed")
-        if isinstance(seed, int) and "seed" not in llm.sampling_parameters:
-            llm.sampling_parameters["seed"] = seed
-        return llm
+        if isinstance(seed, int) and "seed" not in parameters:
+            parameters["seed"] = seed
+        return self._plain(self._route(rollout.rollout_id, rollout.attempt.attempt_id, key), key, parameters)
 
     def with_attempted_rollout_ids(self, rollout_id: str, attempt_id: str) -> LLM:
         """A plain `LLM` whose endpoint carries the route of this rollout and attempt."""
-        return LLM(
-            endpoint=self.get_base_url(rollout_id, attempt_id),
-            model=self.model,
-            api_key=self.api_key,
-            sampling_parameters=dict(self.sampling_parameters),
+        return self._plain(
+            self._route(rollout_id, attempt_id, self.api_key), self.api_key, dict(self.sampling_parameters)
         )
+
+    def _plain(self, endpoint: str, key: str | None, parameters: dict[str, Any]) -> LLM:
+        # Built from this validated resource's fields, not validated again: a rollout's runner makes one, 18 us.
+        return LLM.model_construct(endpoint=endpoint, model=self.model, api_key=key, sampling_parameters=parameters)
 
 
 class PromptTemplate(BaseModel):

@@ -516,6 +516,6 @@ def _routed(llm: ProxyLLM, claimed: AttemptedRollout) -> LLM:
     """The run's LLM for this attempt: its route in the endpoint, and the proxy's key from this process's environment
     ($LIGHTNING_PROXY_TOKEN: the run's proxy needs it on every call), never from the store."""
     token = llm.api_key or os.environ.get(PROXY_TOKEN)
-    routed = llm.model_copy(update={"api_key": token}).with_attempted_rollout(claimed)  # signed with the token
+    routed = llm.for_attempt(claimed, token)  # signed with the token
     routed.api_key = token or UNUSED_KEY
     return routed
