@@ -34,6 +34,10 @@ SPAN_SEQUENCE_ID = "lightning.span_sequence_id"
 
 # agent-lightning 0.3 spellings, accepted on input.
 PEER_REWARD_SPAN = "agentlightning.reward"
+PEER_ANNOTATION_SPAN = "agentlightning.annotation"
+"""agent-lightning 0.3's `emit_reward` span: its rewards flattened into `agentlightning.reward.<i>.name` / `.value`."""
+PEER_PRIMARY_REWARD = "agentlightning.reward.0.value"
+"""The primary reward of an agent-lightning 0.3 reward list."""
 PEER_MESSAGE_BODY = "agentlightning.message.body"
 PEER_OBJECT_JSON = "agentlightning.object.json"
 PEER_OBJECT_LITERAL = "agentlightning.object.literal"

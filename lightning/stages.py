@@ -222,7 +222,7 @@ async def summarize_rollouts(store: LightningStore, rollout_ids: Sequence[str]) 
     by_rollout: dict[str, float] = {}
     for start in range(0, len(rollout_ids), 256):  # the latest attempts' spans, one request per 256 rollouts
         chunk = list(rollout_ids[start : start + 256])
-        for rollout_id, spans in (await store.query_latest_spans(chunk)).items():
+        for rollout_id, spans in (await store.query_latest_spans(chunk, rewards_only=True)).items():
             reward = find_final_reward(spans)
             if reward is not None:
                 by_rollout[rollout_id] = reward

@@ -1572,6 +1572,37 @@ async def test_query_latest_spans_reads_many_rollouts_latest_attempts_at_once(st
     assert [s.name for s in found[one.rollout_id]] == ["one-a", "one-b"]  # the latest attempt only, in order
 
 
+async def test_query_latest_spans_rewards_only_leaves_out_what_holds_no_reward(store: Any) -> None:
+    """A summary of rewards reads the spans that may carry one, and finds the same final reward as in all the spans:
+    ours, agent-lightning 0.3's annotation, its 0.2 reward span, its primary reward on a span of another name; the
+    LLM calls' spans (whole prompts and token ids) stay in the store."""
+    from lightning import semconv
+    from lightning.tracing import find_final_reward
+
+    rewarded = {
+        "ours": [(semconv.REWARD_SPAN, {semconv.REWARD_VALUE: 0.25})],
+        "agl 0.3": [(semconv.PEER_ANNOTATION_SPAN, {semconv.PEER_PRIMARY_REWARD: 0.5})],
+        "agl 0.2": [(semconv.PEER_REWARD_SPAN, {"reward": 0.75})],
+        "attribute": [("judge", {semconv.PEER_PRIMARY_REWARD: 1.0})],
+        "none": [],
+    }
+    ids = {}
+    for label, reward_spans in rewarded.items():
+        rollout = await started(store)
+        ids[label] = rollout.rollout_id
+        llm = ("openai.chat.completion", {"prompt": "what reward?", "prompt_token_ids": [1, 2, 3]})
+        for name, attributes in [llm, *reward_spans, llm]:
+            await add_auto_span(store, rollout.rollout_id, rollout.attempt.attempt_id, name=name, attributes=attributes)
+
+    every = await store.query_latest_spans(list(ids.values()))
+    rewards = await store.query_latest_spans(list(ids.values()), rewards_only=True)
+    assert list(rewards) == list(every)
+    for label, rollout_id in ids.items():
+        assert [span.name for span in rewards[rollout_id]] == [name for name, _ in rewarded[label]]
+        assert find_final_reward(rewards[rollout_id]) == find_final_reward(every[rollout_id])
+    assert find_final_reward(rewards[ids["attribute"]]) == 1.0
+
+
 async def test_concurrent_sqlite_writes_share_a_commit_and_fail_alone(tmp_path: Any) -> None:
     """Writes that queue up while the store's SQLite thread is busy run in one transaction, each in a savepoint of
     its own: one that fails midway leaves nothing behind and gets its own error; the others are committed (issue 39).

@@ -304,12 +304,15 @@ class LightningStore(ABC):
         `name` and their `*_contains` forms (see QuerySpans), sorted and paged."""
         return await self._request(contract.QuerySpans, rollout_id=rollout_id, attempt_id=attempt_id, **filters)
 
-    async def query_latest_spans(self, rollout_ids: Sequence[str]) -> dict[str, list[Span]]:
+    async def query_latest_spans(
+        self, rollout_ids: Sequence[str], *, rewards_only: bool = False
+    ) -> dict[str, list[Span]]:
         """Each rollout's latest attempt's spans, in sequence order, in one request: rollout id -> spans (an
-        unknown id is left out)."""
+        unknown id is left out). `rewards_only`: only the spans that may carry a reward (`find_final_reward` reads
+        the same reward from them as from all)."""
         if not rollout_ids:
             return {}
-        return await self._request(contract.QueryLatestSpans, rollout_ids=list(rollout_ids))
+        return await self._request(contract.QueryLatestSpans, rollout_ids=list(rollout_ids), rewards_only=rewards_only)
 
     # --- resources ---------------------------------------------------------------------------
 

@@ -377,6 +377,10 @@ class QueryLatestSpans(Read):
     method: ClassVar[str] = "query_latest_spans"
     response: ClassVar[Any] = dict[str, list[Span]]
     rollout_ids: list[StoreText] = Field(max_length=10_000)
+    rewards_only: bool = False
+    """Only the spans that may carry a reward: a name with `reward` in it, agent-lightning's annotation span, or
+    agent-lightning's primary reward among the attributes (a summary of rewards reads these, not the LLM calls'
+    spans, which hold whole prompts and token ids)."""
 
 
 # --- resources --------------------------------------------------------------------------------

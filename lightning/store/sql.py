@@ -57,6 +57,7 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import IntegrityError, OperationalError, StatementError
 from sqlalchemy.pool import StaticPool
 
+from lightning import semconv
 from lightning.credentials import expand
 from lightning.store import contract, lifecycle
 from lightning.store.base import UNSET, LightningStore
@@ -616,7 +617,8 @@ class SqlLightningStore(LightningStore):
         return await self._run(_op_query_spans, request, stmt, paged, write=False)
 
     async def _query_latest_spans(self, request: contract.QueryLatestSpans) -> dict[str, list[Span]]:
-        return await self._run(_op_latest_spans, list(dict.fromkeys(request.rollout_ids)), write=False)
+        rollout_ids = list(dict.fromkeys(request.rollout_ids))
+        return await self._run(_op_latest_spans, rollout_ids, request.rewards_only, write=False)
 
     async def query_spans_json(self, request: contract.QuerySpans) -> bytes:
         """query_spans' answer (PaginatedResult[Span]) as JSON made of the spans' stored JSON as is, for the HTTP
@@ -1427,11 +1429,13 @@ def _op_span_payloads(
     return payloads, total
 
 
-def _op_latest_spans(tx: _Tx, rollout_ids: list[str]) -> dict[str, list[Span]]:
+def _op_latest_spans(tx: _Tx, rollout_ids: list[str], rewards_only: bool = False) -> dict[str, list[Span]]:
     """Spans of each rollout's latest attempt, in sequence order; unknown rollouts left out. The spans are found by
     a join on (rollout_id, attempt_id), one probe of the spans' identity index a rollout: with an IN list of the
     rollouts beside one of their attempts, SQLite probed every pair (768 rollouts: 590,000 probes, 150 ms against 8:
-    docs/benchmarks.md, "The rollout summary's read")."""
+    docs/benchmarks.md, "The rollout summary's read"). `rewards_only`: the spans that may carry a reward
+    (`contract.QueryLatestSpans`); a span whose text merely mentions the primary reward's name comes too, and is
+    read as a span without a reward."""
     known = tx.conn.execute(select(rollouts.c.rollout_id).where(rollouts.c.rollout_id.in_(rollout_ids))).scalars()
     payloads: dict[str, list[str]] = {rollout_id: [] for rollout_id in known}
     if payloads:
@@ -1444,6 +1448,14 @@ def _op_latest_spans(tx: _Tx, rollout_ids: list[str]) -> dict[str, list[Span]]:
             .where(rollouts.c.rollout_id.in_(list(payloads)))
             .order_by(spans.c.rollout_id, spans.c.sequence_id, spans.c.pk)
         )
+        if rewards_only:
+            stmt = stmt.where(
+                or_(
+                    spans.c.name.contains("reward", autoescape=True),
+                    spans.c.name == semconv.PEER_ANNOTATION_SPAN,
+                    spans.c.payload.contains(f'"{semconv.PEER_PRIMARY_REWARD}"', autoescape=True),
+                )
+            )
         for row in tx.conn.execute(stmt):
             payloads[row.rollout_id].append(row.payload)
     return {

@@ -16,8 +16,8 @@ from lightning.types import Span
 # agent-lightning 0.3's emit_reward writes an `agentlightning.annotation` span whose reward list is flattened
 # into `agentlightning.reward.<i>.name` / `.value`, the primary reward first; 0.2 wrote an
 # `agentlightning.reward` span with a plain `reward` attribute.
-PEER_ANNOTATION_SPAN = "agentlightning.annotation"
-PEER_PRIMARY_REWARD = "agentlightning.reward.0.value"
+PEER_ANNOTATION_SPAN = semconv.PEER_ANNOTATION_SPAN
+PEER_PRIMARY_REWARD = semconv.PEER_PRIMARY_REWARD
 PEER_LEGACY_REWARD = "reward"
 
 
