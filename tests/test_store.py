@@ -908,6 +908,29 @@ async def test_wait_for_finished_ids_answers_ids_and_waits_like_wait_for_rollout
         await store.wait_for_finished_ids(rollout_ids=["ro-doesnotexist"], timeout=0.1)
 
 
+async def test_waits_look_each_rollout_s_row_number_up_once(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A phase is waited for in slices, each a wait of the store: the rollouts' row numbers (which never change) are
+    read at the first; an unknown id is still refused at every wait."""
+    from lightning.store import SqlLightningStore
+    from lightning.store import sql as sql_store
+
+    store = SqlLightningStore(f"sqlite:///{tmp_path}/store.db", watchdog_interval=None)
+    looked_up: list[list[str]] = []
+    read = sql_store._op_rollout_numbers
+    monkeypatch.setattr(sql_store, "_op_rollout_numbers", lambda tx, ids: looked_up.append(ids) or read(tx, ids))
+    try:
+        ids = [(await store.enqueue_rollout(i)).rollout_id for i in range(3)]
+        for _ in range(3):
+            assert await store.wait_for_finished_ids(rollout_ids=ids, timeout=0) == []
+        assert looked_up == [ids]
+        for _ in range(2):
+            with pytest.raises(NotFoundError, match="no-such-rollout"):
+                await store.wait_for_finished_ids(rollout_ids=[ids[0], "no-such-rollout"], timeout=0)
+        assert looked_up == [ids, ["no-such-rollout"], ["no-such-rollout"]]
+    finally:
+        await store.close()
+
+
 async def test_a_busy_fleet_s_wait_asks_the_store_once_a_slice(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """While the fleet runs rollouts of its phase (`busy`), the phase is not over: its wait asks the store once a
     slice, not at each rollout the fleet finishes. It still ends within a slice of the last finish when busy stays
