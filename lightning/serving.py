@@ -197,19 +197,33 @@ class HotRoutes:
         self._handled = tuple(errors)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        found = self.route(scope)
+        if found is None:
+            await self.app(scope, receive, send)
+            return
+        response = await self.answer(found, scope, receive, send)
+        await response(scope, receive, send)
+
+    def route(self, scope: dict[str, Any]) -> tuple[HotHandler, re.Match[str]] | None:
+        """The hot route's handler and the path's match for a request, or None (the app's to answer)."""
         if scope["type"] == "http" and scope["method"] == "POST":
             for pattern, handler in self.routes:
                 match = pattern.fullmatch(scope["path"])
                 if match is not None:
-                    from starlette.requests import Request
+                    return handler, match
+        return None
 
-                    try:
-                        response = await handler(Request(scope, receive, send), match)
-                    except self._handled as exc:
-                        response = next(answer for kind, answer in self.errors.items() if isinstance(exc, kind))(exc)
-                    await response(scope, receive, send)
-                    return
-        await self.app(scope, receive, send)
+    async def answer(
+        self, found: tuple[HotHandler, re.Match[str]], scope: dict[str, Any], receive: Any, send: Any = None
+    ) -> Any:
+        """The route's response to the request (an error of a type in `errors` answered as that type's)."""
+        from starlette.requests import Request
+
+        handler, match = found
+        try:
+            return await handler(Request(scope, receive) if send is None else Request(scope, receive, send), match)
+        except self._handled as exc:
+            return next(answer for kind, answer in self.errors.items() if isinstance(exc, kind))(exc)
 
 
 def ours_outermost(app: Any) -> Any:
@@ -247,14 +261,30 @@ def past_guards(app: Any) -> Any:
     inner = app.middleware_stack
     while isinstance(inner, BearerAuth | BodyLimit):
         inner = inner.app
-    if inner is app.middleware_stack:
+    if inner is app.middleware_stack and not isinstance(inner, HotRoutes):
         return app
+    return _PastGuards(app, inner)
 
-    async def entry(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        scope["app"] = app  # what Starlette's own call sets, for the routes below
-        await inner(scope, receive, send)
 
-    return entry
+class _PastGuards:
+    """`past_guards`' entry: an ASGI app, and the app's hot routes where they are the first layer inside (`route`,
+    `answer`: a caller of this process awaits a hot route's handler itself, `lightning.proxy.local`)."""
+
+    def __init__(self, app: Any, inner: Any) -> None:
+        self.app, self.inner = app, inner
+        self.hot: HotRoutes | None = inner if isinstance(inner, HotRoutes) else None
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        scope["app"] = self.app  # what Starlette's own call sets, for the routes below
+        await self.inner(scope, receive, send)
+
+    def route(self, scope: dict[str, Any]) -> tuple[HotHandler, re.Match[str]] | None:
+        return self.hot.route(scope) if self.hot is not None else None
+
+    async def answer(self, found: tuple[HotHandler, re.Match[str]], scope: dict[str, Any], receive: Any) -> Any:
+        assert self.hot is not None
+        scope["app"] = self.app
+        return await self.hot.answer(found, scope, receive)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -216,3 +216,58 @@ async def test_the_process_own_calls_go_past_the_token_and_the_body_limit_and_ot
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=past_guards(app)), base_url="http://app") as http:
         answer = await http.post("/v1/echo", content=body)
     assert answer.status_code == 200 and answer.json() == {"bytes": len(body), "app": True}
+
+
+async def test_a_hot_route_is_called_directly_and_answers_as_the_app_would(caplog: pytest.LogCaptureFixture) -> None:
+    """A hot route of the in-process app (every chat completion of a rollout) is awaited directly, its answer handed
+    back whole: as the app over ASGI answers, its errors (the mapped ones as their response, others a 500), a stream,
+    a call past its timeout (the handler stopped)."""
+    import re
+
+    from starlette.responses import StreamingResponse
+
+    from lightning.inference.server import OpenAIError
+    from lightning.serving import HotRoutes
+
+    stopped: list[str] = []
+
+    async def hot(request: Request, match: re.Match[str]) -> Any:
+        what = json.loads(await request.body())["what"]
+        if what == "answer":
+            return JSONResponse({"path": match.group(0), "app": request.app is app}, headers={"x-hot": "yes"})
+        if what == "refuse":
+            raise OpenAIError(400, "refused", "what")
+        if what == "stream":
+            return StreamingResponse(iter([b"data: 1\n\n", b"data: [DONE]\n\n"]), media_type="text/event-stream")
+        if what == "slow":
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                stopped.append(what)
+                raise
+        raise (TimeoutError if what == "own timeout" else RuntimeError)("the handler failed")
+
+    app = ours_outermost(FastAPI())
+    app.add_middleware(HotRoutes, routes=[(re.compile("/v1/hot"), hot)], errors={OpenAIError: OpenAIError.response})
+    app.add_middleware(BodyLimit, max_bytes=1000, refusal=lambda message: JSONResponse({}, 413), setting="--max-body")
+    session = InProcessSession(past_guards(app), timeout=0.3)
+    url = f"{nowhere()}/hot"
+
+    async def call(what: str) -> tuple[int, str, bytes]:
+        response = await session.post(url, data=json.dumps({"what": what}).encode(), headers={})
+        try:
+            return response.status, response.headers.get("content-type", ""), await response.read()
+        finally:
+            response.release()
+
+    status, media, body = await call("answer")
+    assert (status, media, json.loads(body)) == (200, "application/json", {"path": "/v1/hot", "app": True})
+    status, _, body = await call("refuse")
+    assert status == 400 and json.loads(body)["error"]["message"] == "refused"
+    assert await call("stream") == (200, "text/event-stream; charset=utf-8", b"data: 1\n\ndata: [DONE]\n\n")
+    for failing in ("fail", "own timeout"):
+        assert await call(failing) == (500, "text/plain; charset=utf-8", b"Internal Server Error")
+    assert caplog.text.count("the in-process inference server failed on POST /v1/hot") == 2
+    with pytest.raises(TimeoutError, match="took over 0.3 s"):
+        await call("slow")
+    assert stopped == ["slow"] and not session._tasks
