@@ -5,7 +5,9 @@
   processor of someone else's still takes: one is added here);
 - the LLM proxy's call to a hot route of the inference server in its process (`lightning.proxy.local`): the route's
   handler awaited directly against the app run as an ASGI task (what an app without hot routes still takes), beside
-  the handler alone. The handler is a stand-in: it parses a chat request and answers a small completion.
+  the handler alone. The handler is a stand-in: it parses a chat request and answers a small completion;
+- a phase's rollout summary reading its rollouts' spans: all of them, or only those that may carry a reward
+  (`query_latest_spans(rewards_only=True)`); one "call" is the whole phase's read.
 
     .venv/bin/python benchmarks/call_paths.py [--calls 20000] [--rounds 3]
 """
@@ -115,12 +117,47 @@ async def in_process_calls(calls: int, rounds: int) -> dict[str, list[float]]:
     return results
 
 
+async def summary_reads(rounds: int) -> dict[str, list[float]]:
+    """A phase's rollout summary reads its 768 rollouts' latest spans, 256 a request: all of them, or only those that
+    may carry a reward. Each rollout has an LLM call's span (a prompt, 30 token ids, 24 attributes) and a reward's."""
+    from lightning import semconv
+    from lightning.types import Span
+
+    def span(rollout: Any, name: str, attributes: dict[str, Any], number: int) -> Span:
+        return Span(
+            rollout_id=rollout.rollout_id, attempt_id=rollout.attempt.attempt_id, sequence_id=0,
+            trace_id=f"{number:032x}", span_id=f"{number:016x}", name=name, attributes=attributes, start_time=1.0,
+            end_time=2.0,
+        )  # fmt: skip
+
+    call = {"gen_ai.prompt.0.content": "bdfg", "prompt_token_ids": list(range(30)), "response_token_ids": [5, 2]}
+    call |= {f"lightning.llm.attribute{k}": "x" * 20 for k in range(21)}
+    results: dict[str, list[float]] = {"a phase's summary read (768 rollouts), all spans": [], "... rewards_only": []}
+    with tempfile.TemporaryDirectory() as workdir:
+        store = SqlLightningStore(f"sqlite:///{workdir}/store.db", watchdog_interval=None)
+        ids = []
+        for i in range(768):
+            rollout = await store.start_rollout({"letters": "bdfg"})
+            ids.append(rollout.rollout_id)
+            spans = [span(rollout, "openai.chat.completion", call, 2 * i + 1)]
+            spans.append(span(rollout, semconv.REWARD_SPAN, {semconv.REWARD_VALUE: 1.0}, 2 * i + 2))
+            await store.finish_attempt(rollout.rollout_id, rollout.attempt.attempt_id, "succeeded", spans)
+        for _ in range(rounds):
+            for name, only in zip(results, (False, True), strict=True):
+                started = time.process_time()
+                for start in range(0, len(ids), 256):
+                    await store.query_latest_spans(ids[start : start + 256], rewards_only=only)
+                results[name].append((time.process_time() - started) * 1e6)
+        await store.close()
+    return results
+
+
 async def main(args: argparse.Namespace) -> None:
     results = {**await reward_spans(args.calls, args.rounds), **await in_process_calls(args.calls, args.rounds)}
     print(f"\n{args.rounds} rounds of {args.calls:,} calls each, one after another\n")
     print("| path | us of CPU a call, median of the rounds | least |\n|---|---|---|")
-    for name, values in results.items():
-        print(f"| {name} | {statistics.median(values):.1f} | {min(values):.1f} |")
+    for name, values in {**results, **await summary_reads(args.rounds)}.items():
+        print(f"| {name} | {statistics.median(values):,.1f} | {min(values):,.1f} |")
 
 
 if __name__ == "__main__":
