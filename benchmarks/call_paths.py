@@ -59,10 +59,11 @@ async def reward_spans(calls: int, rounds: int) -> dict[str, list[float]]:
         store = SqlLightningStore(f"sqlite:///{workdir}/store.db", watchdog_interval=None)
         instant, sdk = Tracer(store), Tracer(store)
         sdk.tracer_provider.add_span_processor(SpanProcessor())  # another processor: the SDK's path
+        rollout = await store.start_rollout({"task": 1})  # where a span the exporter takes first is written
 
         def traced(tracer: Tracer) -> Callable[[], Awaitable[None]]:
             async def one() -> None:
-                async with tracer.trace_context("ro-1", "at-1", hand_over=True):
+                async with tracer.trace_context(rollout.rollout_id, rollout.attempt.attempt_id, hand_over=True):
                     emit_reward(1.0)
 
             return one
