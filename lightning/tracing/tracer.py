@@ -564,9 +564,9 @@ class Tracer:
         """Record a span that starts and ends at once (an emitter's: a reward, a message) in `scope`, one of this
         tracer's trace contexts, as the SDK records it (a child of the current span, ids from the provider's
         generator, its resource) without the SDK's span machinery: its sampler, limits, locks and two processor
-        calls cost 40 of the 95 us a reward span cost the runner (docs/benchmarks.md). False, recording nothing,
-        where the provider has processors besides ours (someone's exporter, which must see the span) or the SDK is
-        disabled: the caller starts and ends the span through the SDK."""
+        calls were half of a reward span's cost to the runner (86.5 -> 43.2 us: benchmarks/call_paths.py). False,
+        recording nothing, where the provider has processors besides ours (someone's exporter, which must see the
+        span) or the SDK is disabled: the caller starts and ends the span through the SDK."""
         if self._provider.processors != 1 or isinstance(self._otel_tracer, trace_api.NoOpTracer):
             return False
         parent = trace_api.get_current_span().get_span_context()
