@@ -15,10 +15,13 @@ on a kept-alive aiohttp session) between them. And transformers' `generate` in t
 on the same tiny model, prompts and token count, in batches the size of the inference server's, on one torch thread
 as the server's.
 
-Prefect is left out: its share of an iteration is `flow_overhead.py`'s.
+`--prefect` runs each iteration as `make demo` does: the `training_iteration` flow on Prefect's temporary server (its
+tasks, the runner tasks fanned out on Prefect's thread pool), then the progress and table artifacts the `train` flow
+publishes after each iteration; Prefect's server is one more process counted, and Prefect's client work is in the
+run's process. Without it the stages are called directly, and Prefect's share is left out.
 
     .venv/bin/python benchmarks/rollout_cpu.py [--iterations 6] [--warmup 2] [--rollouts 768] [--no-floor]
-        [--config examples/copy_task/demo.yaml] [--set key=value ...] [--no-mlflow] [--json out.json]
+        [--prefect] [--config examples/copy_task/demo.yaml] [--set key=value ...] [--no-mlflow] [--json out.json]
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from lightning.run import Run  # noqa: E402
 TICK = os.sysconf("SC_CLK_TCK")
 PROCESSES = (
     "runner processes", "inference server", "LLM proxy", "inference server and LLM proxy", "the run's process",
-    "trainer", "other",
+    "Prefect's server", "trainer", "other",
 )  # fmt: skip
 
 
@@ -71,6 +74,7 @@ def process_cpu(run: Run | None) -> dict[str, float]:
             continue
         name = (
             "runner processes" if pid in runner_pids
+            else "Prefect's server" if "prefect.server" in command
             else "inference server and LLM proxy" if "lightning.stack" in command
             else "LLM proxy" if "proxy" in command else "inference server" if "lightning.inference" in command
             else "trainer" if "multiprocessing" in command else "other"
@@ -113,21 +117,43 @@ async def measure_run(args: argparse.Namespace, workdir: Path) -> tuple[Any, dic
     phase: dict[str, float] = {}
     whole: dict[str, float] = {}
     seconds = []
+    in_phase: dict[str, Any] = {}  # the latest phase's CPU at its start and end, wall seconds and summary
+    collect_as_tasks = None
+    if args.prefect:
+        import flows.train
+        from flows.artifacts import publish_progress
+        from flows.rollouts import collect_rollouts as collect_as_tasks
+
+        table_id = progress = None
+
+    async def collect(run: Run, iteration: int, mode: Any) -> tuple[list[str], dict[str, Any]]:
+        in_phase["start"], started = process_cpu(run), time.perf_counter()
+        rollout_ids, rollouts = await (collect_as_tasks or stages.collect_rollouts)(run, iteration, mode)
+        in_phase.update(seconds=time.perf_counter() - started, end=process_cpu(run), rollouts=rollouts)
+        return rollout_ids[: args.trained], rollouts  # as many as the demo's dynamic sampling keeps
+
+    if args.prefect:
+        flows.train.collect_rollouts = collect  # the flow's rollout phase, measured
     try:
         for iteration in range(args.warmup + args.iterations):
             measured = iteration >= args.warmup
             start = process_cpu(run)
             started = time.perf_counter()
-            rollout_ids, rollouts = await stages.collect_rollouts(run, iteration, "train")
-            elapsed = time.perf_counter() - started
-            collected = process_cpu(run)
-            batch = await stages.adapt_spans(run, iteration, rollout_ids[: args.trained])
-            metrics = await stages.ppo_step(run, iteration, batch["batch_path"])
-            row = reporting.iteration_row(iteration, rollouts, batch, metrics, elapsed)
-            await stages.checkpoint(run, iteration, row)
+            if args.prefect:  # the flow, then what `train` publishes after each iteration
+                await flows.train.training_iteration(run, iteration)
+                done = 100.0 * (iteration + 1) / (args.warmup + args.iterations)
+                progress = await publish_progress(f"{run.name}-progress", done, "Iterations done", progress)
+                table_id = await flows.train._publish(run, table_id)
+            else:
+                rollout_ids, rollouts = await collect(run, iteration, "train")
+                batch = await stages.adapt_spans(run, iteration, rollout_ids)
+                metrics = await stages.ppo_step(run, iteration, batch["batch_path"])
+                row = reporting.iteration_row(iteration, rollouts, batch, metrics, in_phase["seconds"])
+                await stages.checkpoint(run, iteration, row)
             wall = time.perf_counter() - started
+            elapsed, rollouts = in_phase["seconds"], in_phase["rollouts"]
             if measured:
-                add_difference(phase, collected, start)
+                add_difference(phase, in_phase["end"], in_phase["start"])
                 add_difference(whole, process_cpu(run), start)
                 seconds.append(elapsed)
             print(
@@ -319,6 +345,10 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override")
     parser.add_argument("--no-floor", action="store_true", help="the product path alone")
     parser.add_argument("--no-mlflow", action="store_true", help="the run without MLflow (Run.open(track=False))")
+    parser.add_argument(
+        "--prefect", action="store_true",
+        help="each iteration as the training_iteration flow on Prefect's temporary server, which is counted too",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, default=None, help="also write the tables' figures here")
     parser.add_argument("--serve-answer", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--serve-forward", nargs=2, help=argparse.SUPPRESS)
@@ -362,7 +392,7 @@ def main() -> None:
     # process nearest 1.0 (one event loop) is what bounds the phase's wall time.
     print(
         "\n| process | CPU ms a rollout, rollout phase | share | cores busy, rollout phase "
-        "| CPU ms a rollout, whole iteration (no Prefect) |"
+        f"| CPU ms a rollout, whole iteration{'' if args.prefect else ' (no Prefect)'} |"
     )
     print("|---|---|---|---|---|")
     total_phase, total_whole, phase_seconds = sum(phase.values()), sum(whole.values()), sum(seconds)
