@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from prefect import flow, get_run_logger
+from prefect.utilities.annotations import quote
 
 from flows.cli import run_flow_cli
 from flows.params import flow_prologue, flow_run_name
@@ -44,7 +45,7 @@ async def dev(config: TrainConfig = TrainConfig(), overrides: dict[str, Any] | N
             worst = await apo.lowest_reward_transcripts(run, rollout_ids, 1)
         else:
             try:
-                batch = await timed(adapt_spans, run)(run, iteration, rollout_ids)
+                batch = await timed(adapt_spans, run)(run, iteration, quote(rollout_ids))
             except NoTrainingRows as exc:  # the dry run's finding, not its failure: `train` raises it
                 batch = {"rows": 0, "batch_path": None, "no_training_rows": str(exc)}
     finally:
