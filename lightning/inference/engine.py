@@ -174,6 +174,9 @@ class InferenceEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.codec = TextCodec(self.tokenizer)
         """Encodes prompts on the server's event loop thread (`lightning.chat.TextCodec`)."""
+        self.token_texts: dict[int, str] = {}
+        """Each token's text as `tokenizer.decode([id])` gives it, kept for the logprobs entries of every answer (the
+        server's event loop thread's; at most the vocabulary)."""
         self._decoder = TextCodec(AutoTokenizer.from_pretrained(model_path))
         self.model = self._load_model(adapter_base_model(model_path) if is_adapter_dir(model_path) else model_path)
         if is_adapter_dir(model_path):

@@ -564,7 +564,12 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def token_text(engine: InferenceEngine, token_id: int) -> str:
-    return engine.tokenizer.decode([token_id])
+    """The token's text, decoded once for the engine's life: each answer's logprobs spell each token, and its top
+    alternatives, and decoding them was 4% of the server's event loop thread (issue 39)."""
+    text = engine.token_texts.get(token_id)
+    if text is None:
+        text = engine.token_texts[token_id] = engine.tokenizer.decode([token_id])
+    return text
 
 
 def token_bytes(engine: InferenceEngine, token_id: int) -> list[int]:
