@@ -3,7 +3,7 @@
 Prefect 3.8 builds a new API client for each flow run and each task run (a client for the task's thread and event
 loop, a sync one to hydrate its context, one to read the server's default result storage), and each client loads the
 CA bundle into a new `ssl.SSLContext`: ~14 ms of CPU a client here, a fifth of the flow process's CPU in a demo
-iteration (docs/benchmarks.md, "Prefect's share"). A context verifying with the same CA file can be shared by any
+iteration (docs/benchmarks.md, "Prefect counted"). A context verifying with the same CA file can be shared by any
 number of clients (OpenSSL's contexts are meant to be: connections copy what they need), so the clients here get
 one such context for each CA file, made the first time one is asked for. A context Prefect changes after making it
 (its insecure one, `PREFECT_API_TLS_INSECURE_SKIP_VERIFY`, made without a CA file) is made anew each time, as before.
