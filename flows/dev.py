@@ -15,11 +15,10 @@ import time
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.utilities.annotations import quote
 
 from flows.cli import run_flow_cli
 from flows.params import flow_prologue, flow_run_name
-from flows.rollouts import collect_rollouts
+from flows.rollouts import collect_rollouts, ids_argument
 from lightning import apo
 from lightning.config import TrainConfig
 from lightning.diagnose import agent_errors
@@ -45,7 +44,7 @@ async def dev(config: TrainConfig = TrainConfig(), overrides: dict[str, Any] | N
             worst = await apo.lowest_reward_transcripts(run, rollout_ids, 1)
         else:
             try:
-                batch = await timed(adapt_spans, run)(run, iteration, quote(rollout_ids))
+                batch = await timed(adapt_spans, run)(run, iteration, ids_argument(run, rollout_ids))
             except NoTrainingRows as exc:  # the dry run's finding, not its failure: `train` raises it
                 batch = {"rows": 0, "batch_path": None, "no_training_rows": str(exc)}
     finally:

@@ -10,11 +10,10 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
-from prefect.utilities.annotations import quote
 
 from flows.cli import run_flow_cli
 from flows.params import flow_prologue, flow_run_name
-from flows.rollouts import collect_rollouts, task_runner
+from flows.rollouts import collect_rollouts, ids_argument, task_runner
 from lightning.config import TrainConfig
 from lightning.run import Run, serving_step
 from tasks import log_evaluation, open_run, timed
@@ -34,7 +33,7 @@ async def evaluation(run: Run, step: int) -> dict[str, Any]:
     if run.config.val_data is None:
         return {"step": step, "rollouts": 0, "reward_mean": float("nan")}
     rollout_ids, summary = await collect_rollouts(run, step, "val")
-    result = await timed(log_evaluation, run)(run, step, summary, quote(rollout_ids))
+    result = await timed(log_evaluation, run)(run, step, summary, ids_argument(run, rollout_ids))
     get_run_logger().info(
         "held-out reward %s: %.3f (%d tasks)", evaluation_label(step), result["reward_mean"], result["rollouts"]
     )

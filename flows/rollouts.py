@@ -19,13 +19,18 @@ from lightning.stages import Mode
 from tasks import enqueue_rollouts, requeue_unsuccessful, run_runner, timed, update_resources, wait_for_rollouts
 
 
+def ids_argument(run: Run, rollout_ids: list[str]) -> Any:
+    """A stage's rollout ids as its task's argument: `quote`d, so that Prefect does not visit each id looking for
+    futures, twice a task (13% of the flow process's CPU in a demo iteration); plain for Ray workers, which were handed
+    the quote as the one-element tuple it is made of (prefect-ray 0.6) instead of the list."""
+    return rollout_ids if run.config.task_runner == "ray" else quote(rollout_ids)
+
+
 async def _run_runners(run: Run, iteration: int, rollout_ids: list[str], mode: Mode, round_: int) -> None:
-    """`n_runners` runner tasks fanned out (threads of this process, or Ray workers), waited for. The rollout ids go
-    `quote`d to each task here, and to `wait_for_rollouts`: Prefect would otherwise visit each of them looking for
-    futures, twice a task (13% of the flow process's CPU in a demo iteration)."""
+    """`n_runners` runner tasks fanned out (threads of this process, or Ray workers), waited for."""
     runners = timed(run_runner, run).map(
-        unmapped(run), unmapped(iteration), unmapped(quote(rollout_ids)), range(run.config.n_runners), unmapped(mode),
-        unmapped(round_),
+        unmapped(run), unmapped(iteration), unmapped(ids_argument(run, rollout_ids)), range(run.config.n_runners),
+        unmapped(mode), unmapped(round_),
     )  # fmt: skip
     await asyncio.to_thread(runners.result)
 
@@ -37,10 +42,10 @@ TASKS = stages.RolloutSteps(
     ),
     run_runners=_run_runners,
     wait_for_rollouts=lambda run, iteration, rollout_ids, mode, round_: timed(wait_for_rollouts, run)(
-        run, iteration, quote(rollout_ids), mode, round_
+        run, iteration, ids_argument(run, rollout_ids), mode, round_
     ),
     requeue_unsuccessful=lambda run, iteration, rollout_ids, mode, round_: timed(requeue_unsuccessful, run)(
-        run, iteration, quote(rollout_ids), mode, round_
+        run, iteration, ids_argument(run, rollout_ids), mode, round_
     ),
 )
 """The rollout phase's steps as this package's Prefect tasks, each with its timeout from the run's config."""

@@ -23,12 +23,11 @@ from uuid import UUID
 from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_markdown_artifact
 from prefect.task_runners import ThreadPoolTaskRunner
-from prefect.utilities.annotations import quote
 
 from flows.artifacts import artifact_key, publish_progress, publish_table
 from flows.evaluate import evaluate_at
 from flows.params import flow_prologue, flow_run_name
-from flows.rollouts import collect_rollouts, task_runner
+from flows.rollouts import collect_rollouts, ids_argument, task_runner
 from lightning import pipeline, raycluster, reporting, stages, stopping
 from lightning.algorithm.worker import UpdateLost
 from lightning.config import TrainConfig
@@ -45,7 +44,7 @@ async def training_iteration(run: Run, iteration: int) -> dict[str, Any]:
     rollout_ids, rollouts = await collect_rollouts(run, iteration, "train")
     # The store's timing of the rollouts: a retried run's cached rollout stages took no time here.
     rollout_seconds = rollouts.get("seconds") or time.perf_counter() - started
-    batch = await timed(adapt_spans, run)(run, iteration, quote(rollout_ids))  # not visited (flows/rollouts.py)
+    batch = await timed(adapt_spans, run)(run, iteration, ids_argument(run, rollout_ids))
     if batch["rows"] == 0:
         raise RuntimeError(
             f"iteration {iteration}: no training rows from {rollouts['rollouts']} rollouts "
