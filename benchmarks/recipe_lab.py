@@ -151,6 +151,7 @@ def run(seed: int, args: argparse.Namespace, config: TrainerConfig, model_dir: P
         "curve": curve,
         "final": curve[-1][1],
         "best": max(value for _, value in curve),
+        "updates_to_one": next((iteration for iteration, value in curve if value >= 1.0), None),
         "seconds": time.perf_counter() - started,
         "trace": [{key: round(row.get(key, float("nan")), 3) for key in ["iteration", *keys]} for row in rows],
     }
@@ -194,11 +195,16 @@ def main() -> None:
     )
     for result in results:
         curve = " ".join(f"{value:.2f}" for _, value in result["curve"])
-        print(f"seed {result['seed']}: held-out {curve} | final {result['final']:.3f} | {result['seconds']:.0f} s")
+        first = result["updates_to_one"]
+        reached = f"1.0 after {first} updates" if first is not None else "1.0 not reached"
+        seconds = result["seconds"]
+        print(f"seed {result['seed']}: held-out {curve} | final {result['final']:.3f} | {reached} | {seconds:.0f} s")
         for row in result["trace"] if args.trace else []:
             print("   ", row)
     finals = [result["final"] for result in results]
     print(f"final: median {statistics.median(finals):.3f} min {min(finals):.3f} max {max(finals):.3f}")
+    firsts = [r["updates_to_one"] if r["updates_to_one"] is not None else float("inf") for r in results]
+    print(f"updates to held-out 1.0 (--eval-every {args.eval_every}): median {statistics.median(firsts)}")
     if args.json:
         args.json.write_text(json.dumps({"recipe": fields, "runs": results}, indent=1))
 

@@ -91,11 +91,13 @@ class HeldOut:
             self.time_to_one = clock
         return clock >= self.seconds or reward >= 1.0
 
-    def result(self, steps: int, clock: float, parts: dict[str, float]) -> dict[str, Any]:
-        """What `main` tabulates, with `parts` (seconds spent in each part of the steps) as mean ms per step."""
+    def result(self, steps: int, clock: float, parts: dict[str, float], rollouts: int) -> dict[str, Any]:
+        """What `main` tabulates, with `parts` (seconds spent in each part of the steps) as mean ms per step and
+        `rollouts` (run in all, dynamic sampling's refills included) as rollouts per step."""
         return {
             "curve": self.curve,
             "steps": steps,
+            "rollouts_per_step": rollouts / max(steps, 1),
             "seconds_per_step": clock / max(steps, 1),
             "time_to_1.0": self.time_to_one,
             "best_heldout": max(r for _, _, r in self.curve),
@@ -143,7 +145,7 @@ async def run_ours(
     )  # fmt: skip
     held_out = HeldOut("ours", seconds, eval_every_s)
     train_clock = 0.0
-    step = 0
+    step = rollouts_run = 0
     parts = {
         "rollouts": 0.0,
         "adapt": 0.0,
@@ -164,6 +166,7 @@ async def run_ours(
             started = time.perf_counter()
             ids, rollouts = await stages.collect_rollouts(run, step, "train")
             rollout_seconds = time.perf_counter() - started
+            rollouts_run += len(ids)
             batch = await stages.adapt_spans(run, step, ids)
             adapted = time.perf_counter()
             metrics = await stages.ppo_step(run, step, batch["batch_path"])
@@ -179,7 +182,7 @@ async def run_ours(
             train_clock += ended - started
     finally:
         await run.close()
-    return held_out.result(step, train_clock, parts)
+    return held_out.result(step, train_clock, parts, rollouts_run)
 
 
 async def pipelined(run: Run, *, seconds: float, eval_every_s: float) -> dict[str, Any]:
@@ -191,12 +194,15 @@ async def pipelined(run: Run, *, seconds: float, eval_every_s: float) -> dict[st
     staleness = run.config.algorithm.max_staleness
     parts = {"rollouts": 0.0, "adapt": 0.0, "waiting for the update before": 0.0, "update": 0.0,
              "checkpoint + publish": 0.0}  # fmt: skip
+    rollouts_run = 0
 
     async def iteration(step: int) -> None:
+        nonlocal rollouts_run
         await pipeline.wait_for_turn(run, step)
         started = time.perf_counter()
         ids, rollouts = await stages.collect_rollouts(run, step, "train")
         rollout_seconds = time.perf_counter() - started
+        rollouts_run += len(ids)
         batch = await stages.adapt_spans(run, step, ids)
         adapted = time.perf_counter()
         parts["waiting for the update before"] += await pipeline.wait_for_checkpoint(run, step)
@@ -231,7 +237,7 @@ async def pipelined(run: Run, *, seconds: float, eval_every_s: float) -> dict[st
         for task in in_flight.values():
             task.cancel()
         await asyncio.gather(*in_flight.values(), return_exceptions=True)
-    return held_out.result(step, train_clock, parts)
+    return held_out.result(step, train_clock, parts, rollouts_run)
 
 
 RECIPE_FIELDS = (
@@ -389,6 +395,9 @@ def main() -> None:
             parts = results[name][0]["ms_per_step"].keys()
             means = {part: statistics.mean(r["ms_per_step"][part] for r in results[name]) for part in parts}
             print(f"\n{name}: step, mean ms: " + ", ".join(f"{part} {ms:.0f}" for part, ms in means.items()))
+            if "rollouts_per_step" in results[name][0]:
+                per_step = statistics.mean(r["rollouts_per_step"] for r in results[name])
+                print(f"{name}: {per_step:.0f} rollouts a step (the batch and dynamic sampling's refills)")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     print(f"\n{load.line()}")
