@@ -1,12 +1,12 @@
 """CPU a rollout costs, by process, beside the floor measured in the same run (issue 39). The demo's shape
 (examples/copy_task/demo.yaml: its samples per task, runner tasks, runners per task, task runner, sampling, the
-inference server's batch), its one sampling round of `batch_size x (1 + max_sampling_rounds)` tasks (the batch and
-dynamic sampling's refill ahead: 768 rollouts) without dynamic sampling's variable refills, on an open `Run`
-without Prefect: `stages.collect_rollouts` (the rollout phase), then `adapt_spans`, `ppo_step` and `checkpoint`
-(the rest of the iteration) on `batch_size x samples_per_task` of them (256), as many as the demo's dynamic sampling
-keeps for its update (`--trained` changes it). Each process's CPU is read from /proc before and after each part: the
-run's process (the store, the stages), the runner processes, the LLM proxy, the embedded inference server, the
-trainer.
+inference server's batch), a sampling round of 768 rollouts (issue 39's shape: the batch and dynamic sampling's two
+refills when the demo sampled 8 a task; at 4 a task, the demo's now, a round is 384: `--rollouts 384 --trained
+128`) without dynamic sampling's variable refills, on an open `Run` without Prefect: `stages.collect_rollouts` (the
+rollout phase), then `adapt_spans`, `ppo_step` and `checkpoint` (the rest of the iteration) on 256 of them (the
+batch the demo's update took at 8 a task; `--trained` changes it). Each process's CPU is read from /proc before and
+after each part: the run's process (the store, the stages), the runner processes, the LLM proxy, the embedded
+inference server, the trainer.
 
 The floor, in the same run, with as many requests as a phase has rollouts and as many in flight as the demo's
 runners: an aiohttp client with one kept-alive session posting a chat request to a minimal uvicorn app (plain ASGI,
@@ -337,10 +337,10 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--config", default=str(REPO / "examples/copy_task/demo.yaml"))
     parser.add_argument("--iterations", type=int, default=6, help="iterations measured")
     parser.add_argument("--warmup", type=int, default=2, help="iterations run first, not measured")
-    parser.add_argument("--rollouts", type=int, default=None, help="a phase's rollouts (default: the demo's round)")
+    parser.add_argument("--rollouts", type=int, default=768, help="a phase's rollouts (issue 39's shape)")
     parser.add_argument(
-        "--trained", type=int, default=None,
-        help="rollouts a phase the update takes (default: the demo's batch, what its dynamic sampling keeps)",
+        "--trained", type=int, default=256,
+        help="rollouts a phase the update takes (what the demo's dynamic sampling kept at 8 samples a task)",
     )  # fmt: skip
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override")
     parser.add_argument("--no-floor", action="store_true", help="the product path alone")
@@ -366,11 +366,7 @@ def main() -> None:
         url, requests, in_flight, rounds = args.post
         return print(asyncio.run(post_all(url, int(requests), int(in_flight), int(rounds))))
 
-    demo = read_config_file(args.config)
-    if args.rollouts is None:
-        args.rollouts = demo["batch_size"] * (1 + demo.get("max_sampling_rounds", 1)) * demo.get("samples_per_task", 1)
-    if args.trained is None:
-        args.trained = min(args.rollouts, demo["batch_size"] * demo.get("samples_per_task", 1))
+    args.trained = min(args.rollouts, args.trained)
     load = MachineLoad()
     workdir = Path(tempfile.mkdtemp(prefix="rollout-cpu-"))
     config, phase, whole, seconds = asyncio.run(measure_run(args, workdir))
